@@ -1,0 +1,1 @@
+"""The agent: one per host; registers, heartbeats and runs the worker."""

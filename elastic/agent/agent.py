@@ -1,0 +1,234 @@
+"""The agent's connection to the controller: register, one stream of
+heartbeats and reports up and commands down, reconnect forever.
+
+While the controller is away the worker keeps running (a controller that
+systemd restarts sees it in the next registration and heartbeats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import uuid
+
+import grpc
+
+from elastic import config, transport
+from elastic.agent.host import PortProber
+from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
+from elastic.worker import progress
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger("elastic-agent")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    """controller: "HOST:PORT"; devices: accelerator count of this host;
+    address: where peers reach this host; state_dir: where leftovers are
+    tracked; stop_grace_s: SIGTERM -> SIGKILL when the agent itself stops;
+    rpc_timeout_s: deadline of each unary call."""
+
+    controller: str
+    host_id: str
+    devices: int
+    address: str
+    failure_domain: str
+    state_dir: str
+    job_id: str = ""
+    stop_grace_s: float = 5.0
+    rpc_timeout_s: float = 5.0
+
+
+class Agent:
+    """One host's agent. `await run()` returns when SIGTERM/SIGINT arrives
+    (or `shutdown()` is called), after ending the worker."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.job_id = settings.job_id
+        self.supervisor = WorkerSupervisor(os.path.abspath(settings.state_dir),
+                                           self.incarnation, self._worker_exited)
+        self.ports = PortProber()
+        self.progress_address = f"@elastic-progress-{self.incarnation}"
+        self._outbox: asyncio.Queue | None = None
+        self._stopping = asyncio.Event()
+        self._seq = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- messages up -------------------------------------------------------
+
+    def _header(self) -> pb.Header:
+        return pb.Header(job_id=self.job_id, host_id=self.settings.host_id,
+                         incarnation=self.incarnation,
+                         generation=self.supervisor.status.generation)
+
+    def _post(self, **body) -> None:
+        if self._outbox is not None and self._outbox.qsize() < 1000:
+            self._outbox.put_nowait(pb.AgentMessage(header=self._header(), **body))
+
+    def _heartbeat(self) -> None:
+        self._seq += 1
+        free_port = 0 if self.supervisor.running else self.ports.probe()
+        self._post(heartbeat=pb.Heartbeat(seq=self._seq, worker=self.supervisor.status,
+                                          free_port=free_port))
+
+    def _worker_exited(self, status: pb.WorkerStatus) -> None:
+        self._post(worker_exited=status)
+
+    def _progress(self, data: bytes) -> None:
+        try:
+            generation, step, committed = progress.decode(data)
+        except ValueError as e:
+            log.warning("%s", e)
+            return
+        first, newer = self.supervisor.note_progress(generation, step, committed)
+        if first or newer:
+            status = self.supervisor.status
+            self._post(progress=pb.Progress(step=status.step,
+                                            committed_step=status.committed_step))
+
+    # --- commands down -----------------------------------------------------
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start(self, start: pb.StartWorker) -> None:
+        host, _, port = start.coordinator_address.rpartition(":")
+        if start.process_id == 0 and port.isdigit():
+            self.ports.used(int(port))
+        env = {**start.env,
+               config.ENV_COORDINATOR: start.coordinator_address,
+               config.ENV_PROCESS_ID: str(start.process_id),
+               config.ENV_NUM_PROCESSES: str(start.num_processes),
+               config.ENV_GENERATION: str(start.generation),
+               config.ENV_HOST_ID: self.settings.host_id,
+               config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
+               config.ENV_PROGRESS_SOCKET: self.progress_address,
+               "PYTHONUNBUFFERED": "1"}
+        await self.supervisor.start(start.generation, list(start.argv), env, start.workdir)
+        self._heartbeat()  # the controller learns of the new worker before its first step
+
+    def _command(self, message: pb.ControllerMessage) -> None:
+        kind = message.WhichOneof("body")
+        if kind == "start":
+            self._spawn(self._start(message.start))
+        elif kind == "stop":
+            stop = message.stop
+            log.info("stop generation %d (grace %.1f s): %s", stop.generation, stop.grace_s,
+                     stop.reason)
+            self._spawn(self.supervisor.stop(stop.generation, stop.grace_s))
+        elif kind == "rejected":
+            r = message.rejected
+            log.warning("controller refused a report: %s", r.reason)
+            if self.supervisor.status.generation < r.current_generation:
+                self._spawn(self.supervisor.stop(r.current_generation - 1, 0.0))
+
+    # --- the connection ----------------------------------------------------
+
+    def _register_request(self) -> pb.RegisterRequest:
+        s = self.settings
+        return pb.RegisterRequest(
+            header=self._header(), devices=s.devices, address=s.address,
+            failure_domain=s.failure_domain, agent_pid=os.getpid(),
+            worker=self.supervisor.status,
+            free_port=0 if self.supervisor.running else self.ports.probe())
+
+    async def _session(self, channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.ControllerStub(channel)
+
+        def waiting(state) -> None:
+            log.info("controller %s unavailable; retrying (attempt %d)",
+                     self.settings.controller, state.attempt_number)
+
+        async for attempt in transport.retrying(before_sleep=waiting):
+            with attempt:
+                reply = await stub.Register(self._register_request(),
+                                            timeout=self.settings.rpc_timeout_s)
+        self.job_id = reply.job_id
+        log.info("registered with %s as %s (incarnation %s), job %s, generation %d",
+                 self.settings.controller, self.settings.host_id, self.incarnation,
+                 reply.job_id, reply.generation)
+        call = stub.Connect()
+        self._outbox = outbox = asyncio.Queue()
+        self._heartbeat()
+
+        async def write() -> None:
+            while True:
+                await call.write(await outbox.get())
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(reply.heartbeat_interval_s)
+                self._heartbeat()
+
+        tasks = [asyncio.create_task(write()), asyncio.create_task(beat())]
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                self._command(message)
+        finally:
+            self._outbox = None
+            for task in tasks:
+                task.cancel()
+            call.cancel()
+
+    async def _connect_forever(self) -> None:
+        delay = 0.1
+        while True:
+            channel = transport.aio_channel(self.settings.controller)
+            try:
+                await self._session(channel)
+                log.info("controller closed the stream; reconnecting")
+                delay = 0.1
+            except grpc.RpcError as e:
+                log.warning("controller %s: %s: %s", self.settings.controller,
+                            e.code().name, e.details())
+                delay = min(delay * 2, 5.0)
+            finally:
+                await channel.close()
+            await asyncio.sleep(delay)
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        killed = kill_leftovers(os.path.abspath(self.settings.state_dir), self.incarnation)
+        if killed:
+            log.warning("killed %d leftover process(es) of a previous agent: %s",
+                        len(killed), killed)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.shutdown)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(progress.socket_address(self.progress_address))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        agent = self
+
+        class _Receiver(asyncio.DatagramProtocol):
+            def datagram_received(self, data, addr) -> None:
+                agent._progress(data)
+
+        transport_, _ = await loop.create_datagram_endpoint(_Receiver, sock=sock)
+        connection = asyncio.create_task(self._connect_forever())
+        try:
+            await self._stopping.wait()
+            log.info("agent stopping: ending the worker (grace %.1f s)",
+                     self.settings.stop_grace_s)
+            await self.supervisor.stop(self.supervisor.status.generation,
+                                       self.settings.stop_grace_s)
+        finally:
+            self.supervisor.kill_now()
+            connection.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            transport_.close()

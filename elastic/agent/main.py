@@ -1,0 +1,54 @@
+"""`elastic-agent`: the per-host agent (run it as a systemd unit)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from elastic.agent.agent import Agent, AgentSettings
+from elastic.agent.host import default_address, discover_devices
+
+
+def parse_args(argv: list[str] | None = None) -> AgentSettings:
+    parser = argparse.ArgumentParser(
+        prog="elastic-agent", description="Run one host of an elastic job: register with "
+        "the controller, heartbeat, and run the worker it asks for.")
+    parser.add_argument("--controller", required=True, help="controller HOST:PORT")
+    parser.add_argument("--host-id", required=True, help="this host's id, stable across restarts")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="accelerator devices on this host (default: count device nodes, "
+                             "never opening them; 1 when there are none)")
+    parser.add_argument("--address", default=None,
+                        help="address peers reach this host at (default: the hostname's)")
+    parser.add_argument("--failure-domain", default=None,
+                        help="hosts sharing a failure domain fail together (default: host id)")
+    parser.add_argument("--state-dir", default="/var/lib/elastic-agent",
+                        help="directory of this agent's state (default %(default)s)")
+    parser.add_argument("--job-id", default="", help="refuse a controller of another job")
+    parser.add_argument("--stop-grace-s", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL of the worker when the "
+                             "agent stops (default %(default)s)")
+    args = parser.parse_args(argv)
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices must be at least 1, got {args.devices}")
+    return AgentSettings(
+        controller=args.controller, host_id=args.host_id,
+        devices=args.devices or discover_devices(), address=args.address or default_address(),
+        failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir,
+        job_id=args.job_id, stop_grace_s=args.stop_grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s agent[{settings.host_id}] %(levelname)s %(message)s")
+    import os
+    os.makedirs(settings.state_dir, exist_ok=True)
+    asyncio.run(Agent(settings).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

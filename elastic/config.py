@@ -1,0 +1,379 @@
+"""Job spec (TOML) and the environment a worker receives.
+
+The job spec is parsed strictly into frozen dataclasses: an unknown key, a
+wrong type or an impossible value raises `SpecError` naming the file and the
+key. This module is also the only place in `elastic` that reads environment
+variables (`WorkerEnv.from_environ`, `environ_snapshot`).
+
+Example (units are in the key names; all keys but `job.command` are optional)::
+
+    [job]
+    id = "lm"
+    command = ["python", "train.py"]     # argv, run in `workdir` on every host
+    env = { XLA_FLAGS = "" }
+    min_hosts = 2
+    max_hosts = 4
+    hosts_per_failure_domain = 1
+    checkpoint_dir = "/data/ckpt"        # default: <state-dir>/checkpoints
+
+    [mesh]                               # named axes in order; one may be -1
+    data = -1
+    model = 2
+
+    [health]
+    heartbeat_interval_s = 1.0
+    heartbeat_timeout_s = 5.0
+
+    [restart]
+    max_restarts = 20
+    window_s = 3600.0
+    crash_loop_failures = 3
+    grow = "after_checkpoint"            # "never" | "after_checkpoint" | "immediately"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+GROW_POLICIES = ("never", "after_checkpoint", "immediately")
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run; the message names the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Named mesh axes in order, e.g. (("data", -1), ("model", 2)).
+
+    At most one size is -1, meaning "whatever the device count leaves".
+    """
+
+    axes: tuple[tuple[str, int], ...] = (("data", -1),)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def fixed_product(self) -> int:
+        """Product of the sizes other than -1 (devices per "remaining" unit)."""
+        product = 1
+        for _, size in self.axes:
+            if size != -1:
+                product *= size
+        return product
+
+    @property
+    def has_free_axis(self) -> bool:
+        return any(size == -1 for _, size in self.axes)
+
+    def to_text(self) -> str:
+        """The form passed to workers: "data=-1,model=2"."""
+        return ",".join(f"{name}={size}" for name, size in self.axes)
+
+    @classmethod
+    def from_text(cls, text: str) -> "MeshSpec":
+        """Parse "data=-1,model=2". Raises SpecError on a malformed axis."""
+        axes = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, size = part.partition("=")
+            if not sep or not name.strip():
+                raise SpecError(f"mesh spec {text!r}: axis {part!r} is not NAME=SIZE")
+            try:
+                axes.append((name.strip(), int(size)))
+            except ValueError:
+                raise SpecError(f"mesh spec {text!r}: size of {name!r} is not an integer") from None
+        return _checked_mesh(tuple(axes), f"mesh spec {text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthSpec:
+    """Health timings, in seconds.
+
+    heartbeat_interval_s: how often agents heartbeat.
+    heartbeat_timeout_s: a host silent this long is lost (> interval).
+    stop_grace_s: SIGTERM to SIGKILL for planned stops (grow, shutdown). Stops
+      after a failure send SIGKILL at once: with a peer gone no collective and
+      no checkpoint commit (it needs a barrier) can finish anyway.
+    stop_timeout_s: how long the controller waits for stop acknowledgements
+      before dropping a host that does not answer (> stop_grace_s).
+    rendezvous_settle_s: once `min_hosts` are ready but fewer than
+      `max_hosts`, wait this long after the last registration for more.
+    """
+
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    stop_grace_s: float = 3.0
+    stop_timeout_s: float = 10.0
+    rendezvous_settle_s: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartSpec:
+    """Restart budget and grow policy.
+
+    max_restarts: failure restarts allowed within `window_s` seconds; one
+      more ends the job as failed. Planned restarts (grow) do not count.
+    crash_loop_failures: this many failures in a row with no step progress
+      in between end the job as failed.
+    grow: when a slice running below `max_hosts` restarts bigger because a
+      host is waiting: "never", "after_checkpoint" (after the next committed
+      checkpoint, so no work is lost) or "immediately".
+    """
+
+    max_restarts: int = 20
+    window_s: float = 3600.0
+    crash_loop_failures: int = 3
+    grow: str = "after_checkpoint"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One job: what every host runs and how the controller keeps it running."""
+
+    command: tuple[str, ...]
+    job_id: str = "job"
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    workdir: str = "."
+    min_hosts: int = 1
+    max_hosts: int = 1
+    hosts_per_failure_domain: int = 1
+    devices_per_host: int | None = None
+    checkpoint_dir: str | None = None
+    mesh: MeshSpec = MeshSpec()
+    health: HealthSpec = HealthSpec()
+    restart: RestartSpec = RestartSpec()
+    source: str = "<memory>"
+
+    def with_checkpoint_dir(self, default: str) -> "JobSpec":
+        """This spec with `checkpoint_dir` set to `default` if it was not given."""
+        if self.checkpoint_dir:
+            return self
+        return dataclasses.replace(self, checkpoint_dir=default)
+
+
+# --- parsing -----------------------------------------------------------------
+
+_SECTIONS = {"job", "mesh", "health", "restart"}
+_JOB_KEYS = {
+    "id": str, "command": list, "env": dict, "workdir": str, "min_hosts": int,
+    "max_hosts": int, "hosts_per_failure_domain": int, "devices_per_host": int,
+    "checkpoint_dir": str,
+}
+
+
+def _type_name(kind: type) -> str:
+    return {str: "a string", int: "an integer", float: "a number", list: "an array",
+            dict: "a table"}[kind]
+
+
+def _check_type(source: str, key: str, value: Any, kind: type) -> Any:
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise SpecError(f"{source}: {key} must be {_type_name(kind)}, got {value!r}")
+    return value
+
+
+def _section(source: str, raw: Mapping[str, Any], name: str, cls: type) -> Any:
+    table = raw.get(name, {})
+    if not isinstance(table, dict):
+        raise SpecError(f"{source}: [{name}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in table.items():
+        if key not in fields:
+            raise SpecError(f"{source}: unknown key {name}.{key} (known: {', '.join(fields)})")
+        kind = {"float": float, "int": int, "str": str}[fields[key].type]
+        values[key] = _check_type(source, f"{name}.{key}", value, kind)
+    return cls(**values)
+
+
+def _checked_mesh(axes: tuple[tuple[str, int], ...], where: str) -> MeshSpec:
+    if not axes:
+        raise SpecError(f"{where}: the mesh needs at least one axis")
+    if sum(1 for _, size in axes if size == -1) > 1:
+        raise SpecError(f"{where}: at most one axis may be -1, got {dict(axes)}")
+    for name, size in axes:
+        if size == 0 or size < -1:
+            raise SpecError(f"{where}: axis {name} has size {size}; sizes are positive or -1")
+    if len({name for name, _ in axes}) != len(axes):
+        raise SpecError(f"{where}: axis names repeat")
+    return MeshSpec(axes)
+
+
+def parse_spec(raw: Mapping[str, Any], source: str = "<memory>",
+               base_dir: pathlib.Path | None = None) -> JobSpec:
+    """Build a JobSpec from a parsed TOML document.
+
+    Relative `workdir` and `checkpoint_dir` are resolved against `base_dir`
+    (the spec file's folder). Raises SpecError naming `source` and the key.
+    """
+    for name in raw:
+        if name not in _SECTIONS:
+            raise SpecError(f"{source}: unknown section or key {name!r} "
+                            f"(known sections: {', '.join(sorted(_SECTIONS))})")
+    job = raw.get("job")
+    if not isinstance(job, dict):
+        raise SpecError(f"{source}: missing [job] table (it needs at least job.command)")
+    values: dict[str, Any] = {}
+    for key, value in job.items():
+        if key not in _JOB_KEYS:
+            raise SpecError(f"{source}: unknown key job.{key} (known: {', '.join(_JOB_KEYS)})")
+        values[key] = _check_type(source, f"job.{key}", value, _JOB_KEYS[key])
+    command = values.pop("command", None)
+    if not command or not all(isinstance(a, str) for a in command):
+        raise SpecError(f"{source}: job.command must be a non-empty array of strings")
+    env = values.pop("env", {})
+    for key, value in env.items():
+        if not isinstance(value, str):
+            raise SpecError(f"{source}: job.env.{key} must be a string, got {value!r}")
+    base = base_dir or pathlib.Path.cwd()
+    for key in ("workdir", "checkpoint_dir"):
+        if key in values and "://" not in values[key]:
+            values[key] = str((base / values[key]).resolve())
+    values.setdefault("workdir", str(base.resolve()))
+    if "id" in values:
+        values["job_id"] = values.pop("id")
+
+    mesh_table = raw.get("mesh", {"data": -1})
+    if not isinstance(mesh_table, dict):
+        raise SpecError(f"{source}: [mesh] must be a table of axis = size")
+    axes = tuple((name, _check_type(source, f"mesh.{name}", size, int))
+                 for name, size in mesh_table.items())
+    spec = JobSpec(
+        command=tuple(command), env=dict(env), source=source,
+        mesh=_checked_mesh(axes, f"{source}: [mesh]"),
+        health=_section(source, raw, "health", HealthSpec),
+        restart=_section(source, raw, "restart", RestartSpec),
+        **values,
+    )
+    validate(spec)
+    return spec
+
+
+def validate(spec: JobSpec) -> None:
+    """Raise SpecError if the spec can never run; the message names the key."""
+    src, h, r = spec.source, spec.health, spec.restart
+    checks = [
+        (spec.min_hosts >= 1, "job.min_hosts must be at least 1"),
+        (spec.max_hosts >= spec.min_hosts,
+         f"job.min_hosts ({spec.min_hosts}) is greater than job.max_hosts ({spec.max_hosts})"),
+        (spec.hosts_per_failure_domain >= 1, "job.hosts_per_failure_domain must be at least 1"),
+        (spec.max_hosts >= spec.hosts_per_failure_domain,
+         f"job.max_hosts ({spec.max_hosts}) is smaller than one failure domain "
+         f"(job.hosts_per_failure_domain = {spec.hosts_per_failure_domain})"),
+        (spec.devices_per_host is None or spec.devices_per_host >= 1,
+         "job.devices_per_host must be at least 1"),
+        (h.heartbeat_interval_s > 0, "health.heartbeat_interval_s must be > 0"),
+        (h.heartbeat_timeout_s > h.heartbeat_interval_s,
+         f"health.heartbeat_timeout_s ({h.heartbeat_timeout_s}) must be greater than "
+         f"health.heartbeat_interval_s ({h.heartbeat_interval_s})"),
+        (h.stop_grace_s >= 0, "health.stop_grace_s must be >= 0"),
+        (h.stop_timeout_s > h.stop_grace_s,
+         f"health.stop_timeout_s ({h.stop_timeout_s}) must be greater than "
+         f"health.stop_grace_s ({h.stop_grace_s})"),
+        (h.rendezvous_settle_s >= 0, "health.rendezvous_settle_s must be >= 0"),
+        (r.max_restarts >= 0, "restart.max_restarts must be >= 0"),
+        (r.window_s > 0, "restart.window_s must be > 0"),
+        (r.crash_loop_failures >= 1, "restart.crash_loop_failures must be at least 1"),
+        (r.grow in GROW_POLICIES,
+         f"restart.grow is {r.grow!r}; expected one of {', '.join(GROW_POLICIES)}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SpecError(f"{src}: {message}")
+    from elastic.policy.mesh import check_satisfiable  # policy imports config, not the reverse at import time
+
+    problem = check_satisfiable(spec)
+    if problem:
+        raise SpecError(f"{src}: [mesh] {problem}")
+
+
+def load_spec(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a job spec file. Raises SpecError (also for a missing
+    file or bad TOML syntax)."""
+    path = pathlib.Path(path)
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: invalid TOML: {e}") from None
+    return parse_spec(raw, source=str(path), base_dir=path.resolve().parent)
+
+
+# --- the worker's environment --------------------------------------------------
+
+# Variables the agent sets for a worker. JAX's own name where one exists.
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_PROCESS_ID = "ELASTIC_PROCESS_ID"
+ENV_NUM_PROCESSES = "ELASTIC_NUM_PROCESSES"
+ENV_GENERATION = "ELASTIC_GENERATION"
+ENV_JOB_ID = "ELASTIC_JOB_ID"
+ENV_HOST_ID = "ELASTIC_HOST_ID"
+ENV_MESH = "ELASTIC_MESH"
+ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
+ENV_DEVICES_PER_HOST = "ELASTIC_DEVICES_PER_HOST"
+ENV_PROGRESS_SOCKET = "ELASTIC_PROGRESS_SOCKET"
+# Marks every process an agent starts, so that a restarted agent can find the
+# leftovers of its previous incarnation (value: the agent's state directory).
+ENV_WORKER_OWNER = "ELASTIC_WORKER_OWNER"
+ENV_INCARNATION = "ELASTIC_AGENT_INCARNATION"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEnv:
+    """What the agent told this worker process. Built by `from_environ`."""
+
+    coordinator_address: str
+    process_id: int
+    num_processes: int
+    generation: int
+    job_id: str
+    host_id: str
+    mesh: MeshSpec
+    checkpoint_dir: str
+    devices_per_host: int
+    progress_socket: str | None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+        """Read the worker variables (default: this process's environment).
+
+        Raises RuntimeError naming the missing variable when the process was
+        not started by an elastic agent.
+        """
+        env = os.environ if environ is None else environ
+
+        def need(name: str) -> str:
+            if name not in env:
+                raise RuntimeError(f"{name} is not set: run this program under elastic-agent "
+                                   f"(e.g. `elasticd local`)")
+            return env[name]
+
+        return cls(
+            coordinator_address=need(ENV_COORDINATOR),
+            process_id=int(need(ENV_PROCESS_ID)),
+            num_processes=int(need(ENV_NUM_PROCESSES)),
+            generation=int(need(ENV_GENERATION)),
+            job_id=need(ENV_JOB_ID),
+            host_id=need(ENV_HOST_ID),
+            mesh=MeshSpec.from_text(need(ENV_MESH)),
+            checkpoint_dir=need(ENV_CHECKPOINT_DIR),
+            devices_per_host=int(need(ENV_DEVICES_PER_HOST)),
+            progress_socket=env.get(ENV_PROGRESS_SOCKET) or None,
+        )
+
+
+def environ_snapshot() -> dict[str, str]:
+    """A copy of this process's environment (the base of a worker's)."""
+    return dict(os.environ)

@@ -1,0 +1,1 @@
+"""The controller of one job: reconcile loop, executor, journal, gRPC servicer."""

@@ -1,0 +1,71 @@
+"""The controller: observed view, slice state and the level-triggered
+reconcile loop. The servicer calls `submit`; `run` decides and executes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from elastic.clock import Clock
+from elastic.config import JobSpec
+from elastic.controller.executor import Executor
+from elastic.controller.journal import JournalWriter
+from elastic.policy.decide import Phase, SliceState, decide
+from elastic.policy.view import ClusterView, Event, observe
+
+log = logging.getLogger("elasticd")
+
+
+class Controller:
+    """One job's controller.
+
+    tick_s: the longest time between two reconcile passes (seconds); a lost
+      host is noticed within heartbeat_timeout_s + tick_s.
+    initial_generation: the last generation a previous controller of this
+      job started (from its journal), so generations never repeat.
+    """
+
+    def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
+                 tick_s: float = 0.1, initial_generation: int = 0) -> None:
+        self.spec = spec
+        self.clock = clock
+        self.tick_s = tick_s
+        self.view = ClusterView()
+        self.state = SliceState(generation=initial_generation, phase_since=clock.monotonic())
+        self.executor = Executor(spec, journal, clock)
+        self._wake = asyncio.Event()
+
+    @property
+    def sessions(self):
+        return self.executor.sessions
+
+    def submit(self, event: Event) -> None:
+        """Fold an event into the view now (O(1)); wake the loop if it matters."""
+        relevant, facts = observe(self.view, event, self.clock.monotonic())
+        self.executor.record_facts(facts)
+        if relevant:
+            self._wake.set()
+
+    def reconcile(self) -> None:
+        """One pass: decide, then execute."""
+        decision = decide(self.state, self.view, self.clock.monotonic(), self.spec)
+        self.state = decision.state
+        self.executor.apply(decision.actions)
+
+    async def run(self) -> int:
+        """Reconcile until the job ends; returns the exit code (0 or 1)."""
+        self.executor.record("controller_started", self.state.generation,
+                             f"job {self.spec.job_id}: {self.spec.min_hosts} to "
+                             f"{self.spec.max_hosts} hosts, mesh {self.spec.mesh.to_text()}",
+                             None, {"spec": self.spec.source})
+        while not self.state.phase.terminal:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            self.reconcile()
+        return self.state.exit_code or 0
+
+    def phase(self) -> Phase:
+        return self.state.phase

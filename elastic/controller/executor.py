@@ -1,0 +1,100 @@
+"""The executor: the only controller code with side effects.
+
+It turns the actions `decide` returns into journal lines and messages on the
+agents' streams. Sending never blocks: each agent stream has its own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from elastic import config
+from elastic.clock import Clock
+from elastic.config import JobSpec
+from elastic.controller.journal import JournalWriter
+from elastic.policy import decide as d
+from elastic.policy.view import Fact
+from elastic.v1 import control_pb2 as pb
+
+log = logging.getLogger("elasticd")
+
+
+@dataclasses.dataclass
+class Session:
+    """One open agent stream: the incarnation it belongs to and its outbox.
+
+    `close(code, details)` ends the stream with that gRPC status."""
+
+    host_id: str
+    incarnation: str
+    outbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    close_status: tuple | None = None
+
+    def send(self, message: pb.ControllerMessage) -> None:
+        self.outbox.put_nowait(message)
+
+    def close(self, code=None, details: str = "") -> None:
+        self.close_status = (code, details)
+        self.outbox.put_nowait(None)
+
+
+class Executor:
+    """Applies actions. `sessions` maps host id to its open stream."""
+
+    def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock) -> None:
+        self.spec = spec
+        self.journal = journal
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+
+    def worker_env(self) -> dict[str, str]:
+        """Job-level variables every worker gets (hosts add their own)."""
+        return {**self.spec.env,
+                config.ENV_JOB_ID: self.spec.job_id,
+                config.ENV_MESH: self.spec.mesh.to_text(),
+                config.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or ""}
+
+    def record(self, kind: str, generation: int, reason: str, host: str | None = None,
+               fields: dict | None = None) -> None:
+        entry = self.journal.write(self.clock.time(), kind, generation, reason, host, fields)
+        log.info("%s gen=%s%s: %s", kind, generation, f" host={host}" if host else "", reason)
+        return entry
+
+    def record_facts(self, facts: list[Fact]) -> None:
+        for fact in facts:
+            self.record(fact.kind, fact.generation, fact.reason, fact.host, fact.fields)
+
+    def send(self, host: str, message: pb.ControllerMessage) -> bool:
+        session = self.sessions.get(host)
+        if session is None:
+            log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
+                        host, message.WhichOneof("body"))
+            return False
+        session.send(message)
+        return True
+
+    def apply(self, actions: tuple[d.Action, ...]) -> None:
+        for action in actions:
+            if isinstance(action, d.Journal):
+                self.record(action.kind, action.generation, action.reason, action.host,
+                            dict(action.fields))
+            elif isinstance(action, d.StartWorker):
+                self.send(action.host, pb.ControllerMessage(
+                    job_id=self.spec.job_id, generation=action.generation,
+                    start=pb.StartWorker(
+                        generation=action.generation, process_id=action.process_id,
+                        num_processes=action.num_processes,
+                        coordinator_address=action.coordinator_address,
+                        argv=list(self.spec.command), env=self.worker_env(),
+                        workdir=self.spec.workdir)))
+            elif isinstance(action, d.StopWorker):
+                self.send(action.host, pb.ControllerMessage(
+                    job_id=self.spec.job_id, generation=action.generation,
+                    stop=pb.StopWorker(generation=action.generation, grace_s=action.grace_s,
+                                       reason=action.reason)))
+            elif isinstance(action, d.Finish):
+                pass  # the loop ends on the terminal phase
+            else:
+                raise TypeError(f"unknown action {action!r}")

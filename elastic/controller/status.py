@@ -1,0 +1,49 @@
+"""Status of a job: the JobStatus message and its plain-text table."""
+
+from __future__ import annotations
+
+from elastic.v1 import control_pb2 as pb
+
+
+def job_status(controller) -> pb.JobStatus:
+    """A JobStatus snapshot of `controller` (a Controller)."""
+    state, view, now = controller.state, controller.view, controller.clock.monotonic()
+    ranks = {h: i for i, h in enumerate(state.members)} if not state.phase.terminal else {}
+    hosts = []
+    for record in sorted(view.hosts.values(), key=lambda r: r.host_id):
+        if record.host_id in state.lost:
+            host_state = "lost"
+        elif record.host_id in ranks:
+            host_state = "stopping" if state.phase.value == "stopping" else "member"
+        else:
+            host_state = "waiting"
+        w = record.worker
+        hosts.append(pb.HostStatus(
+            host_id=record.host_id, state=host_state, devices=record.devices,
+            agent_pid=record.agent_pid, worker_pid=w.pid if w.running else 0,
+            heartbeat_age_s=max(0.0, now - record.last_heartbeat_at), step=w.step,
+            rank=ranks.get(record.host_id, -1), failure_domain=record.failure_domain,
+            incarnation=record.incarnation, worker_state=w.state.value,
+            address=record.address))
+    return pb.JobStatus(job_id=controller.spec.job_id, phase=state.phase.value,
+                        generation=state.generation, restarts=state.restarts,
+                        reason=state.reason, hosts=hosts,
+                        committed_step=view.committed_step,
+                        phase_age_s=max(0.0, now - state.phase_since))
+
+
+def format_status(status: pb.JobStatus) -> str:
+    """The plain table `elasticd status` prints."""
+    lines = [f"job {status.job_id}: {status.phase}, generation {status.generation}, "
+             f"{status.restarts} restarts, committed step {status.committed_step}",
+             f"  {status.reason}", ""]
+    header = ("HOST", "STATE", "RANK", "DEVICES", "AGENT PID", "WORKER PID", "WORKER",
+              "HEARTBEAT AGE", "STEP")
+    rows = [header] + [
+        (h.host_id, h.state, str(h.rank) if h.rank >= 0 else "-", str(h.devices),
+         str(h.agent_pid), str(h.worker_pid or "-"), h.worker_state,
+         f"{h.heartbeat_age_s:.1f} s", str(h.step) if h.step >= 0 else "-")
+        for h in status.hosts]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""`elasticd local`: a controller and N agents as separate processes on this
+machine, simulated hosts for trying a job and for tests.
+
+Layout under the state directory: `events.jsonl` (the journal),
+`controller.log`, `hosts/<host-id>.log` (each agent and its worker's
+output), `local.json` (controller address and every agent's command line and
+pid, for tools and tests that act on the slice).
+
+The controller and agents share this launcher's process group; each worker
+has its own (the agent's). SIGINT/SIGTERM stops the agents first (they end
+their workers), then the controller; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from elastic.config import JobSpec
+from elastic.controller.journal import JOURNAL_NAME
+from elastic.controller.server import ADDRESS_FILE
+
+LOCAL_FILE = "local.json"
+
+
+@dataclasses.dataclass
+class LocalSlice:
+    """What `run_local` started: controller and agents (subprocess.Popen)."""
+
+    state_dir: pathlib.Path
+    controller: subprocess.Popen
+    address: str
+    agents: dict[str, subprocess.Popen]
+    agent_argv: dict[str, list[str]]
+
+
+def agent_argv(address: str, host_id: str, devices: int, failure_domain: str,
+               state_dir: pathlib.Path, job_id: str) -> list[str]:
+    """The command line of one simulated host's agent."""
+    return [sys.executable, "-m", "elastic.agent.main", "--controller", address,
+            "--host-id", host_id, "--devices", str(devices), "--address", "127.0.0.1",
+            "--failure-domain", failure_domain, "--job-id", job_id,
+            "--state-dir", str(state_dir / "agents" / host_id)]
+
+
+def _child_env() -> dict[str, str]:
+    from elastic.config import environ_snapshot
+
+    env = environ_snapshot()
+    # Workers run with this interpreter's environment ("python" in a job's
+    # command is the one that runs elasticd).
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _wait_for_address(state_dir: pathlib.Path, controller: subprocess.Popen,
+                      timeout_s: float) -> str | None:
+    path = state_dir / ADDRESS_FILE
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().strip()
+        if controller.poll() is not None:
+            return None
+        time.sleep(0.02)
+    return None
+
+
+def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
+                state_dir: pathlib.Path) -> LocalSlice:
+    """Start the controller, wait for its address, then start `hosts` agents.
+
+    Raises RuntimeError when the controller exits or does not listen within
+    30 s (its log says why)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "hosts").mkdir(exist_ok=True)
+    (state_dir / ADDRESS_FILE).unlink(missing_ok=True)
+    env = _child_env()
+    log = open(state_dir / "controller.log", "ab")
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
+         "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    log.close()
+    address = _wait_for_address(state_dir, controller, 30.0)
+    if address is None:
+        controller.kill()
+        controller.wait()
+        raise RuntimeError(f"the controller did not start; see {state_dir / 'controller.log'}")
+    per_domain = spec.hosts_per_failure_domain
+    agents, argvs = {}, {}
+    for i in range(hosts):
+        host_id = f"host-{i}"
+        argv = agent_argv(address, host_id, devices_per_host, f"domain-{i // per_domain}",
+                          state_dir, spec.job_id)
+        out = open(state_dir / "hosts" / f"{host_id}.log", "ab")
+        agents[host_id] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=env)
+        out.close()
+        argvs[host_id] = argv
+    local = LocalSlice(state_dir, controller, address, agents, argvs)
+    write_local_file(local)
+    return local
+
+
+def write_local_file(local: LocalSlice) -> None:
+    info = {"controller": local.address, "controller_pid": local.controller.pid,
+            "launcher_pid": os.getpid(),
+            "agents": {h: {"pid": p.pid, "argv": local.agent_argv[h]}
+                       for h, p in local.agents.items()}}
+    tmp = local.state_dir / (LOCAL_FILE + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(local.state_dir / LOCAL_FILE)
+
+
+def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
+    """Stop agents (they end their workers), then the controller. Bounded."""
+    _terminate(list(local.agents.values()), agent_grace_s)
+    _terminate([local.controller], 5.0)
+
+
+def format_entry(entry: dict, t0: float) -> str:
+    """One journal entry as a console line."""
+    host = f" {entry['host']}" if entry.get("host") else ""
+    return (f"[{entry['ts'] - t0:7.2f}s] gen {entry.get('generation', 0):<3} "
+            f"{entry['kind']}{host}: {entry.get('reason', '')}")
+
+
+class JournalFollower(threading.Thread):
+    """Prints journal entries as they are appended, until `stop()`."""
+
+    def __init__(self, path: pathlib.Path, out=sys.stdout) -> None:
+        super().__init__(daemon=True)
+        self.path, self.out = path, out
+        self._halt = threading.Event()
+        self.t0: float | None = None
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(2.0)
+
+    def run(self) -> None:
+        offset = self.path.stat().st_size if self.path.exists() else 0
+        buffer = b""
+        while True:
+            stopping = self._halt.is_set()
+            if self.path.exists():
+                with self.path.open("rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                offset += len(chunk)
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    try:
+                        entry = json.loads(line)
+                    except ValueError:
+                        continue
+                    self.t0 = entry["ts"] if self.t0 is None else self.t0
+                    print(format_entry(entry, self.t0), file=self.out, flush=True)
+            if stopping:
+                return
+            self._halt.wait(0.1)
+
+
+def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
+              state_dir: str, quiet: bool = False) -> int:
+    """Run the job on `hosts` simulated hosts until it ends or a signal comes.
+
+    Returns the controller's exit code (0 succeeded, 1 failed), 130 after
+    SIGINT, 143 after SIGTERM."""
+    state = pathlib.Path(state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    follower = None if quiet else JournalFollower(state / JOURNAL_NAME)
+    if follower:
+        follower.start()
+    received: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        received.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    local = None
+    try:
+        local = start_slice(spec_path, spec, hosts, devices_per_host, state)
+        print(f"elasticd local: controller at {local.address}, {hosts} hosts x "
+              f"{devices_per_host} devices, state in {state}", flush=True)
+        while not received and local.controller.poll() is None:
+            time.sleep(0.05)
+        code = local.controller.poll()
+        stop_slice(local, agent_grace_s=spec.health.stop_grace_s + 5.0)
+        if received:
+            return 128 + received[0]
+        return local.controller.wait() if code is None else code
+    finally:
+        if local is not None:
+            stop_slice(local)
+        if follower:
+            follower.stop()
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -1,0 +1,362 @@
+"""The controller's decisions: one pure, level-triggered function.
+
+`decide(state, view, now, spec)` compares what is wanted (a running slice of
+the hosts alive now) with what is observed (`ClusterView`) and returns the next
+`SliceState`, the actions for the executor and a one-line reason. It reads no
+clock (`now` is controller-monotonic seconds), does no I/O and does not
+mutate the view, so tests build a state by hand, pick `now` and assert on the
+decision (after torchft's lighthouse `quorum_compute`).
+
+Phases: WAITING (for hosts) -> STARTING (generation g sent, no step yet) ->
+RUNNING -> STOPPING -> WAITING (then g+1) | SUCCEEDED | FAILED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+from elastic.config import JobSpec
+from elastic.policy.mesh import Candidate, plan_mesh
+from elastic.policy.view import ClusterView, HostRecord, WorkerState
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+# --- actions (performed by the executor) -----------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Journal:
+    """Append one line to the journal."""
+
+    kind: str
+    generation: int
+    reason: str
+    host: str | None = None
+    fields: Mapping = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartWorker:
+    """Tell `host` to start its worker as `process_id` of `num_processes`."""
+
+    host: str
+    generation: int
+    process_id: int
+    num_processes: int
+    coordinator_address: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StopWorker:
+    """Tell `host` to end its worker of `generation`: SIGTERM, `grace_s`
+    seconds, SIGKILL (grace 0: SIGKILL at once)."""
+
+    host: str
+    generation: int
+    grace_s: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """End the controller with `exit_code` (0 succeeded, 1 failed)."""
+
+    exit_code: int
+
+
+Action = Journal | StartWorker | StopWorker | Finish
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceState:
+    """The controller's own state. Times are controller-monotonic seconds.
+
+    generation: the last generation started (0 before the first).
+    members / incarnations: hosts of the generation in rank order, and the
+      agent incarnation each had when it started.
+    stop_kind: "failure" or "grow" while STOPPING.
+    failure_restarts: times of failure restarts (for the restart budget).
+    failures_without_progress: failures in a row with no step in between.
+    lost: hosts currently considered lost (journaled once).
+    stop_requested: host -> time a stop was last sent to a non-member worker.
+    grow_ready_since: when a bigger slice first became possible.
+    """
+
+    phase: Phase = Phase.WAITING
+    generation: int = 0
+    phase_since: float = 0.0
+    reason: str = "waiting for the first hosts"
+    members: tuple[str, ...] = ()
+    incarnations: tuple[str, ...] = ()
+    progressed: bool = False
+    stop_kind: str = ""
+    stop_deadline: float = 0.0
+    failure_restarts: tuple[float, ...] = ()
+    restarts: int = 0
+    failures_without_progress: int = 0
+    lost: frozenset[str] = frozenset()
+    stop_requested: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    grow_ready_since: float | None = None
+    exit_code: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    state: SliceState
+    actions: tuple[Action, ...]
+    reason: str
+
+
+def decide(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> Decision:
+    """One reconcile pass. See the module docstring."""
+    if state.phase.terminal:
+        return Decision(state, (), state.reason)
+    actions: list[Action] = []
+    state = _track_lost(state, view, now, spec, actions)
+    if state.phase is Phase.WAITING:
+        state = _waiting(state, view, now, spec, actions)
+    elif state.phase in (Phase.STARTING, Phase.RUNNING):
+        state = _running(state, view, now, spec, actions)
+    elif state.phase is Phase.STOPPING:
+        state = _stopping(state, view, now, spec, actions)
+    if not state.phase.terminal:
+        state = _stop_strays(state, view, now, spec, actions)
+    return Decision(state, tuple(actions), state.reason)
+
+
+# --- helpers -------------------------------------------------------------------
+
+def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+                actions: list[Action]) -> SliceState:
+    timeout = spec.health.heartbeat_timeout_s
+    cutoff = now - timeout
+    lost = set(state.lost)
+    for record in view.silent(cutoff):
+        if record.host_id not in lost:
+            lost.add(record.host_id)
+            actions.append(Journal(
+                "host_lost", state.generation,
+                f"no heartbeat for {now - record.last_heartbeat_at:.1f} s "
+                f"(heartbeat_timeout_s = {timeout:g})", record.host_id,
+                {"silent_s": round(now - record.last_heartbeat_at, 3)}))
+    for host in state.lost:
+        record = view.get(host)
+        if record is not None and record.last_heartbeat_at >= cutoff:
+            lost.discard(host)
+            actions.append(Journal("host_returned", state.generation,
+                                   "heartbeats resumed", host))
+    if lost == state.lost:
+        return state
+    return dataclasses.replace(state, lost=frozenset(lost))
+
+
+def _usable(record: HostRecord, state: SliceState) -> bool:
+    return record.host_id not in state.lost and not record.worker.running
+
+
+def _enter(state: SliceState, phase: Phase, now: float, reason: str, **changes) -> SliceState:
+    return dataclasses.replace(state, phase=phase, phase_since=now, reason=reason, **changes)
+
+
+def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+             actions: list[Action]) -> SliceState:
+    candidates = [Candidate(r.host_id, r.failure_domain, r.devices)
+                  for r in view.hosts.values() if _usable(r, state)]
+    plan = plan_mesh(spec, candidates)
+    if not plan.hosts:
+        if plan.reason != state.reason:
+            actions.append(Journal("waiting_for_hosts", state.generation, plan.reason))
+            return dataclasses.replace(state, reason=plan.reason)
+        return state
+    settle_left = view.last_registration_at + spec.health.rendezvous_settle_s - now
+    if len(plan.hosts) < spec.max_hosts and settle_left > 0:
+        return dataclasses.replace(
+            state, reason=f"{len(plan.hosts)} hosts ready, waiting {settle_left:.1f} s "
+                          f"more for up to {spec.max_hosts}")
+    generation = state.generation + 1
+    coordinator = view.hosts[plan.hosts[0]]
+    address = f"{coordinator.address}:{coordinator.free_port}"
+    reason = f"generation {generation} on {plan.reason}, coordinator {plan.hosts[0]} at {address}"
+    actions.append(Journal("generation_started", generation, reason, None, {
+        "hosts": list(plan.hosts), "mesh_shape": list(plan.shape),
+        "coordinator": address, "restarts": state.restarts}))
+    for rank, host in enumerate(plan.hosts):
+        actions.append(StartWorker(host, generation, rank, len(plan.hosts), address))
+    return _enter(state, Phase.STARTING, now, reason, generation=generation,
+                  members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
+                                                         for h in plan.hosts),
+                  progressed=False, grow_ready_since=None)
+
+
+def _member_failure(state: SliceState, view: ClusterView, host: str,
+                    incarnation: str) -> tuple[float, str] | None:
+    """(when, why) if `host` failed in the current generation, else None."""
+    record = view.get(host)
+    if record is None or host in state.lost:
+        return (record.last_heartbeat_at if record else 0.0), f"host {host} lost"
+    if record.incarnation != incarnation:
+        return record.registered_at, (f"agent of host {host} restarted (incarnation "
+                                      f"{incarnation} -> {record.incarnation})")
+    w = record.worker
+    if w.generation == state.generation and w.state is WorkerState.EXITED and not w.succeeded:
+        return record.exited_at, f"worker on host {host} exited with {w.describe_exit()}"
+    return None
+
+
+def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+             actions: list[Action]) -> SliceState:
+    failures = []
+    done = 0
+    first_step_at = None
+    for host, incarnation in zip(state.members, state.incarnations):
+        failure = _member_failure(state, view, host, incarnation)
+        if failure:
+            failures.append((failure[0], host, failure[1]))
+            continue
+        w = view.hosts[host].worker
+        done += w.generation == state.generation and w.succeeded
+        if w.generation == state.generation and w.step >= 0:
+            at = view.hosts[host].first_step_at
+            first_step_at = at if first_step_at is None else min(first_step_at, at)
+    if first_step_at is not None and not state.progressed:
+        step = min(view.hosts[h].worker.step for h in state.members
+                   if view.hosts[h].worker.step >= 0)
+        actions.append(Journal("first_progress", state.generation,
+                               f"first step reported (step {step})", None,
+                               {"step": step, "after_start_s": round(now - state.phase_since, 3)}))
+        state = _enter(state, Phase.RUNNING, now, f"generation {state.generation} running on "
+                       f"{len(state.members)} hosts", progressed=True,
+                       failures_without_progress=0)
+    if failures:
+        when, host, why = min(failures)
+        return _begin_stop(state, now, spec, actions, "failure", why, host)
+    if done == len(state.members):
+        reason = f"all {done} workers of generation {state.generation} exited 0"
+        actions.append(Journal("job_succeeded", state.generation, reason))
+        actions.append(Finish(0))
+        return _enter(state, Phase.SUCCEEDED, now, reason, exit_code=0)
+    return _consider_grow(state, view, now, spec, actions)
+
+
+def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+                   actions: list[Action]) -> SliceState:
+    policy = spec.restart.grow
+    if policy == "never" or len(state.members) >= spec.max_hosts \
+            or len(view.hosts) <= len(state.members) or state.phase is not Phase.RUNNING:
+        return state
+    members = set(state.members)
+    candidates = [Candidate(r.host_id, r.failure_domain, r.devices)
+                  for r in view.hosts.values()
+                  if r.host_id in members or _usable(r, state)]
+    plan = plan_mesh(spec, candidates)
+    if len(plan.hosts) <= len(state.members):
+        return dataclasses.replace(state, grow_ready_since=None) \
+            if state.grow_ready_since is not None else state
+    ready_since = state.grow_ready_since if state.grow_ready_since is not None else now
+    state = dataclasses.replace(state, grow_ready_since=ready_since)
+    if policy == "after_checkpoint" and view.committed_at <= ready_since:
+        return state
+    why = (f"grow from {len(state.members)} to {len(plan.hosts)} hosts"
+           + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else ""))
+    return _begin_stop(state, now, spec, actions, "grow", why, None)
+
+
+def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
+                kind: str, why: str, host: str | None) -> SliceState:
+    grace = 0.0 if kind == "failure" else spec.health.stop_grace_s
+    actions.append(Journal("slice_stopping", state.generation, why, host,
+                           {"cause": kind, "grace_s": grace}))
+    for member in state.members:
+        actions.append(StopWorker(member, state.generation, grace, why))
+    changes = {}
+    if kind == "failure":
+        changes["failures_without_progress"] = (1 if state.progressed
+                                                else state.failures_without_progress + 1)
+    return _enter(state, Phase.STOPPING, now, why, stop_kind=kind,
+                  stop_deadline=now + spec.health.stop_timeout_s, **changes)
+
+
+def _stopped(record: HostRecord | None, state: SliceState, incarnation: str) -> bool:
+    if record is None or record.host_id in state.lost or record.incarnation != incarnation:
+        return True
+    return record.worker.generation != state.generation or not record.worker.running
+
+
+def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+              actions: list[Action]) -> SliceState:
+    pending = [h for h, inc in zip(state.members, state.incarnations)
+               if not _stopped(view.get(h), state, inc)]
+    if pending and now < state.stop_deadline:
+        return state
+    for host in pending:
+        actions.append(Journal("host_dropped", state.generation,
+                               f"no stop acknowledgement within "
+                               f"{spec.health.stop_timeout_s:g} s", host))
+    actions.append(Journal("slice_stopped", state.generation,
+                           f"generation {state.generation} stopped ({state.reason})", None,
+                           {"cause": state.stop_kind,
+                            "stop_s": round(now - state.phase_since, 3),
+                            "dropped": pending}))
+    if state.stop_kind != "failure":
+        return _enter(state, Phase.WAITING, now, f"restarting: {state.reason}",
+                      restarts=state.restarts + 1)
+    r = spec.restart
+    recent = tuple(t for t in state.failure_restarts if t > now - r.window_s) + (now,)
+    if state.failures_without_progress >= r.crash_loop_failures:
+        return _fail(state, now, actions,
+                     f"crash loop: {state.failures_without_progress} failures in a row with no "
+                     f"step progress (restart.crash_loop_failures = {r.crash_loop_failures}); "
+                     f"last: {state.reason}")
+    if len(recent) > r.max_restarts:
+        return _fail(state, now, actions,
+                     f"restart budget exhausted: {len(recent)} failures within "
+                     f"{r.window_s:g} s (restart.max_restarts = {r.max_restarts}); "
+                     f"last: {state.reason}")
+    return _enter(state, Phase.WAITING, now, f"restarting after failure: {state.reason}",
+                  failure_restarts=recent, restarts=state.restarts + 1)
+
+
+def _fail(state: SliceState, now: float, actions: list[Action], reason: str) -> SliceState:
+    actions.append(Journal("job_failed", state.generation, reason))
+    actions.append(Finish(1))
+    return _enter(state, Phase.FAILED, now, reason, exit_code=1)
+
+
+def _stop_strays(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+                 actions: list[Action]) -> SliceState:
+    """Stop workers that run outside the current generation (a returning host's
+    old worker, a worker the previous controller started). Resent at most once
+    per `stop_timeout_s`."""
+    members = set(state.members) if state.phase in (Phase.STARTING, Phase.RUNNING,
+                                                   Phase.STOPPING) else set()
+    requested = dict(state.stop_requested)
+    changed = False
+    for record in view.hosts.values():
+        host = record.host_id
+        stray = (record.worker.running and host not in state.lost and
+                 (host not in members or record.worker.generation != state.generation))
+        if not stray:
+            changed |= requested.pop(host, None) is not None
+            continue
+        if now - requested.get(host, float("-inf")) < spec.health.stop_timeout_s:
+            continue
+        requested[host] = now
+        changed = True
+        why = (f"worker of generation {record.worker.generation} is not part of generation "
+               f"{state.generation}")
+        actions.append(Journal("stray_worker_stopping", state.generation, why, host))
+        actions.append(StopWorker(host, record.worker.generation, 0.0, why))
+    return dataclasses.replace(state, stop_requested=requested) if changed else state

@@ -1,0 +1,244 @@
+"""What the controller has observed of the hosts, and how events update it.
+
+The view holds facts (last heartbeat, worker state, steps), never decisions.
+`observe` folds one event into it in O(1) and says whether the event can
+change a decision; heartbeats that change nothing do not wake `decide`.
+No I/O and no clock reads here: times come in with the events.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Iterator
+
+
+class WorkerState(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerObs:
+    """An agent's report of its worker.
+
+    generation: the worker's generation (0 = never started one).
+    exit_code / signal: how it ended when EXITED (signal 0 = normal exit).
+    step / committed_step: last reported training / checkpoint step, -1 none.
+    """
+
+    generation: int = 0
+    state: WorkerState = WorkerState.IDLE
+    pid: int = 0
+    exit_code: int = 0
+    signal: int = 0
+    stderr_tail: str = ""
+    stopped_on_request: bool = False
+    step: int = -1
+    committed_step: int = -1
+
+    @property
+    def running(self) -> bool:
+        return self.state is WorkerState.RUNNING
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state is WorkerState.EXITED and self.exit_code == 0 and self.signal == 0
+
+    def describe_exit(self) -> str:
+        """"exit code 3" / "signal 9 (SIGKILL)", for reasons."""
+        if self.signal:
+            import signal as _signal
+            try:
+                name = _signal.Signals(self.signal).name
+            except ValueError:
+                name = "?"
+            return f"signal {self.signal} ({name})"
+        return f"exit code {self.exit_code}"
+
+
+@dataclasses.dataclass(slots=True)
+class HostRecord:
+    """One registered host. Times are controller-monotonic seconds."""
+
+    host_id: str
+    incarnation: str
+    devices: int
+    address: str
+    failure_domain: str
+    agent_pid: int
+    registered_at: float
+    last_heartbeat_at: float
+    free_port: int = 0
+    worker: WorkerObs = dataclasses.field(default_factory=WorkerObs)
+    exited_at: float = 0.0
+    first_step_at: float = 0.0
+
+
+# --- events (made by the servicer from messages) ---------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    host_id: str
+    incarnation: str
+    devices: int
+    address: str
+    failure_domain: str
+    agent_pid: int
+    free_port: int
+    worker: WorkerObs
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatReceived:
+    host_id: str
+    incarnation: str
+    worker: WorkerObs
+    free_port: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExited:
+    host_id: str
+    incarnation: str
+    worker: WorkerObs
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressReported:
+    host_id: str
+    incarnation: str
+    generation: int
+    step: int
+    committed_step: int
+
+
+Event = Registered | HeartbeatReceived | WorkerExited | ProgressReported
+
+
+@dataclasses.dataclass(frozen=True)
+class Fact:
+    """Something observed that belongs in the journal (kind, host, reason, fields)."""
+
+    kind: str
+    host: str
+    generation: int
+    reason: str
+    fields: dict = dataclasses.field(default_factory=dict)
+
+
+class ClusterView:
+    """Registered hosts, kept in order of their last heartbeat (oldest first),
+    so that finding silent hosts reads only the silent ones."""
+
+    def __init__(self) -> None:
+        self.hosts: collections.OrderedDict[str, HostRecord] = collections.OrderedDict()
+        self.last_registration_at = float("-inf")
+        # Latest committed checkpoint step any worker reported, and when.
+        self.committed_step = -1
+        self.committed_at = float("-inf")
+
+    def get(self, host_id: str) -> HostRecord | None:
+        return self.hosts.get(host_id)
+
+    def silent(self, cutoff: float) -> Iterator[HostRecord]:
+        """Hosts whose last heartbeat is older than `cutoff`, oldest first."""
+        for record in self.hosts.values():
+            if record.last_heartbeat_at >= cutoff:
+                return
+            yield record
+
+    def _touch(self, record: HostRecord, now: float) -> None:
+        record.last_heartbeat_at = now
+        self.hosts.move_to_end(record.host_id)
+
+
+def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
+    """Take the agent's report; True when something a decision reads changed."""
+    old = record.worker
+    changed = (old.generation != reported.generation or old.state is not reported.state
+               or (old.step < 0 <= reported.step))
+    if reported.state is WorkerState.EXITED and (changed or not record.exited_at):
+        record.exited_at = now
+    if old.step < 0 <= reported.step or old.generation != reported.generation:
+        record.first_step_at = now if reported.step >= 0 else 0.0
+    record.worker = reported
+    return changed
+
+
+def _note_commit(view: ClusterView, record: HostRecord, generation: int,
+                 committed_step: int, now: float) -> list[Fact]:
+    """Record a committed checkpoint step newer than any seen; its journal fact.
+
+    Steps are global (one checkpoint directory per job), so the first host to
+    report a step is the one journaled."""
+    record.worker.committed_step = max(record.worker.committed_step, committed_step)
+    if committed_step <= view.committed_step:
+        return []
+    view.committed_step, view.committed_at = committed_step, now
+    return [Fact("checkpoint_committed", record.host_id, generation,
+                 f"checkpoint step {committed_step} committed", {"step": committed_step})]
+
+
+def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fact]]:
+    """Fold `event` (received at `now`) into `view`.
+
+    Returns (relevant, facts): relevant is False for a heartbeat that changed
+    nothing a decision reads; facts are journal entries the event implies.
+    Events from an incarnation other than the registered one are ignored
+    (the servicer fences them before they get here).
+    """
+    if isinstance(event, Registered):
+        old = view.hosts.pop(event.host_id, None)
+        record = HostRecord(
+            host_id=event.host_id, incarnation=event.incarnation, devices=event.devices,
+            address=event.address, failure_domain=event.failure_domain,
+            agent_pid=event.agent_pid, registered_at=now, last_heartbeat_at=now,
+            free_port=event.free_port, worker=event.worker)
+        view.hosts[event.host_id] = record
+        view.last_registration_at = now
+        if old is not None and old.incarnation == event.incarnation:
+            record.exited_at, record.first_step_at = old.exited_at, old.first_step_at
+            return True, []  # a reconnect of the same agent process
+        replaced = f", replacing incarnation {old.incarnation}" if old else ""
+        return True, [Fact("host_registered", event.host_id, event.worker.generation,
+                           f"{event.devices} devices at {event.address}, failure domain "
+                           f"{event.failure_domain}{replaced}",
+                           {"incarnation": event.incarnation, "devices": event.devices,
+                            "agent_pid": event.agent_pid})]
+    record = view.hosts.get(event.host_id)
+    if record is None or record.incarnation != event.incarnation:
+        return False, []
+    if isinstance(event, HeartbeatReceived):
+        view._touch(record, now)
+        record.free_port = event.free_port or record.free_port
+        facts = _note_commit(view, record, event.worker.generation,
+                             event.worker.committed_step, now)
+        changed = _merge_worker(record, event.worker, now)
+        return changed or bool(facts), facts
+    if isinstance(event, WorkerExited):
+        view._touch(record, now)
+        _merge_worker(record, event.worker, now)
+        w = event.worker
+        how = "on request" if w.stopped_on_request else "by itself"
+        tail = w.stderr_tail.strip().splitlines()[-1:] if w.stderr_tail.strip() else []
+        return True, [Fact("worker_exited", event.host_id, w.generation,
+                           f"worker pid {w.pid} ended {how} with {w.describe_exit()}"
+                           + (f"; stderr: {tail[0][:200]}" if tail else ""),
+                           {"exit_code": w.exit_code, "signal": w.signal,
+                            "stopped_on_request": w.stopped_on_request, "step": w.step,
+                            "stderr_tail": w.stderr_tail[-2000:]})]
+    if isinstance(event, ProgressReported):
+        view._touch(record, now)
+        w = record.worker
+        if event.generation != w.generation:
+            return False, []
+        facts = _note_commit(view, record, event.generation, event.committed_step, now)
+        first = w.step < 0 <= event.step
+        if first:
+            record.first_step_at = now
+        w.step = max(w.step, event.step)
+        return first or bool(facts), facts
+    raise TypeError(f"unknown event {event!r}")
