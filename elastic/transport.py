@@ -61,12 +61,13 @@ def is_transient(error: BaseException) -> bool:
 
 def retrying(max_wait_s: float = 5.0, give_up_after_s: float | None = None,
              before_sleep=None) -> tenacity.AsyncRetrying:
-    """Exponential backoff with jitter (0.1 s doubling to `max_wait_s`) on
+    """Exponential backoff with jitter (0.1 s doubling to `max_wait_s`, plus up to
+    0.1 s of jitter) on
     transient gRPC errors; never gives up unless `give_up_after_s` is set.
     Other errors pass through at once."""
     stop = tenacity.stop_never if give_up_after_s is None else \
         tenacity.stop_after_delay(give_up_after_s)
     return tenacity.AsyncRetrying(
         retry=tenacity.retry_if_exception(is_transient),
-        wait=tenacity.wait_exponential_jitter(initial=0.1, max=max_wait_s),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=max_wait_s, jitter=0.1),
         stop=stop, reraise=True, before_sleep=before_sleep)

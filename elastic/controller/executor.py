@@ -23,7 +23,8 @@ log = logging.getLogger("elasticd")
 
 @dataclasses.dataclass
 class Session:
-    """One open agent stream: the incarnation it belongs to and its outbox.
+    """One agent registration: the incarnation it belongs to and the outbox its
+    stream (Connect, at most one) drains.
 
     `close(code, details)` ends the stream with that gRPC status."""
 
@@ -31,6 +32,7 @@ class Session:
     incarnation: str
     outbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     close_status: tuple | None = None
+    attached: bool = False
 
     def send(self, message: pb.ControllerMessage) -> None:
         self.outbox.put_nowait(message)

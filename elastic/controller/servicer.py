@@ -70,11 +70,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if request.devices < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"host {h.host_id} reports {request.devices} devices; need >= 1")
+        # The session (and its outbox) exists from registration on, so commands
+        # decided before the agent opens its stream wait for it there.
         previous = c.sessions.get(h.host_id)
-        if previous is not None and previous.incarnation != h.incarnation:
+        if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"incarnation {previous.incarnation} of host {h.host_id} was "
-                           f"replaced by {h.incarnation}")
+                           f"host {h.host_id} registered again (incarnation {h.incarnation})")
+        c.sessions[h.host_id] = Session(h.host_id, h.incarnation)
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
             address=request.address, failure_domain=request.failure_domain or h.host_id,
@@ -96,12 +98,14 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         refusal = fence(c, first.header)
         if refusal:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
-        host, incarnation = first.header.host_id, first.header.incarnation
-        old = c.sessions.get(host)
-        if old is not None:
-            old.close(grpc.StatusCode.FAILED_PRECONDITION, "a newer stream of this host opened")
-        session = Session(host, incarnation)
-        c.sessions[host] = session
+        host = first.header.host_id
+        session = c.sessions.get(host)
+        if session is None or session.incarnation != first.header.incarnation \
+                or session.attached:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no open registration of host {host} incarnation "
+                                f"{first.header.incarnation}; call Register first")
+        session.attached = True
         reader = asyncio.create_task(self._read(context, session, first))
         try:
             while True:

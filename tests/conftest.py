@@ -1,0 +1,209 @@
+"""Shared test helpers: a process guard and a driver for `elasticd local`.
+
+Every process a test starts carries ELASTIC_TEST_TAG=<unique id> in its
+environment, and so does everything they start (agents pass their environment
+to workers). After the test no process with that tag may be alive; the guard
+kills leftovers and fails the test if it finds any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TINY_WORKER = REPO / "workers" / "tiny" / "worker.py"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live (non-zombie) processes whose environment holds ELASTIC_TEST_TAG=tag."""
+    needle = f"ELASTIC_TEST_TAG={tag}".encode()
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def proc_env():
+    """Environment for processes a test starts; fails the test if any of
+    them (or their descendants) is still alive 10 s after the test."""
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, ELASTIC_TEST_TAG=tag, PYTHONUNBUFFERED="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    yield env
+    deadline = time.monotonic() + 10.0
+    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes left behind by the test: {left}"
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
+    """Poll `predicate` until it returns something truthy; fail after timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def write_spec(path: pathlib.Path, body: str) -> pathlib.Path:
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def tiny_spec(tmp_path: pathlib.Path, args: str = "--steps 2000 --step-time-s 0.02",
+              extra: str = "", min_hosts: int = 1, max_hosts: int = 4,
+              job_extra: str = "") -> pathlib.Path:
+    """A job spec running the tiny worker with fast health timings."""
+    argv = json.dumps([sys.executable, str(TINY_WORKER), *args.split()])
+    return write_spec(tmp_path / "job.toml", f"""
+        [job]
+        id = "test"
+        command = {argv}
+        min_hosts = {min_hosts}
+        max_hosts = {max_hosts}
+        {job_extra}
+
+        [health]
+        heartbeat_interval_s = 0.25
+        heartbeat_timeout_s = 1.5
+        stop_grace_s = 1.0
+        stop_timeout_s = 3.0
+        rendezvous_settle_s = 0.5
+        {extra}
+        """)
+
+
+class LocalJob:
+    """`elasticd local` in its own process group, driven by a test."""
+
+    def __init__(self, spec: pathlib.Path, state_dir: pathlib.Path, env: dict,
+                 hosts: int = 4, devices: int = 1) -> None:
+        self.state_dir = state_dir
+        self.env = env
+        self.extra_procs: list[subprocess.Popen] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic.cli", "local", "--config", str(spec),
+             "--hosts", str(hosts), "--devices-per-host", str(devices),
+             "--state-dir", str(state_dir), "--quiet"],
+            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def journal(self) -> list[dict]:
+        path = self.state_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        entries = []
+        for line in path.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                pass
+        return entries
+
+    def wait_for(self, kind: str, timeout_s: float = 30.0, **match) -> dict:
+        """The first journal entry of `kind` whose fields equal `match`."""
+        def find():
+            for e in self.journal():
+                if e["kind"] == kind and all(e.get(k) == v for k, v in match.items()):
+                    return e
+            if self.proc.poll() is not None:
+                raise AssertionError(f"elasticd local exited ({self.proc.returncode}) before "
+                                     f"{kind} {match}:\n{self.output()}")
+            return None
+        return wait_until(find, timeout_s, f"journal entry {kind} {match}")
+
+    def local_info(self) -> dict:
+        path = self.state_dir / "local.json"
+        wait_until(path.exists, 30.0, "local.json")
+        return json.loads(path.read_text())
+
+    def status(self) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-m", "elastic.cli", "status", "--json",
+             "--state-dir", str(self.state_dir)],
+            env=self.env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def host(self, host_id: str) -> dict:
+        return next(h for h in self.status()["hosts"] if h["hostId"] == host_id)
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"elasticd local still running after {timeout_s} s:\n"
+                                 f"{self.output()}") from None
+
+    def output(self) -> str:
+        logs = [self.state_dir / "controller.log", *sorted((self.state_dir / "hosts").glob("*.log"))]
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+
+    def close(self) -> None:
+        """Stop everything this job started; the process group must be empty."""
+        for p in self.extra_procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for p in self.extra_procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        group_alive = True
+        deadline = time.monotonic() + 10
+        while group_alive and time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+                time.sleep(0.05)
+            except ProcessLookupError:
+                group_alive = False
+        assert not group_alive, f"process group {self.proc.pid} still has processes"
+
+
+@pytest.fixture
+def local_job(tmp_path, proc_env):
+    """Factory: local_job(spec, hosts=4, devices=1) -> a started LocalJob."""
+    jobs = []
+
+    def start(spec: pathlib.Path, hosts: int = 4, devices: int = 1) -> LocalJob:
+        job = LocalJob(spec, tmp_path / "state", proc_env, hosts, devices)
+        jobs.append(job)
+        return job
+    yield start
+    for job in jobs:
+        job.close()

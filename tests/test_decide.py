@@ -1,0 +1,350 @@
+"""Table-driven tests of the pure decisions, with a fake clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elastic.config import HealthSpec, JobSpec, MeshSpec, RestartSpec
+from elastic.policy import decide as d
+from elastic.policy.decide import Phase, SliceState, decide
+from elastic.policy.view import (ClusterView, HeartbeatReceived, ProgressReported, Registered,
+                                 WorkerExited, WorkerObs, WorkerState, observe)
+
+T0 = 1000.0
+
+
+def spec(**kw) -> JobSpec:
+    health = HealthSpec(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, stop_grace_s=2.0,
+                        stop_timeout_s=10.0, rendezvous_settle_s=1.0)
+    restart = RestartSpec(**kw.pop("restart", {}))
+    return JobSpec(command=("w",), min_hosts=kw.pop("min_hosts", 1),
+                   max_hosts=kw.pop("max_hosts", 4), health=health, restart=restart, **kw)
+
+
+def register(view: ClusterView, host: str, now: float = T0, domain: str | None = None,
+             devices: int = 2, incarnation: str | None = None) -> None:
+    observe(view, Registered(host, incarnation or f"inc-{host}", devices, "10.0.0.1",
+                             domain or host, 100, 5000 + int(host[-1]), WorkerObs()), now)
+
+
+def worker(view: ClusterView, host: str, now: float, generation: int, state: WorkerState,
+           step: int = -1, exit_code: int = 0, sig: int = 0) -> None:
+    inc = view.hosts[host].incarnation
+    obs = WorkerObs(generation=generation, state=state, pid=42, exit_code=exit_code, signal=sig,
+                    step=step)
+    event = (WorkerExited(host, inc, obs) if state is WorkerState.EXITED
+             else HeartbeatReceived(host, inc, obs, 0))
+    observe(view, event, now)
+
+
+def heartbeat_all(view: ClusterView, now: float) -> None:
+    for record in list(view.hosts.values()):
+        observe(view, HeartbeatReceived(record.host_id, record.incarnation, record.worker, 0), now)
+
+
+def kinds(decision: d.Decision) -> list[str]:
+    return [a.kind for a in decision.actions if isinstance(a, d.Journal)]
+
+
+def running_slice(view: ClusterView, hosts: list[str], now: float = T0,
+                  generation: int = 1, progressed: bool = True, **kw) -> SliceState:
+    for h in hosts:
+        worker(view, h, now, generation, WorkerState.RUNNING, step=5 if progressed else -1)
+    return SliceState(phase=Phase.RUNNING if progressed else Phase.STARTING,
+                      generation=generation, phase_since=now, members=tuple(hosts),
+                      incarnations=tuple(view.hosts[h].incarnation for h in hosts),
+                      progressed=progressed, **kw)
+
+
+# --- waiting and starting ----------------------------------------------------------------
+
+@pytest.mark.parametrize("registered,min_hosts,max_hosts,dt,started", [
+    (1, 2, 4, 5.0, None),  # below min_hosts: wait, say so
+    (2, 2, 4, 0.5, None),  # enough, but settling for more
+    (2, 2, 4, 1.5, 2),     # settled: start with what there is
+    (4, 2, 4, 0.0, 4),     # max_hosts reached: start at once
+    (5, 1, 4, 0.0, 4),     # more than max_hosts: only max_hosts join
+])
+def test_waiting_table(registered, min_hosts, max_hosts, dt, started):
+    view = ClusterView()
+    for i in range(registered):
+        register(view, f"h{i}")
+    s = spec(min_hosts=min_hosts, max_hosts=max_hosts)
+    decision = decide(SliceState(phase_since=T0), view, T0 + dt, s)
+    starts = [a for a in decision.actions if isinstance(a, d.StartWorker)]
+    if started is None:
+        assert decision.state.phase is Phase.WAITING and not starts
+        assert ("waiting" in decision.reason)
+    else:
+        assert decision.state.phase is Phase.STARTING
+        assert len(starts) == started
+        assert [a.process_id for a in starts] == list(range(started))
+        assert {a.num_processes for a in starts} == {started}
+        assert decision.state.generation == 1
+        assert kinds(decision) == ["generation_started"]
+
+
+def test_below_min_hosts_journaled_once():
+    view = ClusterView()
+    register(view, "h0")
+    s = spec(min_hosts=3)
+    first = decide(SliceState(phase_since=T0), view, T0, s)
+    again = decide(first.state, view, T0 + 1, s)
+    assert kinds(first) == ["waiting_for_hosts"] and "min_hosts is 3" in first.reason
+    assert kinds(again) == []
+
+
+def test_coordinator_follows_rank_zero_and_its_free_port():
+    view = ClusterView()
+    for h in ("h1", "h2"):
+        register(view, h)
+    decision = decide(SliceState(), view, T0 + 2, spec(max_hosts=2))
+    starts = [a for a in decision.actions if isinstance(a, d.StartWorker)]
+    assert starts[0].host == "h1"
+    assert {a.coordinator_address for a in starts} == {"10.0.0.1:5001"}
+
+
+def test_failure_domains_whole_only():
+    view = ClusterView()
+    # domain a complete (2 hosts), domain b has one of its two hosts
+    for host, dom in (("h0", "a"), ("h1", "a"), ("h2", "b")):
+        register(view, host, domain=dom)
+    s = spec(max_hosts=4, hosts_per_failure_domain=2)
+    decision = decide(SliceState(), view, T0 + 2, s)
+    starts = [a.host for a in decision.actions if isinstance(a, d.StartWorker)]
+    assert starts == ["h0", "h1"]
+
+
+# --- failures ------------------------------------------------------------------------
+
+def test_worker_exit_stops_whole_slice_with_sigkill():
+    view = ClusterView()
+    hosts = ["h0", "h1", "h2"]
+    for h in hosts:
+        register(view, h)
+    state = running_slice(view, hosts)
+    worker(view, "h1", T0 + 3, 1, WorkerState.EXITED, exit_code=3)
+    decision = decide(state, view, T0 + 3, spec())
+    stops = [a for a in decision.actions if isinstance(a, d.StopWorker)]
+    assert decision.state.phase is Phase.STOPPING
+    assert sorted(a.host for a in stops) == hosts
+    assert {a.grace_s for a in stops} == {0.0}
+    assert "h1" in decision.reason and "exit code 3" in decision.reason
+
+
+def test_first_failure_is_root_cause():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    worker(view, "h1", T0 + 1, 1, WorkerState.EXITED, sig=9)
+    worker(view, "h0", T0 + 2, 1, WorkerState.EXITED, sig=6)  # aborted by its peer's death
+    decision = decide(state, view, T0 + 2, spec())
+    assert "host h1" in decision.reason and "SIGKILL" in decision.reason
+
+
+@pytest.mark.parametrize("silent_s,lost", [(4.9, False), (5.1, True)])
+def test_lost_host_after_heartbeat_timeout(silent_s, lost):
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    observe(view, HeartbeatReceived("h0", "inc-h0", view.hosts["h0"].worker, 0), T0 + silent_s)
+    decision = decide(state, view, T0 + silent_s, spec())
+    assert ("host_lost" in kinds(decision)) is lost
+    assert (decision.state.phase is Phase.STOPPING) is lost
+    if lost:
+        assert decision.state.lost == {"h1"}
+
+
+def test_agent_restart_is_member_failure():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    register(view, "h1", now=T0 + 1, incarnation="new")
+    decision = decide(state, view, T0 + 1, spec())
+    assert decision.state.phase is Phase.STOPPING and "restarted" in decision.reason
+
+
+def stop_and_settle(state, view, now, s):
+    """From a failure to the decision after all stop acknowledgements."""
+    decision = decide(state, view, now, s)
+    assert decision.state.phase is Phase.STOPPING
+    for h in decision.state.members:
+        if view.hosts[h].worker.running and h not in decision.state.lost:
+            worker(view, h, now + 0.1, decision.state.generation, WorkerState.EXITED, sig=9)
+    return decide(decision.state, view, now + 0.2, s)
+
+
+def test_stop_then_restart_on_survivors():
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    heartbeat_all(view, T0 + 4)
+    observe(view, HeartbeatReceived("h1", "inc-h1", view.hosts["h1"].worker, 0), T0 + 6)
+    observe(view, HeartbeatReceived("h2", "inc-h2", view.hosts["h2"].worker, 0), T0 + 6)
+    s = spec()
+    stopped = stop_and_settle(state, view, T0 + 9.5, s)  # h0 silent 5.5 s
+    assert stopped.state.phase is Phase.WAITING
+    assert "slice_stopped" in kinds(stopped)
+    restart = decide(stopped.state, view, T0 + 11, s)
+    starts = [a for a in restart.actions if isinstance(a, d.StartWorker)]
+    assert restart.state.generation == 2
+    assert [a.host for a in starts] == ["h1", "h2"]  # h0 lost; ranks dense
+    assert [a.process_id for a in starts] == [0, 1]
+
+
+def test_unacknowledged_stop_drops_host_after_timeout():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    worker(view, "h0", T0 + 1, 1, WorkerState.EXITED, exit_code=1)
+    stopping = decide(state, view, T0 + 1, spec())
+    heartbeat_all(view, T0 + 5)
+    still = decide(stopping.state, view, T0 + 5, spec())
+    assert still.state.phase is Phase.STOPPING
+    heartbeat_all(view, T0 + 11.5)
+    dropped = decide(still.state, view, T0 + 11.5, spec())
+    assert dropped.state.phase is Phase.WAITING
+    assert "host_dropped" in kinds(dropped)
+
+
+def test_all_workers_exit_zero_succeeds():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    worker(view, "h0", T0 + 1, 1, WorkerState.EXITED)
+    partial = decide(state, view, T0 + 1, spec())
+    assert partial.state.phase is Phase.RUNNING
+    worker(view, "h1", T0 + 2, 1, WorkerState.EXITED)
+    done = decide(partial.state, view, T0 + 2, spec())
+    assert done.state.phase is Phase.SUCCEEDED
+    assert d.Finish(0) in done.actions and "job_succeeded" in kinds(done)
+
+
+@pytest.mark.parametrize("prior_failures,progressed,crash_loop,fails", [
+    (0, False, 3, False),
+    (1, False, 3, False),
+    (2, False, 3, True),   # third failure in a row without a step
+    (2, True, 3, False),   # a step in between resets the count
+    (0, False, 1, True),
+])
+def test_crash_loop(prior_failures, progressed, crash_loop, fails):
+    view = ClusterView()
+    register(view, "h0")
+    state = running_slice(view, ["h0"], progressed=progressed,
+                          failures_without_progress=prior_failures)
+    worker(view, "h0", T0 + 1, 1, WorkerState.EXITED, exit_code=1)
+    s = spec(restart={"crash_loop_failures": crash_loop})
+    end = stop_and_settle(state, view, T0 + 1, s)
+    assert (end.state.phase is Phase.FAILED) is fails
+    if fails:
+        assert "crash loop" in end.reason and d.Finish(1) in end.actions
+
+
+@pytest.mark.parametrize("earlier,max_restarts,fails", [
+    ((), 0, True),
+    ((), 1, False),
+    ((T0 - 100, T0 - 50), 2, True),
+    ((T0 - 5000, T0 - 50), 2, False),  # the old one is outside the 3600 s window
+])
+def test_restart_budget(earlier, max_restarts, fails):
+    view = ClusterView()
+    register(view, "h0")
+    state = running_slice(view, ["h0"], failure_restarts=earlier)
+    worker(view, "h0", T0 + 1, 1, WorkerState.EXITED, exit_code=1)
+    s = spec(restart={"max_restarts": max_restarts, "crash_loop_failures": 99})
+    end = stop_and_settle(state, view, T0 + 1, s)
+    assert (end.state.phase is Phase.FAILED) is fails
+    if fails:
+        assert "restart budget" in end.reason
+
+
+# --- grow ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy,commit_after_join,grows", [
+    ("never", True, False),
+    ("immediately", False, True),
+    ("after_checkpoint", False, False),
+    ("after_checkpoint", True, True),
+])
+def test_grow_policy(policy, commit_after_join, grows):
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    register(view, "h2", now=T0 + 1)
+    s = spec(restart={"grow": policy})
+    first = decide(state, view, T0 + 1, s)
+    if commit_after_join:
+        observe(view, ProgressReported("h0", "inc-h0", 1, 10, 9), T0 + 2)
+    second = decide(first.state, view, T0 + 2, s)
+    assert (Phase.STOPPING in (first.state.phase, second.state.phase)) is grows
+    if grows:
+        stopping = first if first.state.phase is Phase.STOPPING else second
+        assert "grow" in stopping.reason
+        assert {a.grace_s for a in stopping.actions if isinstance(a, d.StopWorker)} == {2.0}
+
+
+def test_grow_restart_does_not_spend_failure_budget():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    register(view, "h2", now=T0 + 1)
+    s = spec(restart={"grow": "immediately", "max_restarts": 0})
+    end = stop_and_settle(state, view, T0 + 1, s)
+    assert end.state.phase is Phase.WAITING and end.state.failure_restarts == ()
+    again = decide(end.state, view, T0 + 3, s)
+    assert len([a for a in again.actions if isinstance(a, d.StartWorker)]) == 3
+
+
+# --- stray workers (fencing of old generations) --------------------------------------
+
+def test_stray_worker_of_old_generation_is_stopped_once_per_timeout():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0"], generation=5)
+    worker(view, "h1", T0, 3, WorkerState.RUNNING, step=7)  # came back from generation 3
+    first = decide(state, view, T0 + 0.1, spec())
+    stops = [a for a in first.actions if isinstance(a, d.StopWorker)]
+    assert [(a.host, a.generation) for a in stops] == [("h1", 3)]
+    again = decide(first.state, view, T0 + 0.2, spec())
+    assert not [a for a in again.actions if isinstance(a, d.StopWorker)]
+
+
+def test_progress_of_other_generation_is_ignored():
+    view = ClusterView()
+    register(view, "h0")
+    worker(view, "h0", T0, 2, WorkerState.RUNNING)
+    relevant, facts = observe(view, ProgressReported("h0", "inc-h0", 1, 50, 49), T0 + 1)
+    assert not relevant and not facts and view.hosts["h0"].worker.step == -1
+
+
+def test_first_progress_journaled_once():
+    view = ClusterView()
+    register(view, "h0")
+    state = running_slice(view, ["h0"], progressed=False)
+    observe(view, ProgressReported("h0", "inc-h0", 1, 0, -1), T0 + 1)
+    first = decide(state, view, T0 + 1, spec())
+    again = decide(first.state, view, T0 + 2, spec())
+    assert kinds(first) == ["first_progress"] and first.state.phase is Phase.RUNNING
+    assert kinds(again) == []
+
+
+def test_terminal_state_is_final():
+    state = SliceState(phase=Phase.FAILED, reason="x")
+    decision = decide(state, ClusterView(), T0, spec())
+    assert decision.actions == () and decision.state is state
+
+
+def test_mesh_spec_is_kept_in_order():
+    assert MeshSpec.from_text("data=-1,model=2").axes == (("data", -1), ("model", 2))
+    assert dataclasses.replace(spec(), mesh=MeshSpec((("x", 4),))).mesh.to_text() == "x=4"

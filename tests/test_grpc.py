@@ -1,0 +1,134 @@
+"""Controller and agents in one process over real gRPC on ephemeral ports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from elastic import transport
+from elastic.agent.agent import Agent, AgentSettings
+from elastic.config import load_spec
+from elastic.controller.journal import read_journal
+from elastic.controller.server import ControllerServer
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+from tests.conftest import tiny_spec
+
+
+@pytest.fixture
+def tagged(proc_env, monkeypatch):
+    """Workers started by in-process agents carry the test tag too."""
+    monkeypatch.setenv("ELASTIC_TEST_TAG", proc_env["ELASTIC_TEST_TAG"])
+    monkeypatch.setenv("PATH", proc_env["PATH"])
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_controller_and_agents_run_a_job(tmp_path, tagged):
+    spec = load_spec(tiny_spec(tmp_path, "--steps 20 --step-time-s 0.01", max_hosts=2))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state")
+        address = await server.start()
+        agents = [Agent(AgentSettings(controller=address, host_id=f"h{i}", devices=1,
+                                      address="127.0.0.1", failure_domain=f"h{i}",
+                                      state_dir=str(tmp_path / f"agent{i}"), job_id="test"))
+                  for i in range(2)]
+        tasks = [asyncio.create_task(a.run()) for a in agents]
+        code = await server.run()
+        for a in agents:
+            a.shutdown()
+        await asyncio.gather(*tasks)
+        await server.stop()
+        return code
+
+    assert run(main()) == 0
+    kinds = [e["kind"] for e in read_journal(tmp_path / "state")]
+    assert kinds.count("worker_exited") == 2 and kinds[-1] == "job_succeeded"
+
+
+def header(host="h0", incarnation="inc-1", generation=0, job="test") -> pb.Header:
+    return pb.Header(job_id=job, host_id=host, incarnation=incarnation, generation=generation)
+
+
+def register_request(**kw) -> pb.RegisterRequest:
+    return pb.RegisterRequest(header=header(**kw), devices=1, address="127.0.0.1",
+                              worker=pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1))
+
+
+def test_fencing(tmp_path):
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state")
+        address = await server.start()
+        loop_task = asyncio.create_task(server.run())
+        async with transport.aio_channel(address) as ch:
+            stub = pb_grpc.ControllerStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as wrong_job:
+                await stub.Register(register_request(job="other"), timeout=5)
+            assert wrong_job.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "job 'other'" in wrong_job.value.details()
+
+            # a stream from an incarnation that never registered is refused
+            call = stub.Connect()
+            await call.write(pb.AgentMessage(header=header(incarnation="ghost"),
+                                             heartbeat=pb.Heartbeat()))
+            with pytest.raises(grpc.aio.AioRpcError) as ghost:
+                await call.read()
+            assert ghost.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+            reply = await stub.Register(register_request(), timeout=5)
+            assert reply.job_id == "test" and reply.heartbeat_timeout_s == 1.5
+            old = stub.Connect()
+            await old.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat()))
+            # a report about a worker of an older generation is rejected
+            server.controller.state = server.controller.state.__class__(generation=7)
+            await old.write(pb.AgentMessage(header=header(generation=3),
+                                            progress=pb.Progress(step=5, committed_step=-1)))
+            rejected = await old.read()
+            assert rejected.WhichOneof("body") == "rejected"
+            assert rejected.rejected.current_generation == 7
+            assert "generation 3 refused" in rejected.rejected.reason
+            # the same host registers again with a new incarnation: the old stream ends
+            await stub.Register(register_request(incarnation="inc-2"), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as replaced:
+                while True:
+                    await old.read()
+            assert replaced.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "inc-2" in replaced.value.details()
+            status = await stub.GetStatus(pb.StatusRequest(), timeout=5)
+            assert [h.incarnation for h in status.hosts] == ["inc-2"]
+        loop_task.cancel()
+        await server.stop()
+
+    run(main())
+
+
+def test_agent_retries_until_controller_appears(tmp_path, tagged):
+    """The agent is a systemd unit: it dials with backoff until a controller listens."""
+    spec = load_spec(tiny_spec(tmp_path, "--steps 5 --step-time-s 0.01", max_hosts=1))
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        agent = Agent(AgentSettings(controller=f"127.0.0.1:{port}", host_id="h0", devices=1,
+                                    address="127.0.0.1", failure_domain="h0",
+                                    state_dir=str(tmp_path / "agent"), job_id="test"))
+        task = asyncio.create_task(agent.run())
+        await asyncio.sleep(1.0)  # the agent is retrying against a closed port
+        server = ControllerServer(spec, f"127.0.0.1:{port}", tmp_path / "state")
+        await server.start()
+        code = await server.run()
+        agent.shutdown()
+        await task
+        await server.stop()
+        return code
+
+    assert run(main()) == 0

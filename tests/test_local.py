@@ -1,0 +1,110 @@
+"""`elasticd local` end to end: real processes, real gRPC, real signals.
+
+Each test checks that nothing it started is left (process group and the
+test tag in every descendant's environment, see conftest)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from tests.conftest import tiny_spec, wait_until
+
+
+def test_all_workers_exit_zero_job_succeeds(tmp_path, local_job):
+    job = local_job(tiny_spec(tmp_path, "--steps 30 --step-time-s 0.01", max_hosts=3), hosts=3)
+    assert job.wait(60) == 0, job.output()
+    kinds = [e["kind"] for e in job.journal()]
+    assert kinds.count("host_registered") == 3
+    assert kinds.count("generation_started") == 1
+    assert "first_progress" in kinds and kinds[-1] == "job_succeeded"
+    exits = [e for e in job.journal() if e["kind"] == "worker_exited"]
+    assert len(exits) == 3 and all(e["exit_code"] == 0 for e in exits)
+
+
+def test_sigkill_worker_restarts_whole_slice(tmp_path, local_job):
+    job = local_job(tiny_spec(tmp_path))
+    job.wait_for("first_progress", generation=1)
+    victim = job.host("host-2")
+    assert victim["workerPid"] > 0 and victim["state"] == "member"
+    others = {h["hostId"]: h["workerPid"] for h in job.status()["hosts"]}
+    os.kill(victim["workerPid"], signal.SIGKILL)
+    stopping = job.wait_for("slice_stopping", generation=1)
+    assert stopping["host"] == "host-2" and "SIGKILL" in stopping["reason"]
+    started = job.wait_for("generation_started", generation=2)
+    assert sorted(started["hosts"]) == ["host-0", "host-1", "host-2", "host-3"]
+    job.wait_for("first_progress", generation=2)
+    # every worker of generation 1 was stopped: no old pid survives
+    for pid in others.values():
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+                   open(f"/proc/{pid}/stat").read().split()[2] == "Z", 10, f"pid {pid} gone")
+    # the new generation resumed after the last committed step
+    committed = [e["step"] for e in job.journal() if e["kind"] == "checkpoint_committed"]
+    assert committed, "tiny worker commits every 10 steps"
+
+
+def test_lost_host_then_rejoin(tmp_path, local_job, proc_env):
+    spec = tiny_spec(tmp_path, extra="", job_extra="")
+    text = spec.read_text().replace("[health]", '[restart]\ngrow = "immediately"\n\n[health]')
+    spec.write_text(text)
+    job = local_job(spec)
+    job.wait_for("first_progress", generation=1)
+    victim = job.host("host-1")
+    killed_at = time.time()
+    os.kill(victim["agentPid"], signal.SIGKILL)
+    os.killpg(victim["workerPid"], signal.SIGKILL)
+    lost = job.wait_for("host_lost", host="host-1")
+    assert lost["ts"] - killed_at <= 1.5 + 1.0, lost  # heartbeat_timeout_s + 1 s
+    started = job.wait_for("generation_started", generation=2)
+    assert sorted(started["hosts"]) == ["host-0", "host-2", "host-3"]
+    job.wait_for("first_progress", generation=2)
+
+    # the host comes back: a new agent process (new incarnation) joins at the next generation
+    argv = job.local_info()["agents"]["host-1"]["argv"]
+    log = open(tmp_path / "host-1-again.log", "wb")
+    job.extra_procs.append(subprocess.Popen(argv, env=proc_env, stdout=log,
+                                            stderr=subprocess.STDOUT))
+    log.close()
+    registered = [e for e in job.journal() if e["kind"] == "host_registered"]
+    again = job.wait_for("generation_started", generation=3)
+    assert sorted(again["hosts"]) == ["host-0", "host-1", "host-2", "host-3"]
+    assert len([e for e in job.journal() if e["kind"] == "host_registered"]) == len(registered) + 1
+    job.wait_for("first_progress", generation=3)
+
+
+def test_crash_loop_fails_job_with_reason(tmp_path, local_job):
+    job = local_job(tiny_spec(tmp_path, "--crash-on-start", max_hosts=2), hosts=2)
+    assert job.wait(60) == 1, job.output()
+    failed = job.journal()[-1]
+    assert failed["kind"] == "job_failed"
+    assert "crash loop: 3 failures in a row" in failed["reason"]
+    assert "exit code 1" in failed["reason"]
+    assert [e["generation"] for e in job.journal() if e["kind"] == "generation_started"] == [1, 2, 3]
+    exits = [e for e in job.journal() if e["kind"] == "worker_exited" and e["exit_code"] == 1]
+    assert "crashing on purpose" in exits[0]["stderr_tail"]
+
+
+def test_sigterm_stops_everything(tmp_path, local_job):
+    job = local_job(tiny_spec(tmp_path), hosts=2)
+    job.wait_for("first_progress", generation=1)
+    workers = [h["workerPid"] for h in job.status()["hosts"]]
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(30) == 128 + signal.SIGTERM
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_status_table(tmp_path, local_job, proc_env):
+    job = local_job(tiny_spec(tmp_path), hosts=2)
+    job.wait_for("first_progress", generation=1)
+    out = subprocess.run(["python", "-m", "elastic.cli", "status", "--state-dir",
+                          str(job.state_dir)], env=proc_env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "job test: running, generation 1" in out.stdout
+    for column in ("HOST", "STATE", "DEVICES", "AGENT PID", "WORKER PID", "HEARTBEAT AGE", "STEP"):
+        assert column in out.stdout
+    assert out.stdout.count(" member ") == 2
