@@ -47,10 +47,16 @@ class Controller:
             self._wake.set()
 
     def reconcile(self) -> None:
-        """One pass: decide, then execute."""
-        decision = decide(self.state, self.view, self.clock.monotonic(), self.spec)
-        self.state = decision.state
-        self.executor.apply(decision.actions)
+        """Decide and execute until the phase settles (a stop that completes
+        at once is followed by the next start in the same pass, not a tick
+        later). At most 4 passes."""
+        for _ in range(4):
+            before = self.state.phase
+            decision = decide(self.state, self.view, self.clock.monotonic(), self.spec)
+            self.state = decision.state
+            self.executor.apply(decision.actions)
+            if self.state.phase is before or self.state.phase.terminal:
+                return
 
     async def run(self) -> int:
         """Reconcile until the job ends; returns the exit code (0 or 1)."""

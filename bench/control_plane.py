@@ -1,0 +1,169 @@
+"""Benchmark: how fast the control plane reacts, on a local slice.
+
+Runs `workers/tiny` (no JAX) on N simulated hosts with the default health
+timings (heartbeat 1 s, timeout 5 s) and measures, over `--trials` trials:
+
+- worker SIGKILL -> `slice_stopping` (detection) and -> `generation_started`
+  of the next generation (restart decided and sent), and -> `first_progress`;
+- agent + worker SIGKILL -> `host_lost` (then the agent is started again and
+  rejoins, ready for the next trial).
+
+Times are journal timestamps minus the time just before the kill (same
+machine clock). Prints a table and writes JSON (`--out`).
+
+    .venv/bin/python bench/control_plane.py --trials 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from elastic.config import load_spec
+from elastic.controller.journal import read_journal
+from elastic.local import _child_env, start_slice, stop_slice
+from elastic import transport
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def spec_text(heartbeat_interval_s: float, heartbeat_timeout_s: float) -> str:
+    argv = json.dumps([sys.executable, str(REPO / "workers/tiny/worker.py"),
+                       "--steps", "10000000", "--step-time-s", "0.02"])
+    return f"""
+[job]
+id = "bench"
+command = {argv}
+min_hosts = 1
+max_hosts = 4
+
+[restart]
+grow = "immediately"
+max_restarts = 1000
+crash_loop_failures = 1000
+
+[health]
+heartbeat_interval_s = {heartbeat_interval_s}
+heartbeat_timeout_s = {heartbeat_timeout_s}
+"""
+
+
+def wait_entry(state_dir, kind, timeout_s=60.0, after_ts=0.0, **match) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for e in read_journal(state_dir):
+            if e["kind"] == kind and e["ts"] >= after_ts and \
+                    all(e.get(k) == v for k, v in match.items()):
+                return e
+        time.sleep(0.01)
+    raise TimeoutError(f"no {kind} {match} within {timeout_s} s")
+
+
+def status(address: str) -> pb.JobStatus:
+    with transport.channel(address) as ch:
+        return pb_grpc.ControllerStub(ch).GetStatus(pb.StatusRequest(), timeout=5)
+
+
+def summarize(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"median_s": round(statistics.median(ordered), 3),
+            "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
+            "min_s": round(ordered[0], 3), "max_s": round(ordered[-1], 3), "n": len(ordered)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "control_plane.json"))
+    args = parser.parse_args()
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-bench-"))
+    spec_path = work / "job.toml"
+    spec_path.write_text(spec_text(args.heartbeat_interval_s, args.heartbeat_timeout_s))
+    spec = load_spec(spec_path)
+    state = work / "state"
+    local = start_slice(str(spec_path), spec, args.hosts, 1, state)
+    rows = {"worker_kill_to_detection": [], "worker_kill_to_generation_started": [],
+            "worker_kill_to_first_progress": [], "agent_kill_to_host_lost": []}
+    extra: list[subprocess.Popen] = []
+    try:
+        generation = wait_entry(state, "first_progress")["generation"]
+        for trial in range(args.trials):
+            st = status(local.address)
+            victim = next(h for h in st.hosts if h.host_id == f"host-{trial % args.hosts}")
+            t0 = time.time()
+            os.kill(victim.worker_pid, signal.SIGKILL)
+            stopping = wait_entry(state, "slice_stopping", generation=generation)
+            started = wait_entry(state, "generation_started", generation=generation + 1)
+            first = wait_entry(state, "first_progress", generation=generation + 1)
+            rows["worker_kill_to_detection"].append(stopping["ts"] - t0)
+            rows["worker_kill_to_generation_started"].append(started["ts"] - t0)
+            rows["worker_kill_to_first_progress"].append(first["ts"] - t0)
+            generation += 1
+            print(f"worker kill {trial + 1}/{args.trials}: detected {stopping['ts'] - t0:.3f} s, "
+                  f"next generation {started['ts'] - t0:.3f} s, first step "
+                  f"{first['ts'] - t0:.3f} s", flush=True)
+        for trial in range(args.trials):
+            host_id = f"host-{1 + trial % (args.hosts - 1)}"
+            st = status(local.address)
+            victim = next(h for h in st.hosts if h.host_id == host_id)
+            t0 = time.time()
+            os.kill(victim.agent_pid, signal.SIGKILL)
+            if victim.worker_pid:
+                os.killpg(victim.worker_pid, signal.SIGKILL)
+            lost = wait_entry(state, "host_lost", host=host_id, after_ts=t0)
+            rows["agent_kill_to_host_lost"].append(lost["ts"] - t0)
+            print(f"agent kill {trial + 1}/{args.trials}: host_lost after {lost['ts'] - t0:.3f} s",
+                  flush=True)
+            # bring the host back and wait until the slice runs on all hosts again
+            log = open(state / "hosts" / f"{host_id}.log", "ab")
+            extra.append(subprocess.Popen(local.agent_argv[host_id], env=_child_env(),
+                                          stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                st = status(local.address)
+                if st.phase == "running" and sum(h.state == "member" for h in st.hosts) == args.hosts:
+                    break
+                time.sleep(0.05)
+            generation = st.generation
+    finally:
+        for p in extra:
+            p.send_signal(signal.SIGTERM)
+        stop_slice(local)
+        for p in extra:
+            p.wait(15)
+
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, "
+              f"{platform.machine()}, Python {platform.python_version()}",
+              "hosts": args.hosts, "heartbeat_interval_s": args.heartbeat_interval_s,
+              "heartbeat_timeout_s": args.heartbeat_timeout_s,
+              "results": {k: summarize(v) for k, v in rows.items() if v},
+              "raw": {k: [round(x, 4) for x in v] for k, v in rows.items()}}
+    print(f"\n{'measure':38} {'median':>8} {'p95':>8} {'min':>8} {'max':>8}")
+    for name, s in result["results"].items():
+        print(f"{name:38} {s['median_s']:8.3f} {s['p95_s']:8.3f} {s['min_s']:8.3f} "
+              f"{s['max_s']:8.3f}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwritten to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
