@@ -10,6 +10,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.conftest import tiny_spec, wait_until
 
 
@@ -86,12 +88,13 @@ def test_crash_loop_fails_job_with_reason(tmp_path, local_job):
     assert "crashing on purpose" in exits[0]["stderr_tail"]
 
 
-def test_sigterm_stops_everything(tmp_path, local_job):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything(tmp_path, local_job, sig):
     job = local_job(tiny_spec(tmp_path), hosts=2)
     job.wait_for("first_progress", generation=1)
     workers = [h["workerPid"] for h in job.status()["hosts"]]
-    job.proc.send_signal(signal.SIGTERM)
-    assert job.wait(30) == 128 + signal.SIGTERM
+    job.proc.send_signal(sig)
+    assert job.wait(30) == 128 + sig
     for pid in workers:
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().split()[2] == "Z"

@@ -1,0 +1,55 @@
+"""Agent guarantees: workers never outlive their agent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from elastic import config
+from elastic.agent.supervisor import kill_leftovers
+from tests.conftest import LocalJob, tiny_spec, wait_until
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_restarted_agent_kills_leftovers_of_previous_incarnation(tmp_path, proc_env):
+    owner = str(tmp_path / "agent-state")
+    env = dict(proc_env, **{config.ENV_WORKER_OWNER: owner})
+    # a process that escaped its group (own session), as a worker's child might
+    old = subprocess.Popen(["sleep", "60"], env=dict(env, **{config.ENV_INCARNATION: "old"}),
+                           start_new_session=True)
+    mine = subprocess.Popen(["sleep", "60"], env=dict(env, **{config.ENV_INCARNATION: "new"}))
+    other = subprocess.Popen(["sleep", "60"], env=dict(proc_env, **{
+        config.ENV_WORKER_OWNER: owner + "-other", config.ENV_INCARNATION: "old"}))
+    try:
+        killed = kill_leftovers(owner, "new")
+        assert killed == [old.pid]
+        assert old.wait(5) == -signal.SIGKILL
+        assert mine.poll() is None and other.poll() is None
+    finally:
+        for p in (old, mine, other):
+            p.kill()
+            p.wait()
+
+
+def test_worker_dies_with_its_agent(tmp_path, local_job):
+    job: LocalJob = local_job(tiny_spec(tmp_path, max_hosts=2), hosts=2)
+    job.wait_for("first_progress", generation=1)
+    host = job.host("host-1")
+    os.kill(host["agentPid"], signal.SIGKILL)  # only the agent
+    wait_until(lambda: not alive(host["workerPid"]), 10, "the worker to die with its agent")
+
+
+def test_agent_rejects_bad_devices(proc_env):
+    out = subprocess.run([sys.executable, "-m", "elastic.agent.main", "--controller", "x:1",
+                          "--host-id", "h", "--devices", "0"], env=proc_env,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--devices must be at least 1" in out.stderr
