@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -84,15 +85,22 @@ class Agent:
 
     def _progress(self, data: bytes) -> None:
         try:
-            generation, step, committed = progress.decode(data)
+            report = progress.decode(data)
         except ValueError as e:
             log.warning("%s", e)
             return
-        first, newer = self.supervisor.note_progress(generation, step, committed)
+        if report.event:
+            if report.generation == self.supervisor.status.generation:
+                self._post(worker_event=pb.WorkerEvent(
+                    kind=report.event, reason=report.reason,
+                    fields_json=json.dumps(report.fields)))
+            return
+        first, newer = self.supervisor.note_progress(report.generation, report.step,
+                                                     report.committed_step, report.metrics)
         if first or newer:
             status = self.supervisor.status
-            self._post(progress=pb.Progress(step=status.step,
-                                            committed_step=status.committed_step))
+            self._post(progress=pb.Progress(step=status.step, committed_step=status.committed_step,
+                                            metrics=status.metrics))
 
     # --- commands down -----------------------------------------------------
 

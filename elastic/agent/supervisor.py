@@ -176,8 +176,8 @@ class WorkerSupervisor:
         if self._proc is not None:
             kill_group(self._proc.pid)
 
-    def note_progress(self, generation: int, step: int | None,
-                      committed_step: int | None) -> tuple[bool, bool]:
+    def note_progress(self, generation: int, step: int | None, committed_step: int | None,
+                      metrics: Mapping[str, float] | None = None) -> tuple[bool, bool]:
         """Record a progress report; returns (first step of this worker,
         newer committed step). Reports of another generation are ignored."""
         if generation != self.status.generation:
@@ -186,6 +186,9 @@ class WorkerSupervisor:
         if step is not None and step > self.status.step:
             first = self.status.step < 0
             self.status.step = step
+            if metrics:
+                self.status.metrics.clear()
+                self.status.metrics.update(metrics)
         if committed_step is not None and committed_step > self.status.committed_step:
             self.status.committed_step = committed_step
             newer = True

@@ -8,6 +8,7 @@ a report about a worker of an older generation is answered with `Rejected`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import grpc
@@ -31,7 +32,7 @@ def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
         generation=status.generation, state=_STATES.get(status.state, v.WorkerState.IDLE),
         pid=status.pid, exit_code=status.exit_code, signal=status.signal,
         stderr_tail=status.stderr_tail, stopped_on_request=status.stopped_on_request,
-        step=status.step, committed_step=status.committed_step)
+        step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics))
 
 
 def fence(controller: Controller, header: pb.Header) -> str | None:
@@ -156,4 +157,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         elif kind == "progress":
             p = message.progress
             c.submit(v.ProgressReported(h.host_id, h.incarnation, h.generation, p.step,
-                                        p.committed_step))
+                                        p.committed_step, dict(p.metrics)))
+        elif kind == "worker_event":
+            e = message.worker_event
+            try:
+                fields = json.loads(e.fields_json or "{}")
+            except ValueError:
+                fields = {}
+            c.submit(v.WorkerReported(h.host_id, h.incarnation, h.generation, e.kind, e.reason,
+                                      fields if isinstance(fields, dict) else {}))

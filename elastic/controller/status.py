@@ -24,7 +24,7 @@ def job_status(controller) -> pb.JobStatus:
             heartbeat_age_s=max(0.0, now - record.last_heartbeat_at), step=w.step,
             rank=ranks.get(record.host_id, -1), failure_domain=record.failure_domain,
             incarnation=record.incarnation, worker_state=w.state.value,
-            address=record.address))
+            address=record.address, metrics=w.metrics))
     return pb.JobStatus(job_id=controller.spec.job_id, phase=state.phase.value,
                         generation=state.generation, restarts=state.restarts,
                         reason=state.reason, hosts=hosts,
@@ -38,11 +38,12 @@ def format_status(status: pb.JobStatus) -> str:
              f"{status.restarts} restarts, committed step {status.committed_step}",
              f"  {status.reason}", ""]
     header = ("HOST", "STATE", "RANK", "DEVICES", "AGENT PID", "WORKER PID", "WORKER",
-              "HEARTBEAT AGE", "STEP")
+              "HEARTBEAT AGE", "STEP", "LOSS")
     rows = [header] + [
         (h.host_id, h.state, str(h.rank) if h.rank >= 0 else "-", str(h.devices),
          str(h.agent_pid), str(h.worker_pid or "-"), h.worker_state,
-         f"{h.heartbeat_age_s:.1f} s", str(h.step) if h.step >= 0 else "-")
+         f"{h.heartbeat_age_s:.1f} s", str(h.step) if h.step >= 0 else "-",
+         f"{h.metrics['loss']:.4f}" if "loss" in h.metrics else "-")
         for h in status.hosts]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

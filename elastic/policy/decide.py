@@ -245,7 +245,9 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         return _begin_stop(state, now, spec, actions, "failure", why, host)
     if done == len(state.members):
         reason = f"all {done} workers of generation {state.generation} exited 0"
-        actions.append(Journal("job_succeeded", state.generation, reason))
+        last = view.hosts[state.members[0]].worker
+        actions.append(Journal("job_succeeded", state.generation, reason, None,
+                               {"step": last.step, "metrics": dict(last.metrics)}))
         actions.append(Finish(0))
         return _enter(state, Phase.SUCCEEDED, now, reason, exit_code=0)
     return _consider_grow(state, view, now, spec, actions)

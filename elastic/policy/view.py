@@ -38,6 +38,7 @@ class WorkerObs:
     stopped_on_request: bool = False
     step: int = -1
     committed_step: int = -1
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def running(self) -> bool:
@@ -113,9 +114,27 @@ class ProgressReported:
     generation: int
     step: int
     committed_step: int
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-Event = Registered | HeartbeatReceived | WorkerExited | ProgressReported
+# What a worker may write into the journal through its agent.
+WORKER_EVENT_KINDS = frozenset({"worker_phases", "checkpoint_restored",
+                                "checkpoint_restore_failed", "checkpoint_saved"})
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerReported:
+    """A worker's own journal entry (kind in WORKER_EVENT_KINDS)."""
+
+    host_id: str
+    incarnation: str
+    generation: int
+    kind: str
+    reason: str
+    fields: dict
+
+
+Event = Registered | HeartbeatReceived | WorkerExited | ProgressReported | WorkerReported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +258,13 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         first = w.step < 0 <= event.step
         if first:
             record.first_step_at = now
+        if event.step > w.step and event.metrics:
+            w.metrics = dict(event.metrics)
         w.step = max(w.step, event.step)
         return first or bool(facts), facts
+    if isinstance(event, WorkerReported):
+        if event.kind not in WORKER_EVENT_KINDS or event.generation != record.worker.generation:
+            return False, []
+        return False, [Fact(event.kind, event.host_id, event.generation, event.reason,
+                            dict(event.fields))]
     raise TypeError(f"unknown event {event!r}")

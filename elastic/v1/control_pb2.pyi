@@ -31,7 +31,14 @@ class Header(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("generation", "state", "pid", "exit_code", "signal", "stderr_tail", "stopped_on_request", "step", "committed_step")
+    __slots__ = ("generation", "state", "pid", "exit_code", "signal", "stderr_tail", "stopped_on_request", "step", "committed_step", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +48,7 @@ class WorkerStatus(_message.Message):
     STOPPED_ON_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     state: WorkerState
     pid: int
@@ -50,7 +58,8 @@ class WorkerStatus(_message.Message):
     stopped_on_request: bool
     step: int
     committed_step: int
-    def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "devices", "address", "failure_domain", "agent_pid", "worker", "free_port")
@@ -93,24 +102,45 @@ class Heartbeat(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("step", "committed_step")
+    __slots__ = ("step", "committed_step", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     step: int
     committed_step: int
-    def __init__(self, step: _Optional[int] = ..., committed_step: _Optional[int] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("kind", "reason", "fields_json")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    reason: str
+    fields_json: str
+    def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., fields_json: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("header", "heartbeat", "worker_exited", "progress")
+    __slots__ = ("header", "heartbeat", "worker_exited", "progress", "worker_event")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WORKER_EXITED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EVENT_FIELD_NUMBER: _ClassVar[int]
     header: Header
     heartbeat: Heartbeat
     worker_exited: WorkerStatus
     progress: Progress
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    worker_event: WorkerEvent
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., worker_event: _Optional[_Union[WorkerEvent, _Mapping]] = ...) -> None: ...
 
 class StartWorker(_message.Message):
     __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir")
@@ -174,7 +204,14 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HostStatus(_message.Message):
-    __slots__ = ("host_id", "state", "devices", "agent_pid", "worker_pid", "heartbeat_age_s", "step", "rank", "failure_domain", "incarnation", "worker_state", "address")
+    __slots__ = ("host_id", "state", "devices", "agent_pid", "worker_pid", "heartbeat_age_s", "step", "rank", "failure_domain", "incarnation", "worker_state", "address", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +224,7 @@ class HostStatus(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     state: str
     devices: int
@@ -199,7 +237,8 @@ class HostStatus(_message.Message):
     incarnation: str
     worker_state: str
     address: str
-    def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s")

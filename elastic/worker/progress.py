@@ -9,6 +9,7 @@ report, far under 1 % of a training step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 
@@ -19,21 +20,43 @@ def socket_address(text: str) -> str:
     return "\0" + text[1:] if text.startswith("@") else text
 
 
-def encode(generation: int, step: int | None = None, committed_step: int | None = None) -> bytes:
-    body = {"g": generation}
-    if step is not None:
-        body["s"] = step
-    if committed_step is not None:
-        body["c"] = committed_step
-    return json.dumps(body, separators=(",", ":")).encode()
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """One datagram: a step (with metrics), a committed step, or an event."""
+
+    generation: int
+    step: int | None = None
+    committed_step: int | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    event: str | None = None
+    reason: str = ""
+    fields: dict = dataclasses.field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        body: dict = {"g": self.generation}
+        for key, value in (("s", self.step), ("c", self.committed_step), ("e", self.event)):
+            if value is not None:
+                body[key] = value
+        if self.metrics:
+            body["m"] = self.metrics
+        if self.event:
+            body["r"], body["f"] = self.reason, self.fields
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> tuple[int, int | None, int | None]:
-    """(generation, step, committed_step). Raises ValueError on a bad report."""
-    body = json.loads(data)
-    if not isinstance(body, dict) or not isinstance(body.get("g"), int):
-        raise ValueError(f"bad progress report {data[:100]!r}")
-    return body["g"], body.get("s"), body.get("c")
+def decode(data: bytes) -> Report:
+    """Parse a datagram. Raises ValueError on a malformed one."""
+    try:
+        body = json.loads(data)
+        report = Report(generation=body["g"], step=body.get("s"), committed_step=body.get("c"),
+                        metrics={str(k): float(v) for k, v in body.get("m", {}).items()},
+                        event=body.get("e"), reason=str(body.get("r", "")),
+                        fields=dict(body.get("f", {})))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"bad progress report {data[:100]!r}: {e}") from None
+    if not isinstance(report.generation, int):
+        raise ValueError(f"bad progress report {data[:100]!r}: generation")
+    return report
 
 
 class ProgressReporter:
@@ -60,13 +83,20 @@ class ProgressReporter:
         except OSError:  # buffer full, agent gone: never block training
             self.dropped += 1
 
-    def step(self, step: int) -> None:
-        """Step `step` (an integer, counted from 0) finished."""
-        self._send(encode(self.generation, step=step))
+    def step(self, step: int, **metrics: float) -> None:
+        """Step `step` (an integer, counted from 0) finished; optional scalar
+        metrics (e.g. loss=2.31) travel with it to `elasticd status`."""
+        self._send(Report(self.generation, step=step,
+                          metrics={k: float(v) for k, v in metrics.items()}).encode())
 
     def committed(self, step: int) -> None:
         """The checkpoint of step `step` is committed (complete on storage)."""
-        self._send(encode(self.generation, committed_step=step))
+        self._send(Report(self.generation, committed_step=step).encode())
+
+    def event(self, kind: str, reason: str, **fields) -> None:
+        """Something for the job's journal (kind must be one the controller
+        accepts: elastic.policy.view.WORKER_EVENT_KINDS)."""
+        self._send(Report(self.generation, event=kind, reason=reason, fields=fields).encode())
 
     def close(self) -> None:
         if self._sock is not None:
