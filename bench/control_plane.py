@@ -31,9 +31,7 @@ import time
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.local import _child_env, start_slice, stop_slice
-from elastic import transport
-from elastic.v1 import control_pb2 as pb
-from elastic.v1 import control_pb2_grpc as pb_grpc
+from elastic.controller.status import fetch_status
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -70,11 +68,6 @@ def wait_entry(state_dir, kind, timeout_s=60.0, after_ts=0.0, **match) -> dict:
     raise TimeoutError(f"no {kind} {match} within {timeout_s} s")
 
 
-def status(address: str) -> pb.JobStatus:
-    with transport.channel(address) as ch:
-        return pb_grpc.ControllerStub(ch).GetStatus(pb.StatusRequest(), timeout=5)
-
-
 def summarize(values: list[float]) -> dict:
     ordered = sorted(values)
     return {"median_s": round(statistics.median(ordered), 3),
@@ -103,7 +96,7 @@ def main() -> int:
     try:
         generation = wait_entry(state, "first_progress")["generation"]
         for trial in range(args.trials):
-            st = status(local.address)
+            st = fetch_status(local.address)
             victim = next(h for h in st.hosts if h.host_id == f"host-{trial % args.hosts}")
             t0 = time.time()
             os.kill(victim.worker_pid, signal.SIGKILL)
@@ -119,7 +112,7 @@ def main() -> int:
                   f"{first['ts'] - t0:.3f} s", flush=True)
         for trial in range(args.trials):
             host_id = f"host-{1 + trial % (args.hosts - 1)}"
-            st = status(local.address)
+            st = fetch_status(local.address)
             victim = next(h for h in st.hosts if h.host_id == host_id)
             t0 = time.time()
             os.kill(victim.agent_pid, signal.SIGKILL)
@@ -136,7 +129,7 @@ def main() -> int:
             log.close()
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                st = status(local.address)
+                st = fetch_status(local.address)
                 if st.phase == "running" and sum(h.state == "member" for h in st.hosts) == args.hosts:
                     break
                 time.sleep(0.05)

@@ -14,7 +14,6 @@ import sys
 
 import grpc
 
-from elastic import transport
 from elastic.config import SpecError, load_spec
 
 DEFAULT_STATE_DIR = "elastic-state"
@@ -41,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--devices-per-host", type=int, default=2)
     local.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
     local.add_argument("--quiet", action="store_true", help="do not print the journal")
+    local.add_argument("--fault", action="append", default=[], metavar="KIND:HOST@TRIGGER",
+                       help="inject a fault, e.g. kill-host:host-1@step=120 or "
+                            "kill-worker:host-2@t=30 (repeatable)")
     return parser
 
 
@@ -56,9 +58,7 @@ def _status(args) -> int:
     from google.protobuf import json_format
 
     from elastic.controller.server import ADDRESS_FILE
-    from elastic.controller.status import format_status
-    from elastic.v1 import control_pb2 as pb
-    from elastic.v1 import control_pb2_grpc as pb_grpc
+    from elastic.controller.status import fetch_status, format_status
 
     address = args.controller
     if not address:
@@ -68,13 +68,12 @@ def _status(args) -> int:
                   file=sys.stderr)
             return 1
         address = path.read_text().strip()
-    with transport.channel(address) as ch:
-        try:
-            status = pb_grpc.ControllerStub(ch).GetStatus(pb.StatusRequest(), timeout=5.0)
-        except grpc.RpcError as e:
-            print(f"elasticd: cannot reach the controller at {address}: {e.code().name}",
-                  file=sys.stderr)
-            return 1
+    try:
+        status = fetch_status(address)
+    except grpc.RpcError as e:
+        print(f"elasticd: cannot reach the controller at {address}: {e.code().name}",
+              file=sys.stderr)
+        return 1
     if args.json:
         print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
     else:
@@ -100,13 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "local":
         from elastic.local import run_local
 
+        from elastic.faults import parse_fault
+
         if args.hosts < 1 or args.devices_per_host < 1:
             print("elasticd: error: --hosts and --devices-per-host must be at least 1",
                   file=sys.stderr)
             return 2
         try:
+            faults = [parse_fault(text) for text in args.fault]
+        except ValueError as e:
+            print(f"elasticd: error: {e}", file=sys.stderr)
+            return 2
+        try:
             return run_local(args.config, spec, args.hosts, args.devices_per_host,
-                             args.state_dir, quiet=args.quiet)
+                             args.state_dir, quiet=args.quiet, faults=faults)
         except RuntimeError as e:
             print(f"elasticd: error: {e}", file=sys.stderr)
             return 1

@@ -24,6 +24,10 @@ Example (units are in the key names; all keys but `job.command` are optional)::
     heartbeat_interval_s = 1.0
     heartbeat_timeout_s = 5.0
 
+    [batch]                              # batch under resize (elastic.worker.batch)
+    mode = "global"                      # "global" | "per_device"
+    lr_scaling = "linear"                # with per_device: "linear" | "sqrt"
+
     [restart]
     max_restarts = 20
     window_s = 3600.0
@@ -134,6 +138,16 @@ class RestartSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """Batch under resize (see elastic.worker.batch): mode "global" keeps the
+    global batch fixed (padding rows with zero weight), "per_device" keeps
+    each device's rows fixed and scales the learning rate ("linear"/"sqrt")."""
+
+    mode: str = "global"
+    lr_scaling: str = "linear"
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     """One job: what every host runs and how the controller keeps it running."""
 
@@ -149,6 +163,7 @@ class JobSpec:
     mesh: MeshSpec = MeshSpec()
     health: HealthSpec = HealthSpec()
     restart: RestartSpec = RestartSpec()
+    batch: BatchSpec = BatchSpec()
     source: str = "<memory>"
 
     def with_checkpoint_dir(self, default: str) -> "JobSpec":
@@ -160,7 +175,7 @@ class JobSpec:
 
 # --- parsing -----------------------------------------------------------------
 
-_SECTIONS = {"job", "mesh", "health", "restart"}
+_SECTIONS = {"job", "mesh", "health", "restart", "batch"}
 _JOB_KEYS = {
     "id": str, "command": list, "env": dict, "workdir": str, "min_hosts": int,
     "max_hosts": int, "hosts_per_failure_domain": int, "devices_per_host": int,
@@ -253,6 +268,7 @@ def parse_spec(raw: Mapping[str, Any], source: str = "<memory>",
         mesh=_checked_mesh(axes, f"{source}: [mesh]"),
         health=_section(source, raw, "health", HealthSpec),
         restart=_section(source, raw, "restart", RestartSpec),
+        batch=_section(source, raw, "batch", BatchSpec),
         **values,
     )
     validate(spec)
@@ -286,6 +302,10 @@ def validate(spec: JobSpec) -> None:
         (r.crash_loop_failures >= 1, "restart.crash_loop_failures must be at least 1"),
         (r.grow in GROW_POLICIES,
          f"restart.grow is {r.grow!r}; expected one of {', '.join(GROW_POLICIES)}"),
+        (spec.batch.mode in ("global", "per_device"),
+         f"batch.mode is {spec.batch.mode!r}; expected global or per_device"),
+        (spec.batch.lr_scaling in ("linear", "sqrt"),
+         f"batch.lr_scaling is {spec.batch.lr_scaling!r}; expected linear or sqrt"),
     ]
     for ok, message in checks:
         if not ok:
@@ -324,6 +344,8 @@ ENV_MESH = "ELASTIC_MESH"
 ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
 ENV_DEVICES_PER_HOST = "ELASTIC_DEVICES_PER_HOST"
 ENV_PROGRESS_SOCKET = "ELASTIC_PROGRESS_SOCKET"
+ENV_BATCH_MODE = "ELASTIC_BATCH_MODE"
+ENV_LR_SCALING = "ELASTIC_LR_SCALING"
 # Marks every process an agent starts, so that a restarted agent can find the
 # leftovers of its previous incarnation (value: the agent's state directory).
 ENV_WORKER_OWNER = "ELASTIC_WORKER_OWNER"
@@ -344,6 +366,7 @@ class WorkerEnv:
     checkpoint_dir: str
     devices_per_host: int
     progress_socket: str | None
+    batch: BatchSpec = BatchSpec()
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -371,6 +394,7 @@ class WorkerEnv:
             checkpoint_dir=need(ENV_CHECKPOINT_DIR),
             devices_per_host=int(need(ENV_DEVICES_PER_HOST)),
             progress_socket=env.get(ENV_PROGRESS_SOCKET) or None,
+            batch=BatchSpec(env.get(ENV_BATCH_MODE, "global"), env.get(ENV_LR_SCALING, "linear")),
         )
 
 

@@ -23,9 +23,14 @@ import sys
 import threading
 import time
 
+import grpc
+
 from elastic.config import JobSpec
-from elastic.controller.journal import JOURNAL_NAME
+from elastic.controller.journal import JOURNAL_NAME, JournalWriter, read_journal
 from elastic.controller.server import ADDRESS_FILE
+from elastic.controller.status import fetch_status, slice_step
+from elastic.faults import Fault, inject
+from elastic.report import summarize
 
 LOCAL_FILE = "local.json"
 
@@ -184,9 +189,45 @@ class JournalFollower(threading.Thread):
             self._halt.wait(0.1)
 
 
+class FaultInjector(threading.Thread):
+    """Injects `faults` into a running local slice when their triggers come
+    (polling the controller's status every 0.1 s), journaling each one as
+    `fault_injected` with the slice step and the pids it hit."""
+
+    def __init__(self, local: LocalSlice, faults: list[Fault]) -> None:
+        super().__init__(daemon=True)
+        self.local, self.pending = local, list(faults)
+        self._halt = threading.Event()
+        self.journal = JournalWriter(local.state_dir)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(2.0)
+        self.journal.close()
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while self.pending and not self._halt.wait(0.1):
+            try:
+                status = fetch_status(self.local.address, timeout_s=2.0)
+            except grpc.RpcError:
+                continue
+            step = slice_step(status)
+            for fault in [f for f in self.pending if f.due(step, time.monotonic() - t0)]:
+                host = next((h for h in status.hosts if h.host_id == fault.host), None)
+                if host is None:
+                    continue
+                self.pending.remove(fault)
+                hit = inject(fault, host.agent_pid, host.worker_pid)
+                self.journal.write(time.time(), "fault_injected", status.generation,
+                                   f"{fault.describe()} (slice at step {step})", fault.host,
+                                   {"fault": fault.kind, "step": step, "pids": hit})
+
+
 def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
-              state_dir: str, quiet: bool = False) -> int:
-    """Run the job on `hosts` simulated hosts until it ends or a signal comes.
+              state_dir: str, quiet: bool = False, faults: list[Fault] | None = None) -> int:
+    """Run the job on `hosts` simulated hosts until it ends or a signal comes,
+    injecting `faults` on the way; prints a summary at the end.
 
     Returns the controller's exit code (0 succeeded, 1 failed), 130 after
     SIGINT, 143 after SIGTERM."""
@@ -201,11 +242,14 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
         received.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    local = None
+    local = injector = None
     try:
         local = start_slice(spec_path, spec, hosts, devices_per_host, state)
         print(f"elasticd local: controller at {local.address}, {hosts} hosts x "
               f"{devices_per_host} devices, state in {state}", flush=True)
+        if faults:
+            injector = FaultInjector(local, faults)
+            injector.start()
         while not received and local.controller.poll() is None:
             time.sleep(0.05)
         code = local.controller.poll()
@@ -214,9 +258,13 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
             return 128 + received[0]
         return local.controller.wait() if code is None else code
     finally:
+        if injector is not None:
+            injector.stop()
         if local is not None:
             stop_slice(local)
         if follower:
             follower.stop()
+        if not quiet:
+            print(summarize(read_journal(state)), flush=True)
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -106,6 +106,17 @@ def test_coordinator_follows_rank_zero_and_its_free_port():
     assert {a.coordinator_address for a in starts} == {"10.0.0.1:5001"}
 
 
+def test_coordinator_port_of_previous_generation_is_not_reused():
+    view = ClusterView()
+    register(view, "h1")
+    state = SliceState(generation=3, coordinator="10.0.0.1:5001")
+    same = decide(state, view, T0 + 2, spec(max_hosts=1))
+    assert same.state.phase is Phase.WAITING and "fresh coordinator port" in same.reason
+    observe(view, HeartbeatReceived("h1", "inc-h1", WorkerObs(), 6001), T0 + 2.1)
+    fresh = decide(same.state, view, T0 + 2.1, spec(max_hosts=1))
+    assert fresh.state.phase is Phase.STARTING and fresh.state.coordinator == "10.0.0.1:6001"
+
+
 def test_failure_domains_whole_only():
     view = ClusterView()
     # domain a complete (2 hosts), domain b has one of its two hosts

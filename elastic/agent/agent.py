@@ -82,6 +82,7 @@ class Agent:
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
         self._post(worker_exited=status)
+        self._heartbeat()  # offers a fresh coordinator port for the next generation
 
     def _progress(self, data: bytes) -> None:
         try:

@@ -56,7 +56,9 @@ class Executor:
         return {**self.spec.env,
                 config.ENV_JOB_ID: self.spec.job_id,
                 config.ENV_MESH: self.spec.mesh.to_text(),
-                config.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or ""}
+                config.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or "",
+                config.ENV_BATCH_MODE: self.spec.batch.mode,
+                config.ENV_LR_SCALING: self.spec.batch.lr_scaling}
 
     def record(self, kind: str, generation: int, reason: str, host: str | None = None,
                fields: dict | None = None) -> None:

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from elastic import transport
 from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+
+
+def fetch_status(address: str, timeout_s: float = 5.0) -> pb.JobStatus:
+    """GetStatus from the controller at "HOST:PORT". Raises grpc.RpcError."""
+    with transport.channel(address) as ch:
+        return pb_grpc.ControllerStub(ch).GetStatus(pb.StatusRequest(), timeout=timeout_s)
+
+
+def slice_step(status: pb.JobStatus) -> int:
+    """The step the slice has reached: the lowest last step of its members
+    (-1 before any)."""
+    steps = [h.step for h in status.hosts if h.state == "member"]
+    return min(steps) if steps else -1
 
 
 def job_status(controller) -> pb.JobStatus:

@@ -87,6 +87,7 @@ class SliceState:
     generation: the last generation started (0 before the first).
     members / incarnations: hosts of the generation in rank order, and the
       agent incarnation each had when it started.
+    coordinator: "host:port" of the generation's JAX coordinator.
     stop_kind: "failure" or "grow" while STOPPING.
     failure_restarts: times of failure restarts (for the restart budget).
     failures_without_progress: failures in a row with no step in between.
@@ -101,6 +102,7 @@ class SliceState:
     reason: str = "waiting for the first hosts"
     members: tuple[str, ...] = ()
     incarnations: tuple[str, ...] = ()
+    coordinator: str = ""
     progressed: bool = False
     stop_kind: str = ""
     stop_deadline: float = 0.0
@@ -189,6 +191,11 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     generation = state.generation + 1
     coordinator = view.hosts[plan.hosts[0]]
     address = f"{coordinator.address}:{coordinator.free_port}"
+    if not coordinator.free_port or address == state.coordinator:
+        # Never reuse the previous coordinator's port: its process may still
+        # hold it. The agent offers a fresh one with its next heartbeat.
+        return dataclasses.replace(state, reason=f"waiting for a fresh coordinator port "
+                                                 f"from host {coordinator.host_id}")
     reason = f"generation {generation} on {plan.reason}, coordinator {plan.hosts[0]} at {address}"
     actions.append(Journal("generation_started", generation, reason, None, {
         "hosts": list(plan.hosts), "mesh_shape": list(plan.shape),
@@ -196,7 +203,7 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     for rank, host in enumerate(plan.hosts):
         actions.append(StartWorker(host, generation, rank, len(plan.hosts), address))
     return _enter(state, Phase.STARTING, now, reason, generation=generation,
-                  members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
+                  coordinator=address, members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
                                                          for h in plan.hosts),
                   progressed=False, grow_ready_since=None)
 

@@ -1,9 +1,11 @@
 """What runs inside a training process started by an elastic agent.
 
-`ProgressReporter` needs nothing but the standard library; the JAX runtime
-(`init`) imports JAX only when called.
+`init()` (JAX is imported only when it is called) returns a `WorkerContext`:
+mesh, process index and count, generation, checkpoints, progress, logger.
+`ProgressReporter` needs nothing but the standard library.
 """
 
 from elastic.worker.progress import ProgressReporter
+from elastic.worker.runtime import WorkerContext, init
 
-__all__ = ["ProgressReporter"]
+__all__ = ["ProgressReporter", "WorkerContext", "init"]

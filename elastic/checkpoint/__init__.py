@@ -1,0 +1,1 @@
+"""Checkpoints: storage (local paths, later gs://) and Orbax wiring."""

@@ -1,0 +1,145 @@
+"""Sharded, async checkpoints over Orbax `CheckpointManager`.
+
+Saves are asynchronous (the training step continues while arrays are
+written); a step is *committed* once Orbax has finalized it (on local disk a
+renamed directory, on GCS a `commit_success.txt`), and only committed steps
+are ever listed, so a save cut short by a crash is never restored. Restore
+takes an abstract target (`jax.ShapeDtypeStruct`s carrying the shardings of
+the *current* mesh), so a checkpoint written by 4 hosts restores on 3 or 5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from elastic.checkpoint import storage
+
+log = logging.getLogger("elastic.checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A restored checkpoint: its step, the state pytree and the JSON metadata."""
+
+    step: int
+    state: Any
+    meta: dict
+
+
+class Checkpoints:
+    """Checkpoints of one job in `directory`.
+
+    interval_steps: `save` writes only every this many steps (unless forced).
+    max_to_keep: committed steps kept; older ones are deleted after a newer
+      one commits (never before).
+    on_commit(step): called on every process once a step is committed (its
+      save finished without error).
+    on_event(kind, reason, fields): incidents for the journal
+      (`checkpoint_restore_failed`, `checkpoint_restored`).
+    Every process of the slice must make the same calls (they are collective).
+    """
+
+    def __init__(self, directory: str, interval_steps: int = 100, max_to_keep: int = 3,
+                 on_commit: Callable[[int], None] | None = None,
+                 on_event: Callable[[str, str, dict], None] | None = None) -> None:
+        if interval_steps < 1 or max_to_keep < 1:
+            raise ValueError(f"interval_steps ({interval_steps}) and max_to_keep "
+                             f"({max_to_keep}) must be at least 1")
+        self.directory = directory
+        self.interval_steps = interval_steps
+        self.on_commit = on_commit or (lambda step: None)
+        self.on_event = on_event or (lambda kind, reason, fields: None)
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=interval_steps, max_to_keep=max_to_keep, create=True,
+            enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(storage.resolve(directory), options=options,
+                                             item_names=("state", "meta"))
+        self._pending: int | None = None
+        self._last_started: int | None = None
+        # Seconds each save() blocked the caller (the synchronous part of a save).
+        self.blocking_s: list[float] = []
+
+    def poll(self) -> int | None:
+        """Report a save that finished since the last call; returns its step.
+        Cheap: call it every step. Raises the save's error if it failed."""
+        if self._pending is None or self.manager.is_saving_in_progress():
+            return None
+        self.manager.check_for_errors()
+        step, self._pending = self._pending, None
+        self.on_commit(step)
+        return step
+
+    def save(self, step: int, state: Any, meta: dict | None = None, force: bool = False) -> bool:
+        """Start an async save of `state` (a pytree of jax.Arrays) and `meta`
+        (JSON-serialisable) at `step` if the interval says so (or `force`).
+        Returns whether a save started. Blocks only for the device-to-host copy
+        (and for the previous save, if it is still running)."""
+        self.poll()
+        if step == self._last_started or (not force and not self.manager.should_save(step)):
+            return False
+        t0 = time.perf_counter()
+        if self._pending is not None:  # one save in flight at a time
+            self.manager.wait_until_finished()
+            self.poll()
+        started = self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})), force=force)
+        if started:
+            self._pending = self._last_started = step
+            self.blocking_s.append(time.perf_counter() - t0)
+        return started
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps, oldest first (re-read from storage)."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def restore_latest(self, abstract_state: Any) -> Restored | None:
+        """Restore the newest committed step into `abstract_state`'s shapes and
+        shardings; None when there is no checkpoint.
+
+        If a step fails to restore on any process, every process moves on to the
+        previous step together (agreed through an all-gather) and the failure
+        is reported through `on_event`. Raises RuntimeError when every
+        committed step fails."""
+        from jax.experimental import multihost_utils
+
+        steps = self.committed_steps()
+        for step in reversed(steps):
+            t0 = time.perf_counter()
+            error = ""
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            except Exception as e:  # any failure to read this step: try the previous one
+                error = f"{type(e).__name__}: {e}"[:500]
+            ok = multihost_utils.process_allgather(np.int32(0 if error else 1))
+            if np.all(ok):
+                seconds = time.perf_counter() - t0
+                self.on_event("checkpoint_restored", f"restored checkpoint step {step} in "
+                              f"{seconds:.2f} s", {"step": step, "restore_s": round(seconds, 3)})
+                return Restored(step, restored.state, dict(restored.meta or {}))
+            reason = (f"checkpoint step {step} failed to restore"
+                      + (f": {error}" if error else " on another process")
+                      + "; trying the previous one")
+            log.error(reason)
+            self.on_event("checkpoint_restore_failed", reason, {"step": step})
+        if steps:
+            raise RuntimeError(f"no committed checkpoint in {self.directory} restores "
+                               f"(tried steps {steps})")
+        return None
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed (and reported)."""
+        self.manager.wait_until_finished()
+        self.poll()
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()

@@ -1,0 +1,76 @@
+"""Fault injection for `elasticd local`, tests and benchmarks.
+
+A fault spec is `KIND:HOST@TRIGGER`, e.g. `kill-host:host-1@step=120` or
+`kill-worker:host-2@t=30`:
+
+- kill-worker: SIGKILL the host's worker (its whole process group);
+- kill-host: SIGKILL the host's agent and its worker (the host is gone);
+
+TRIGGER is `step=N` (the slice has reported step N) or `t=S` (S seconds after
+the slice started). Every injected fault is journaled as `fault_injected`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+FAULT_KINDS = ("kill-worker", "kill-host")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str
+    host: str
+    at_step: int | None = None
+    at_s: float | None = None
+
+    def due(self, step: int, elapsed_s: float) -> bool:
+        """Whether the trigger is reached at slice step `step` (-1 before
+        the first) and `elapsed_s` seconds after start."""
+        if self.at_step is not None:
+            return step >= self.at_step
+        return elapsed_s >= (self.at_s or 0.0)
+
+    def describe(self) -> str:
+        trigger = f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:g} s"
+        return f"{self.kind} {self.host} at {trigger}"
+
+
+def parse_fault(text: str) -> Fault:
+    """Parse `KIND:HOST@step=N` or `KIND:HOST@t=S`. Raises ValueError naming
+    what is wrong."""
+    kind, sep, rest = text.partition(":")
+    host, at, trigger = rest.partition("@")
+    if not sep or not at or kind not in FAULT_KINDS or not host:
+        raise ValueError(f"fault {text!r}: expected KIND:HOST@step=N or KIND:HOST@t=S "
+                         f"with KIND one of {', '.join(FAULT_KINDS)}")
+    key, eq, value = trigger.partition("=")
+    try:
+        if key == "step" and eq:
+            return Fault(kind, host, at_step=int(value))
+        if key == "t" and eq:
+            return Fault(kind, host, at_s=float(value.rstrip("s")))
+    except ValueError:
+        pass
+    raise ValueError(f"fault {text!r}: trigger {trigger!r} is not step=N or t=SECONDS")
+
+
+def inject(fault: Fault, agent_pid: int, worker_pid: int) -> list[int]:
+    """Perform `fault` on a host whose agent and worker have these pids (0:
+    none). Returns the pids signalled."""
+    hit = []
+    if worker_pid:
+        try:
+            os.killpg(worker_pid, signal.SIGKILL)
+            hit.append(worker_pid)
+        except OSError:
+            pass
+    if fault.kind == "kill-host" and agent_pid:
+        try:
+            os.kill(agent_pid, signal.SIGKILL)
+            hit.append(agent_pid)
+        except OSError:
+            pass
+    return hit

@@ -1,0 +1,167 @@
+"""The worker runtime: `init()` turns what the agent set into a ready JAX
+process (distributed runtime, mesh, checkpoints, progress, logging).
+
+    ctx = elastic.worker.init()
+    ckpt = ctx.checkpoints(interval_steps=50)
+    restored = ckpt.restore_latest(abstract_state)
+    for step in range(start, steps):
+        state, loss = train_step(state, batch(step))
+        ctx.step_done(step, loss=float(loss))
+        ckpt.save(step, state, meta)
+    ctx.finish()
+
+JAX is initialised with explicit coordinator, process id and process count:
+never JAX's cluster auto-detection, which on a TPU VM describes the whole TPU
+slice rather than the hosts this generation uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from elastic.config import WorkerEnv
+from elastic.worker.progress import ProgressReporter
+
+
+def _process_start_time() -> float:
+    """Unix time this process started (from /proc; 10 ms resolution)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """What a training program gets from `init()`.
+
+    mesh: the global `jax.sharding.Mesh` of this generation, axes in the
+      job's mesh spec order, -1 resolved for the devices there are now.
+    process_index / process_count: this process's rank and the slice size.
+    generation: the slice's generation (+1 at every restart).
+    progress: reports steps, metrics and commits to the agent (non-blocking).
+    log: a logger that writes on process 0 only (unless `init(log_all=True)`).
+    timings: seconds per startup phase: process_start (exec to init()),
+      import_jax, distributed_init, restore, first_step (from the end of the
+      restore, or of init() without one, to the first step_done: state
+      creation, compile and the step itself).
+    """
+
+    env: WorkerEnv
+    mesh: Any
+    process_index: int
+    process_count: int
+    generation: int
+    progress: ProgressReporter
+    log: logging.Logger
+    timings: dict[str, float]
+    _started: float = 0.0
+    _first_step_done: bool = False
+    _checkpoints: Any = None
+
+    def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3):
+        """The job's `Checkpoints` (one per process; create it once).
+
+        Commits are reported to the controller (journal `checkpoint_committed`)
+        and restores or restore failures journaled."""
+        from elastic.checkpoint.manager import Checkpoints
+
+        def on_commit(step: int) -> None:
+            if self.process_index == 0:
+                self.progress.committed(step)
+
+        def on_event(kind: str, reason: str, fields: dict) -> None:
+            if kind == "checkpoint_restored":  # first_step counts from here
+                self.timings["restore"] = fields.get("restore_s", 0.0)
+                self._started = time.perf_counter()
+            if self.process_index == 0:
+                self.progress.event(kind, reason, **fields)
+
+        self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
+                                        on_commit, on_event)
+        return self._checkpoints
+
+    def step_done(self, step: int, **metrics: float) -> None:
+        """Call after every training step (`step` counts from 0). Reports it,
+        checks for committed saves, and after the first step journals the
+        startup phase timings. Costs microseconds; never blocks on the agent."""
+        if not self._first_step_done:
+            self._first_step_done = True
+            self.timings["first_step"] = round(time.perf_counter() - self._started, 3)
+            if self.process_index == 0:
+                self.progress.event("worker_phases", "startup phases of process 0: " + ", ".join(
+                    f"{k} {v:.2f} s" for k, v in self.timings.items()), step=step,
+                    **{f"{k}_s": v for k, v in self.timings.items()})
+        self.progress.step(step, **metrics)
+        if self._checkpoints is not None:
+            self._checkpoints.poll()
+
+    def finish(self) -> None:
+        """Wait for the save in flight, then leave the distributed runtime
+        together with every other process (so none exits while a peer still
+        needs it). Call once at the end of training."""
+        import jax
+        from jax.experimental import multihost_utils
+
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+        multihost_utils.sync_global_devices("elastic-finish")
+        jax.distributed.shutdown()
+        self.progress.close()
+
+
+def init(log_all: bool = False, environ: dict[str, str] | None = None) -> WorkerContext:
+    """Initialise this worker process for the current generation.
+
+    Reads the agent's variables (raises RuntimeError naming a missing one),
+    sets JAX's CPU device count to the host's device count (simulated hosts),
+    calls `jax.distributed.initialize` with explicit arguments, and builds the
+    mesh. Raises elastic.config.SpecError when the mesh spec does not fit the
+    devices (the controller's planner prevents this for slices it starts).
+    """
+    started = _process_start_time()
+    t_init = time.time()
+    env = WorkerEnv.from_environ(environ)
+    timings = {"process_start": round(max(0.0, t_init - started), 3)}
+    t = time.perf_counter()
+    import jax
+
+    timings["import_jax"] = round(time.perf_counter() - t, 3)
+    jax.config.update("jax_num_cpu_devices", env.devices_per_host)
+    t = time.perf_counter()
+    jax.distributed.initialize(coordinator_address=env.coordinator_address,
+                               num_processes=env.num_processes, process_id=env.process_id,
+                               initialization_timeout=120)
+    timings["distributed_init"] = round(time.perf_counter() - t, 3)
+
+    from elastic.config import SpecError
+    from elastic.policy.mesh import mesh_shape
+
+    devices = jax.devices()
+    shape = mesh_shape(env.mesh, len(devices))
+    if shape is None:
+        raise SpecError(f"mesh {env.mesh.to_text()} does not fit {len(devices)} devices")
+    axis_type = jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh(shape, env.mesh.names, axis_types=(axis_type,) * len(shape),
+                         devices=devices)
+    log = logging.getLogger(f"elastic.worker.{env.process_id}")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s [gen {env.generation} p{env.process_id}] %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if (log_all or env.process_id == 0) else logging.WARNING)
+    return WorkerContext(env=env, mesh=mesh, process_index=jax.process_index(),
+                         process_count=jax.process_count(), generation=env.generation,
+                         progress=ProgressReporter(env.progress_socket, env.generation),
+                         log=log, timings=timings, _started=time.perf_counter())

@@ -1,0 +1,85 @@
+"""One process of a multi-process JAX checkpoint test (run by tests/test_checkpoint.py).
+
+    ckpt_worker.py save DIR STEP OUT.json [--kill-after-save]
+    ckpt_worker.py restore DIR OUT.json
+
+The process environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import elastic.worker
+
+SPECS = {"w": P("data", "model"), "b": P("model"), "r": P(), "step": P()}
+SHAPES = {"w": ((120, 8), jnp.float32), "b": ((8,), jnp.float32), "r": ((3, 5), jnp.float32),
+          "step": ((), jnp.int32)}
+
+
+def make_state(step: int, big: bool) -> dict:
+    key = jax.random.PRNGKey(step)
+    state = {"w": jax.random.normal(key, (120, 8)), "b": jnp.arange(8.0) * step,
+             "r": jnp.full((3, 5), float(step)), "step": jnp.int32(step)}
+    if big:  # enough bytes that an async save is still running when the process dies
+        state["big"] = jax.random.normal(key, (4096, 2048))
+    return state
+
+
+def checksums(state: dict) -> dict:
+    out = {}
+    for name, value in sorted(state.items()):
+        full = np.asarray(multihost_utils.process_allgather(value, tiled=True))
+        out[name] = hashlib.sha256(full.tobytes()).hexdigest()
+    return out
+
+
+def main() -> int:
+    mode, directory = sys.argv[1], sys.argv[2]
+    ctx = elastic.worker.init()
+    mesh = ctx.mesh
+    events = []
+    ckpt = elastic.worker.runtime.WorkerContext.checkpoints(ctx, interval_steps=1, max_to_keep=5)
+    ckpt.on_event = lambda kind, reason, fields: events.append({"kind": kind, **fields})
+    shardings = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
+    if mode == "save":
+        step, out = int(sys.argv[3]), sys.argv[4]
+        kill = "--kill-after-save" in sys.argv
+        big = kill
+        specs = dict(SPECS, big=P("data", "model"))
+        sh = {k: NamedSharding(mesh, specs[k]) for k in make_state(0, big)}
+        state = jax.jit(lambda: make_state(step, big), out_shardings=sh)()
+        assert ckpt.save(step, state, {"data_position": step + 1}, force=True)
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.wait()
+        result = {"checksums": checksums(state), "committed": ckpt.committed_steps()}
+    else:
+        out = sys.argv[3]
+        abstract = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
+                    for k, (shape, dtype) in SHAPES.items()}
+        restored = ckpt.restore_latest(abstract)
+        result = {"step": restored.step, "meta": restored.meta,
+                  "checksums": checksums(restored.state),
+                  "specs": {k: str(v.sharding.spec) for k, v in restored.state.items()},
+                  "mesh": dict(mesh.shape), "events": events}
+    if ctx.process_index == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    ctx.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
