@@ -103,14 +103,15 @@ class LocalJob:
     """`elasticd local` in its own process group, driven by a test."""
 
     def __init__(self, spec: pathlib.Path, state_dir: pathlib.Path, env: dict,
-                 hosts: int = 4, devices: int = 1) -> None:
+                 hosts: int = 4, devices: int = 1, faults: tuple[str, ...] = ()) -> None:
         self.state_dir = state_dir
         self.env = env
         self.extra_procs: list[subprocess.Popen] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "elastic.cli", "local", "--config", str(spec),
              "--hosts", str(hosts), "--devices-per-host", str(devices),
-             "--state-dir", str(state_dir), "--quiet"],
+             "--state-dir", str(state_dir), "--quiet",
+             *[arg for fault in faults for arg in ("--fault", fault)]],
             env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def journal(self) -> list[dict]:
@@ -197,11 +198,13 @@ class LocalJob:
 
 @pytest.fixture
 def local_job(tmp_path, proc_env):
-    """Factory: local_job(spec, hosts=4, devices=1) -> a started LocalJob."""
+    """Factory: local_job(spec, hosts=4, devices=1, faults=(), name="state") ->
+    a started LocalJob (state in tmp_path / name)."""
     jobs = []
 
-    def start(spec: pathlib.Path, hosts: int = 4, devices: int = 1) -> LocalJob:
-        job = LocalJob(spec, tmp_path / "state", proc_env, hosts, devices)
+    def start(spec: pathlib.Path, hosts: int = 4, devices: int = 1, faults: tuple = (),
+              name: str = "state") -> LocalJob:
+        job = LocalJob(spec, tmp_path / name, proc_env, hosts, devices, faults)
         jobs.append(job)
         return job
     yield start

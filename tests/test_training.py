@@ -1,0 +1,81 @@
+"""The reference model trains through a host failure on a rebuilt mesh and
+ends where an undisturbed run ends.
+
+Tolerance on the final loss: 1e-3 nats. Both runs see the same samples at
+every step (asserted exactly) and the same padded-mean loss; what may differ is
+float32 summation order (4 data shards before the failure, 3 after, so
+gradients are reduced in another order), which Adam can amplify a little each
+step. Measured on this machine (2026-11-21): per-step losses of recomputed and
+later steps differ by at most 5e-7 nats from the undisturbed run, and the final
+losses were equal. 1e-3 is three orders above that noise and one below what a
+real fault causes at this point of training (a skipped or repeated batch, or a
+wrong restored state, moves the loss by 1e-2 nats or more).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.conftest import REPO, write_spec
+
+TRAIN = REPO / "workers" / "lm" / "train.py"
+TOLERANCE_NATS = 1e-3
+
+
+def lm_spec(tmp_path, name: str):
+    argv = [sys.executable, str(TRAIN), "--steps", "40", "--checkpoint-every", "10",
+            "--eval-every", "1000", "--d-model", "64", "--seq-len", "64",
+            "--sample-log", str(tmp_path / f"{name}-samples.jsonl")]
+    return write_spec(tmp_path / f"{name}.toml", f"""
+        [job]
+        id = "lm-test"
+        command = {json.dumps(argv)}
+        min_hosts = 2
+        max_hosts = 4
+        checkpoint_dir = "{tmp_path / (name + '-ckpt')}"
+
+        [mesh]
+        data = -1
+        model = 2
+
+        [health]
+        heartbeat_interval_s = 0.5
+        heartbeat_timeout_s = 2.0
+
+        [restart]
+        grow = "never"
+        """)
+
+
+def samples(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_training_through_a_lost_host_matches_undisturbed_run(tmp_path, local_job):
+    reference = local_job(lm_spec(tmp_path, "ref"), hosts=4, devices=2, name="ref")
+    assert reference.wait(240) == 0, reference.output()
+    faulty = local_job(lm_spec(tmp_path, "fault"), hosts=4, devices=2, name="fault",
+                       faults=("kill-host:host-1@step=25",))
+    assert faulty.wait(240) == 0, faulty.output()
+
+    journal = faulty.journal()
+    started = [e for e in journal if e["kind"] == "generation_started"]
+    assert [len(e["hosts"]) for e in started] == [4, 3]
+    assert "host-1" not in started[1]["hosts"] and started[1]["mesh_shape"] == [3, 2]
+    restored = next(e for e in journal if e["kind"] == "checkpoint_restored")
+    assert restored["generation"] == 2 and restored["step"] in (10, 20)
+
+    ref = {s["step"]: s for s in samples(tmp_path / "ref-samples.jsonl")}
+    assert sorted(ref) == list(range(40))
+    seen = set()
+    for line in samples(tmp_path / "fault-samples.jsonl"):
+        assert line["ids"] == ref[line["step"]]["ids"], f"step {line['step']} drew other samples"
+        seen.add(line["step"])
+    assert seen == set(range(40))
+    final_ref, final_fault = ref[39]["loss"], samples(tmp_path / "fault-samples.jsonl")[-1]["loss"]
+    assert abs(final_ref - final_fault) <= TOLERANCE_NATS, (final_ref, final_fault)
+    # the step right after the restore recomputes the checkpointed step's successor
+    recomputed = [s for s in samples(tmp_path / "fault-samples.jsonl")
+                  if s["generation"] == 2 and s["step"] == restored["step"] + 1]
+    assert recomputed
