@@ -12,9 +12,12 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,worker]'
 	touch $@
 
+# The main job: workers/lm on 4 simulated hosts x 2 CPU devices; host-1 is
+# killed at step 120 and training goes on with 3 hosts from the last checkpoint.
 demo: $(BIN)/.installed
 	rm -rf elastic-state/demo
-	$(BIN)/elasticd local --config workers/tiny/job.toml --hosts 4 --devices-per-host 1 --state-dir elastic-state/demo
+	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
+		--fault kill-host:host-1@step=120 --state-dir elastic-state/demo
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

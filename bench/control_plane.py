@@ -20,18 +20,17 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 from elastic.config import load_spec
-from elastic.controller.journal import read_journal
-from elastic.local import _child_env, start_slice, stop_slice
 from elastic.controller.status import fetch_status
+from elastic.local import child_env, start_slice, stop_slice
+
+from common import machine, summarize, wait_entry, write_result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -55,24 +54,6 @@ crash_loop_failures = 1000
 heartbeat_interval_s = {heartbeat_interval_s}
 heartbeat_timeout_s = {heartbeat_timeout_s}
 """
-
-
-def wait_entry(state_dir, kind, timeout_s=60.0, after_ts=0.0, **match) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for e in read_journal(state_dir):
-            if e["kind"] == kind and e["ts"] >= after_ts and \
-                    all(e.get(k) == v for k, v in match.items()):
-                return e
-        time.sleep(0.01)
-    raise TimeoutError(f"no {kind} {match} within {timeout_s} s")
-
-
-def summarize(values: list[float]) -> dict:
-    ordered = sorted(values)
-    return {"median_s": round(statistics.median(ordered), 3),
-            "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
-            "min_s": round(ordered[0], 3), "max_s": round(ordered[-1], 3), "n": len(ordered)}
 
 
 def main() -> int:
@@ -124,7 +105,7 @@ def main() -> int:
                   flush=True)
             # bring the host back and wait until the slice runs on all hosts again
             log = open(state / "hosts" / f"{host_id}.log", "ab")
-            extra.append(subprocess.Popen(local.agent_argv[host_id], env=_child_env(),
+            extra.append(subprocess.Popen(local.agent_argv[host_id], env=child_env(),
                                           stdout=log, stderr=subprocess.STDOUT))
             log.close()
             deadline = time.monotonic() + 60
@@ -141,8 +122,7 @@ def main() -> int:
         for p in extra:
             p.wait(15)
 
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, "
-              f"{platform.machine()}, Python {platform.python_version()}",
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
               "hosts": args.hosts, "heartbeat_interval_s": args.heartbeat_interval_s,
               "heartbeat_timeout_s": args.heartbeat_timeout_s,
               "results": {k: summarize(v) for k, v in rows.items() if v},
@@ -151,10 +131,7 @@ def main() -> int:
     for name, s in result["results"].items():
         print(f"{name:38} {s['median_s']:8.3f} {s['p95_s']:8.3f} {s['min_s']:8.3f} "
               f"{s['max_s']:8.3f}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwritten to {out}")
+    write_result(args.out, result)
     return 0
 
 

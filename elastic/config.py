@@ -344,6 +344,7 @@ ENV_MESH = "ELASTIC_MESH"
 ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
 ENV_DEVICES_PER_HOST = "ELASTIC_DEVICES_PER_HOST"
 ENV_PROGRESS_SOCKET = "ELASTIC_PROGRESS_SOCKET"
+ENV_CACHE_DIR = "ELASTIC_CACHE_DIR"
 ENV_BATCH_MODE = "ELASTIC_BATCH_MODE"
 ENV_LR_SCALING = "ELASTIC_LR_SCALING"
 # Marks every process an agent starts, so that a restarted agent can find the
@@ -367,6 +368,7 @@ class WorkerEnv:
     devices_per_host: int
     progress_socket: str | None
     batch: BatchSpec = BatchSpec()
+    cache_dir: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -395,6 +397,7 @@ class WorkerEnv:
             devices_per_host=int(need(ENV_DEVICES_PER_HOST)),
             progress_socket=env.get(ENV_PROGRESS_SOCKET) or None,
             batch=BatchSpec(env.get(ENV_BATCH_MODE, "global"), env.get(ENV_LR_SCALING, "linear")),
+            cache_dir=env.get(ENV_CACHE_DIR) or None,
         )
 
 

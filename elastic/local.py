@@ -55,7 +55,8 @@ def agent_argv(address: str, host_id: str, devices: int, failure_domain: str,
             "--state-dir", str(state_dir / "agents" / host_id)]
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """The environment for agents (and so workers) of a local slice."""
     from elastic.config import environ_snapshot
 
     env = environ_snapshot()
@@ -88,7 +89,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "hosts").mkdir(exist_ok=True)
     (state_dir / ADDRESS_FILE).unlink(missing_ok=True)
-    env = _child_env()
+    env = child_env()
     log = open(state_dir / "controller.log", "ab")
     controller = subprocess.Popen(
         [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
@@ -224,8 +225,22 @@ class FaultInjector(threading.Thread):
                                    {"fault": fault.kind, "step": step, "pids": hit})
 
 
+def progress_line(address: str) -> str:
+    """One line on the slice: phase, generation, hosts, step, loss."""
+    try:
+        st = fetch_status(address, timeout_s=2.0)
+    except grpc.RpcError as e:
+        return f"[progress] controller unreachable: {e.code().name}"
+    members = [h for h in st.hosts if h.state == "member"]
+    loss = next((h.metrics["loss"] for h in members if h.rank == 0 and "loss" in h.metrics), None)
+    return (f"[progress] {st.phase}, generation {st.generation}, {len(members)} hosts, "
+            f"step {slice_step(st)}" + (f", loss {loss:.4f}" if loss is not None else "")
+            + f", committed step {st.committed_step}")
+
+
 def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
-              state_dir: str, quiet: bool = False, faults: list[Fault] | None = None) -> int:
+              state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
+              progress_every_s: float = 5.0) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting `faults` on the way; prints a summary at the end.
 
@@ -250,8 +265,12 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
         if faults:
             injector = FaultInjector(local, faults)
             injector.start()
+        next_line = time.monotonic() + progress_every_s
         while not received and local.controller.poll() is None:
             time.sleep(0.05)
+            if not quiet and time.monotonic() >= next_line:
+                next_line = time.monotonic() + progress_every_s
+                print(progress_line(local.address), flush=True)
         code = local.controller.poll()
         stop_slice(local, agent_grace_s=spec.health.stop_grace_s + 5.0)
         if received:

@@ -122,6 +122,8 @@ class Agent:
                config.ENV_HOST_ID: self.settings.host_id,
                config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
                config.ENV_PROGRESS_SOCKET: self.progress_address,
+               config.ENV_CACHE_DIR: os.path.join(os.path.abspath(self.settings.state_dir),
+                                                  "compile-cache"),
                "PYTHONUNBUFFERED": "1"}
         await self.supervisor.start(start.generation, list(start.argv), env, start.workdir)
         self._heartbeat()  # the controller learns of the new worker before its first step

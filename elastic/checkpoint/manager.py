@@ -42,7 +42,8 @@ class Checkpoints:
     on_commit(step): called on every process once a step is committed (its
       save finished without error).
     on_event(kind, reason, fields): incidents for the journal
-      (`checkpoint_restore_failed`, `checkpoint_restored`).
+      (`checkpoint_saved` with the seconds the save blocked,
+      `checkpoint_restore_failed`, `checkpoint_restored`).
     Every process of the slice must make the same calls (they are collective).
     """
 
@@ -92,7 +93,10 @@ class Checkpoints:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})), force=force)
         if started:
             self._pending = self._last_started = step
-            self.blocking_s.append(time.perf_counter() - t0)
+            blocked = time.perf_counter() - t0
+            self.blocking_s.append(blocked)
+            self.on_event("checkpoint_saved", f"save of step {step} started; blocked "
+                          f"{blocked * 1000:.1f} ms", {"step": step, "blocking_s": round(blocked, 4)})
         return started
 
     def committed_steps(self) -> list[int]:

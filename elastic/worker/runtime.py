@@ -17,9 +17,11 @@ slice rather than the hosts this generation uses.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -67,6 +69,9 @@ class WorkerContext:
     _started: float = 0.0
     _first_step_done: bool = False
     _checkpoints: Any = None
+    _last_step_at: float = 0.0
+    _step_times: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=50))
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3):
         """The job's `Checkpoints` (one per process; create it once).
@@ -83,6 +88,8 @@ class WorkerContext:
             if kind == "checkpoint_restored":  # first_step counts from here
                 self.timings["restore"] = fields.get("restore_s", 0.0)
                 self._started = time.perf_counter()
+            if kind == "checkpoint_saved" and self._step_times:
+                fields = dict(fields, step_time_s=round(statistics.median(self._step_times), 4))
             if self.process_index == 0:
                 self.progress.event(kind, reason, **fields)
 
@@ -90,10 +97,23 @@ class WorkerContext:
                                         on_commit, on_event)
         return self._checkpoints
 
+    def compile(self, lowered, name: str):
+        """Compile a lowered function (`jax.jit(f).lower(*abstract_args)`),
+        reusing this host's executable from an earlier generation of the same
+        slice shape (see elastic.worker.compile_cache). Returns (compiled,
+        loaded_from_cache, seconds)."""
+        from elastic.worker.compile_cache import compile_cached
+
+        return compile_cached(lowered, self.env.cache_dir, name)
+
     def step_done(self, step: int, **metrics: float) -> None:
         """Call after every training step (`step` counts from 0). Reports it,
         checks for committed saves, and after the first step journals the
         startup phase timings. Costs microseconds; never blocks on the agent."""
+        now = time.perf_counter()
+        if self._first_step_done:
+            self._step_times.append(now - self._last_step_at)
+        self._last_step_at = now
         if not self._first_step_done:
             self._first_step_done = True
             self.timings["first_step"] = round(time.perf_counter() - self._started, 3)

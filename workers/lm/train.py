@@ -112,6 +112,11 @@ def main() -> int:
             return [jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
                     for a, s in zip(rows, (batch_sharding, batch_sharding, weight_sharding))]
 
+        rows_abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in
+                         zip(batches.rows(0, plan.data_shards),
+                             (batch_sharding, batch_sharding, weight_sharding))]
+        step_fn, hit, seconds = ctx.compile(step_fn.lower(abstract, *rows_abstract), "train_step")
+        log.info("%s the train step in %.2f s", "loaded" if hit else "compiled", seconds)
         ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep)
         restored = ckpt.restore_latest(abstract)
         if restored is None:
