@@ -28,6 +28,9 @@ Example (units are in the key names; all keys but `job.command` are optional)::
     mode = "global"                      # "global" | "per_device"
     lr_scaling = "linear"                # with per_device: "linear" | "sqrt"
 
+    [hang]                               # no step progress -> hang (0 learns the timeout)
+    timeout_s = 0.0
+
     [restart]
     max_restarts = 20
     window_s = 3600.0
@@ -138,6 +141,45 @@ class RestartSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class HangSpec:
+    """When a running generation that makes no step progress is hung, in seconds.
+
+    timeout_s: a fixed hang timeout; 0 (default) learns it as
+      max(min_timeout_s, step_time_factor x the median step time the workers
+      report) once steps are reported.
+    startup_timeout_s: from a generation's start to its first step
+      (process start, distributed init, restore, first compile).
+    checkpoint_allowance_s: added to the timeout while a checkpoint save is
+      in flight.
+    """
+
+    timeout_s: float = 0.0
+    min_timeout_s: float = 10.0
+    step_time_factor: float = 10.0
+    startup_timeout_s: float = 300.0
+    checkpoint_allowance_s: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuarantineSpec:
+    """A host with `failures` failures attributed to it within `window_s`
+    seconds is set aside for `cooldown_s` seconds."""
+
+    failures: int = 3
+    window_s: float = 600.0
+    cooldown_s: float = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionSpec:
+    """drain_timeout_s: how long, after a host's preemption notice, the
+    controller waits for the emergency checkpoint to commit before it stops
+    the slice anyway (GCE gives a spot VM 30 s in all)."""
+
+    drain_timeout_s: float = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchSpec:
     """Batch under resize (see elastic.worker.batch): mode "global" keeps the
     global batch fixed (padding rows with zero weight), "per_device" keeps
@@ -164,6 +206,9 @@ class JobSpec:
     health: HealthSpec = HealthSpec()
     restart: RestartSpec = RestartSpec()
     batch: BatchSpec = BatchSpec()
+    hang: HangSpec = HangSpec()
+    quarantine: QuarantineSpec = QuarantineSpec()
+    preemption: PreemptionSpec = PreemptionSpec()
     source: str = "<memory>"
 
     def with_checkpoint_dir(self, default: str) -> "JobSpec":
@@ -175,7 +220,7 @@ class JobSpec:
 
 # --- parsing -----------------------------------------------------------------
 
-_SECTIONS = {"job", "mesh", "health", "restart", "batch"}
+_SECTIONS = {"job", "mesh", "health", "restart", "batch", "hang", "quarantine", "preemption"}
 _JOB_KEYS = {
     "id": str, "command": list, "env": dict, "workdir": str, "min_hosts": int,
     "max_hosts": int, "hosts_per_failure_domain": int, "devices_per_host": int,
@@ -269,6 +314,9 @@ def parse_spec(raw: Mapping[str, Any], source: str = "<memory>",
         health=_section(source, raw, "health", HealthSpec),
         restart=_section(source, raw, "restart", RestartSpec),
         batch=_section(source, raw, "batch", BatchSpec),
+        hang=_section(source, raw, "hang", HangSpec),
+        quarantine=_section(source, raw, "quarantine", QuarantineSpec),
+        preemption=_section(source, raw, "preemption", PreemptionSpec),
         **values,
     )
     validate(spec)
@@ -302,6 +350,15 @@ def validate(spec: JobSpec) -> None:
         (r.crash_loop_failures >= 1, "restart.crash_loop_failures must be at least 1"),
         (r.grow in GROW_POLICIES,
          f"restart.grow is {r.grow!r}; expected one of {', '.join(GROW_POLICIES)}"),
+        (spec.hang.timeout_s >= 0, "hang.timeout_s must be >= 0 (0 learns it)"),
+        (spec.hang.min_timeout_s > 0, "hang.min_timeout_s must be > 0"),
+        (spec.hang.step_time_factor >= 1, "hang.step_time_factor must be >= 1"),
+        (spec.hang.startup_timeout_s > 0, "hang.startup_timeout_s must be > 0"),
+        (spec.hang.checkpoint_allowance_s >= 0, "hang.checkpoint_allowance_s must be >= 0"),
+        (spec.quarantine.failures >= 1, "quarantine.failures must be at least 1"),
+        (spec.quarantine.window_s > 0 and spec.quarantine.cooldown_s >= 0,
+         "quarantine.window_s must be > 0 and quarantine.cooldown_s >= 0"),
+        (spec.preemption.drain_timeout_s > 0, "preemption.drain_timeout_s must be > 0"),
         (spec.batch.mode in ("global", "per_device"),
          f"batch.mode is {spec.batch.mode!r}; expected global or per_device"),
         (spec.batch.lr_scaling in ("linear", "sqrt"),
@@ -315,6 +372,14 @@ def validate(spec: JobSpec) -> None:
     problem = check_satisfiable(spec)
     if problem:
         raise SpecError(f"{src}: [mesh] {problem}")
+
+
+def jax_heartbeat_timeout_s(spec: JobSpec) -> int:
+    """The coordination-service heartbeat timeout workers pass to JAX: a
+    backstop longer than the controller's own detection (hang and lost host),
+    so the controller acts first. JAX's default is 100 s."""
+    hang = spec.hang.timeout_s or spec.hang.min_timeout_s
+    return int(2 * hang + spec.health.heartbeat_timeout_s + 5)
 
 
 def load_spec(path: str | os.PathLike[str]) -> JobSpec:
@@ -345,6 +410,7 @@ ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
 ENV_DEVICES_PER_HOST = "ELASTIC_DEVICES_PER_HOST"
 ENV_PROGRESS_SOCKET = "ELASTIC_PROGRESS_SOCKET"
 ENV_CACHE_DIR = "ELASTIC_CACHE_DIR"
+ENV_JAX_HEARTBEAT_TIMEOUT_S = "ELASTIC_JAX_HEARTBEAT_TIMEOUT_S"
 ENV_BATCH_MODE = "ELASTIC_BATCH_MODE"
 ENV_LR_SCALING = "ELASTIC_LR_SCALING"
 # Marks every process an agent starts, so that a restarted agent can find the
@@ -369,6 +435,7 @@ class WorkerEnv:
     progress_socket: str | None
     batch: BatchSpec = BatchSpec()
     cache_dir: str | None = None
+    jax_heartbeat_timeout_s: int = 100
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -398,6 +465,7 @@ class WorkerEnv:
             progress_socket=env.get(ENV_PROGRESS_SOCKET) or None,
             batch=BatchSpec(env.get(ENV_BATCH_MODE, "global"), env.get(ENV_LR_SCALING, "linear")),
             cache_dir=env.get(ENV_CACHE_DIR) or None,
+            jax_heartbeat_timeout_s=int(env.get(ENV_JAX_HEARTBEAT_TIMEOUT_S, "100")),
         )
 
 

@@ -127,10 +127,11 @@ def write_local_file(local: LocalSlice) -> None:
     tmp.replace(local.state_dir / LOCAL_FILE)
 
 
-def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
+def _terminate(procs: list[subprocess.Popen], timeout_s: float,
+               sig: int = signal.SIGTERM) -> None:
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
@@ -141,8 +142,9 @@ def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
 
 
 def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
-    """Stop agents (they end their workers), then the controller. Bounded."""
-    _terminate(list(local.agents.values()), agent_grace_s)
+    """Stop agents (SIGINT: they end their workers at once, no preemption
+    drain), then the controller. Bounded."""
+    _terminate(list(local.agents.values()), agent_grace_s, signal.SIGINT)
     _terminate([local.controller], 5.0)
 
 

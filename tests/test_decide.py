@@ -359,3 +359,141 @@ def test_terminal_state_is_final():
 def test_mesh_spec_is_kept_in_order():
     assert MeshSpec.from_text("data=-1,model=2").axes == (("data", -1), ("model", 2))
     assert dataclasses.replace(spec(), mesh=MeshSpec((("x", 4),))).mesh.to_text() == "x=4"
+
+
+# --- hangs ------------------------------------------------------------------------------
+
+from elastic.config import HangSpec, QuarantineSpec  # noqa: E402
+from elastic.policy.hang import hang_timeout  # noqa: E402
+
+
+@pytest.mark.parametrize("fixed,step_time,expected", [
+    (0.0, None, 10.0),   # nothing learned yet: the minimum
+    (0.0, 0.5, 10.0),    # 10 x 0.5 s is below the minimum
+    (0.0, 2.0, 20.0),    # learned: 10 x the median step
+    (7.0, 2.0, 7.0),     # set in the job spec
+])
+def test_hang_timeout_table(fixed, step_time, expected):
+    s = dataclasses.replace(spec(), hang=HangSpec(timeout_s=fixed))
+    assert hang_timeout(s, step_time) == expected
+
+
+def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = False):
+    view = ClusterView()
+    hosts = ["h0", "h1", "h2"]
+    for h in hosts:
+        register(view, h)
+    state = running_slice(view, hosts)  # all at step 5 at T0
+    for h in ("h0", "h2"):  # h1 stopped at step 5, the others reached step 6
+        worker(view, h, T0 + 1, 1, WorkerState.RUNNING, step=6)
+    if suspended:
+        view.hosts[suspended].worker.suspended = True
+    if saving:
+        view.save_started_at = T0 + 1
+    heartbeat_all(view, T0 + silent_s)
+    return state, view
+
+
+@pytest.mark.parametrize("silent_s,suspended,saving,hung,first_suspect", [
+    (9.0, None, False, False, None),
+    (10.5, None, False, True, "h1"),      # h1 advanced least recently
+    (10.5, "h2", False, True, "h2"),      # a suspended worker is the prime suspect
+    (30.0, None, True, False, None),      # a save in flight: +60 s allowance
+    (71.0, None, True, True, "h1"),
+])
+def test_hang_detection(silent_s, suspended, saving, hung, first_suspect):
+    state, view = hang_setup(silent_s, suspended, saving)
+    decision = decide(state, view, T0 + silent_s, spec())
+    assert ("hang_detected" in kinds(decision)) is hung
+    if hung:
+        entry = next(a for a in decision.actions if isinstance(a, d.Journal)
+                     and a.kind == "hang_detected")
+        assert entry.fields["suspects"][0] == first_suspect
+        assert decision.state.phase is Phase.STOPPING
+        assert {a.grace_s for a in decision.actions if isinstance(a, d.StopWorker)} == {0.0}
+
+
+def test_startup_allowance():
+    view = ClusterView()
+    register(view, "h0")
+    state = running_slice(view, ["h0"], progressed=False)
+    s = dataclasses.replace(spec(), hang=HangSpec(startup_timeout_s=60))
+    heartbeat_all(view, T0 + 59)
+    assert decide(state, view, T0 + 59, s).state.phase is Phase.STARTING
+    heartbeat_all(view, T0 + 61)
+    late = decide(state, view, T0 + 61, s)
+    assert "hang_detected" in kinds(late) and "no first step" in late.reason
+
+
+# --- quarantine -----------------------------------------------------------------------------
+
+def test_host_failing_repeatedly_is_quarantined_then_released():
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    s = dataclasses.replace(spec(restart={"crash_loop_failures": 99}),
+                            quarantine=QuarantineSpec(failures=2, window_s=100, cooldown_s=50))
+    state = running_slice(view, ["h0", "h1", "h2"])
+    now = T0
+    for generation in (1, 2):
+        if generation == 2:
+            state = running_slice(view, ["h0", "h1", "h2"], now=now, generation=2,
+                                  **{k: getattr(state, k) for k in ("host_failures",
+                                                                    "quarantined")})
+        worker(view, "h1", now + 1, generation, WorkerState.EXITED, exit_code=3)
+        stopping = decide(state, view, now + 1, s)
+        state = stop_and_settle(state, view, now + 1, s).state
+        now += 2
+    assert "host_quarantined" in kinds(stopping)
+    assert "h1" in state.quarantined
+    heartbeat_all(view, now + 2)
+    restart = decide(state, view, now + 2, s)
+    assert [a.host for a in restart.actions if isinstance(a, d.StartWorker)] == ["h0", "h2"]
+    heartbeat_all(view, now + 60)
+    later = decide(restart.state, view, now + 60, s)
+    assert "host_released" in kinds(later) and "h1" not in later.state.quarantined
+
+
+# --- preemption ---------------------------------------------------------------------------
+
+def preempted_slice():
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    relevant, facts = observe(view, HeartbeatReceived("h2", "inc-h2", view.hosts["h2"].worker,
+                                                      0, "SIGTERM to the agent"), T0 + 1)
+    assert relevant and [f.kind for f in facts] == ["preemption_notice"]
+    return state, view
+
+
+def test_preemption_waits_for_the_emergency_checkpoint_then_restarts_without_the_host():
+    state, view = preempted_slice()
+    draining = decide(state, view, T0 + 1, spec())
+    assert draining.state.phase is Phase.RUNNING and "draining" in draining.reason
+    observe(view, d_event_saved(), T0 + 2)
+    still = decide(draining.state, view, T0 + 2, spec())
+    assert still.state.phase is Phase.RUNNING  # saved, not yet committed
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 3)
+    stopping = decide(still.state, view, T0 + 3, spec())
+    assert stopping.state.phase is Phase.STOPPING and stopping.state.stop_kind == "preemption"
+    assert "emergency checkpoint step 9 committed" in stopping.reason
+    end = stop_and_settle(still.state, view, T0 + 3, spec())
+    assert end.state.failure_restarts == ()  # not a failure
+    heartbeat_all(view, T0 + 4)
+    restart = decide(end.state, view, T0 + 5, spec())
+    assert [a.host for a in restart.actions if isinstance(a, d.StartWorker)] == ["h0", "h1"]
+
+
+def d_event_saved():
+    from elastic.policy.view import WorkerReported
+    return WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "emergency save",
+                          {"step": 9, "preemption": True})
+
+
+def test_preemption_drain_is_bounded():
+    state, view = preempted_slice()
+    draining = decide(state, view, T0 + 1, spec())
+    heartbeat_all(view, T0 + 21.5)
+    late = decide(draining.state, view, T0 + 21.5, spec())
+    assert late.state.phase is Phase.STOPPING and "no emergency checkpoint" in late.reason

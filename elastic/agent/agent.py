@@ -20,6 +20,7 @@ import grpc
 
 from elastic import config, transport
 from elastic.agent.host import PortProber
+from elastic.agent.preemption import watch_metadata
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
 from elastic.worker import progress
 from elastic.v1 import control_pb2 as pb
@@ -33,7 +34,10 @@ class AgentSettings:
     """controller: "HOST:PORT"; devices: accelerator count of this host;
     address: where peers reach this host; state_dir: where leftovers are
     tracked; stop_grace_s: SIGTERM -> SIGKILL when the agent itself stops;
-    rpc_timeout_s: deadline of each unary call."""
+    rpc_timeout_s: deadline of each unary call; metadata_url: GCE metadata
+    base URL to watch for preemption notices (None: do not watch);
+    preemption_grace_s: after a preemption notice, how long the agent waits
+    for the controller to stop its worker before it stops it hard."""
 
     controller: str
     host_id: str
@@ -44,6 +48,8 @@ class AgentSettings:
     job_id: str = ""
     stop_grace_s: float = 5.0
     rpc_timeout_s: float = 5.0
+    metadata_url: str | None = None
+    preemption_grace_s: float = 25.0
 
 
 class Agent:
@@ -60,6 +66,9 @@ class Agent:
         self.progress_address = f"@elastic-progress-{self.incarnation}"
         self._outbox: asyncio.Queue | None = None
         self._stopping = asyncio.Event()
+        self.preemption = ""  # why this host is being taken away, once it is
+        self._leave_after_stop = False
+        self._hard_stop = False
         self._seq = 0
         self._tasks: set[asyncio.Task] = set()
 
@@ -76,13 +85,54 @@ class Agent:
 
     def _heartbeat(self) -> None:
         self._seq += 1
-        free_port = 0 if self.supervisor.running else self.ports.probe()
+        running = self.supervisor.running
+        self.supervisor.status.suspended = running and self.supervisor.suspended()
+        free_port = 0 if running or self.preemption else self.ports.probe()
         self._post(heartbeat=pb.Heartbeat(seq=self._seq, worker=self.supervisor.status,
-                                          free_port=free_port))
+                                          free_port=free_port, preemption=self.preemption))
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
         self._post(worker_exited=status)
         self._heartbeat()  # offers a fresh coordinator port for the next generation
+        if self._leave_after_stop:  # preempted by SIGTERM: leave once the report is out
+            asyncio.get_running_loop().call_later(0.2, self._stopping.set)
+
+    # --- preemption --------------------------------------------------------
+
+    def preempt(self, reason: str, leave: bool) -> None:
+        """This host is being taken away: tell the controller (it waits for
+        the emergency checkpoint, then stops the slice and restarts without
+        this host) and tell the worker (SIGTERM to its main process: JAX's
+        preemption service makes every process save at the next common
+        step). With `leave`, the agent exits once its worker is stopped; it
+        stops the worker itself after preemption_grace_s at the latest."""
+        if self.preemption:
+            return
+        self.preemption = reason
+        self._leave_after_stop = leave
+        log.warning("preemption: %s", reason)
+        self.supervisor.signal_main(signal.SIGTERM)
+        self._heartbeat()
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.settings.preemption_grace_s, self._preemption_deadline)
+        if leave and not self.supervisor.running:
+            loop.call_later(0.2, self._stopping.set)
+
+    def _preemption_deadline(self) -> None:
+        if self.supervisor.running:
+            log.error("preemption grace of %.0f s over; stopping the worker hard",
+                      self.settings.preemption_grace_s)
+            self._spawn(self.supervisor.stop(self.supervisor.status.generation, 0.0))
+        if self._leave_after_stop:
+            self._stopping.set()
+
+    def _on_sigterm(self) -> None:
+        if self.preemption:  # the second SIGTERM: stop hard, now
+            log.warning("second SIGTERM: stopping the worker hard")
+            self._hard_stop = True
+            self._stopping.set()
+        else:
+            self.preempt("SIGTERM to the agent", leave=True)
 
     def _progress(self, data: bytes) -> None:
         try:
@@ -210,6 +260,7 @@ class Agent:
     # --- lifecycle ---------------------------------------------------------
 
     def shutdown(self) -> None:
+        """Stop the worker (SIGTERM, stop_grace_s, SIGKILL) and exit."""
         self._stopping.set()
 
     async def run(self) -> None:
@@ -218,8 +269,8 @@ class Agent:
             log.warning("killed %d leftover process(es) of a previous agent: %s",
                         len(killed), killed)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.shutdown)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        loop.add_signal_handler(signal.SIGINT, self.shutdown)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(progress.socket_address(self.progress_address))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
@@ -231,12 +282,14 @@ class Agent:
 
         transport_, _ = await loop.create_datagram_endpoint(_Receiver, sock=sock)
         connection = asyncio.create_task(self._connect_forever())
+        if self.settings.metadata_url:
+            self._spawn(watch_metadata(self.settings.metadata_url,
+                                       lambda reason: self.preempt(reason, leave=False)))
         try:
             await self._stopping.wait()
-            log.info("agent stopping: ending the worker (grace %.1f s)",
-                     self.settings.stop_grace_s)
-            await self.supervisor.stop(self.supervisor.status.generation,
-                                       self.settings.stop_grace_s)
+            grace = 0.0 if self._hard_stop else self.settings.stop_grace_s
+            log.info("agent stopping: ending the worker (grace %.1f s)", grace)
+            await self.supervisor.stop(self.supervisor.status.generation, grace)
         finally:
             self.supervisor.kill_now()
             connection.cancel()

@@ -9,12 +9,15 @@ import sys
 
 from elastic.agent.agent import Agent, AgentSettings
 from elastic.agent.host import default_address, discover_devices
+from elastic.agent.preemption import GCE_METADATA_URL
 
 
 def parse_args(argv: list[str] | None = None) -> AgentSettings:
     parser = argparse.ArgumentParser(
         prog="elastic-agent", description="Run one host of an elastic job: register with "
-        "the controller, heartbeat, and run the worker it asks for.")
+        "the controller, heartbeat, and run the worker it asks for. SIGTERM: preemption "
+        "(emergency checkpoint, then leave; a second SIGTERM stops at once). SIGINT: stop "
+        "now.")
     parser.add_argument("--controller", required=True, help="controller HOST:PORT")
     parser.add_argument("--host-id", required=True, help="this host's id, stable across restarts")
     parser.add_argument("--devices", type=int, default=None,
@@ -30,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
     parser.add_argument("--stop-grace-s", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL of the worker when the "
                              "agent stops (default %(default)s)")
+    parser.add_argument("--gce-metadata", nargs="?", const=GCE_METADATA_URL, default=None,
+                        metavar="URL", help="watch the GCE metadata server for preemption and "
+                        f"maintenance notices (default URL {GCE_METADATA_URL})")
+    parser.add_argument("--preemption-grace-s", type=float, default=25.0,
+                        help="after a preemption notice, stop the worker hard after this "
+                             "long (default %(default)s; GCE gives spot VMs 30 s)")
     args = parser.parse_args(argv)
     if args.devices is not None and args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
@@ -37,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         controller=args.controller, host_id=args.host_id,
         devices=args.devices or discover_devices(), address=args.address or default_address(),
         failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir,
-        job_id=args.job_id, stop_grace_s=args.stop_grace_s)
+        job_id=args.job_id, stop_grace_s=args.stop_grace_s, metadata_url=args.gce_metadata,
+        preemption_grace_s=args.preemption_grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:

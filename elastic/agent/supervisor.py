@@ -171,6 +171,25 @@ class WorkerSupervisor:
         except TimeoutError:
             log.error("worker pid %d not reaped 5 s after SIGKILL", proc.pid)
 
+    def suspended(self) -> bool:
+        """Whether the worker's main process is stopped (SIGSTOP): it will
+        not step again until SIGCONT."""
+        if self._proc is None:
+            return False
+        try:
+            with open(f"/proc/{self._proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except OSError:
+            return False
+
+    def signal_main(self, sig: int) -> None:
+        """Send `sig` to the worker's main process only (not its group)."""
+        if self._proc is not None and self.running:
+            try:
+                os.kill(self._proc.pid, sig)
+            except OSError:
+                pass
+
     def kill_now(self) -> None:
         """SIGKILL the worker's group at once (the agent is exiting)."""
         if self._proc is not None:
@@ -186,8 +205,7 @@ class WorkerSupervisor:
         if step is not None and step > self.status.step:
             first = self.status.step < 0
             self.status.step = step
-            if metrics:
-                self.status.metrics.clear()
+            if metrics:  # merged: a metric reported every n steps stays visible
                 self.status.metrics.update(metrics)
         if committed_step is not None and committed_step > self.status.committed_step:
             self.status.committed_step = committed_step

@@ -44,12 +44,15 @@ class Checkpoints:
     on_event(kind, reason, fields): incidents for the journal
       (`checkpoint_saved` with the seconds the save blocked,
       `checkpoint_restore_failed`, `checkpoint_restored`).
+    on_preempted(step): called after an emergency save (at JAX's preemption
+      sync point, the same step on every process) has committed.
     Every process of the slice must make the same calls (they are collective).
     """
 
     def __init__(self, directory: str, interval_steps: int = 100, max_to_keep: int = 3,
                  on_commit: Callable[[int], None] | None = None,
-                 on_event: Callable[[str, str, dict], None] | None = None) -> None:
+                 on_event: Callable[[str, str, dict], None] | None = None,
+                 on_preempted: Callable[[int], None] | None = None) -> None:
         if interval_steps < 1 or max_to_keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and max_to_keep "
                              f"({max_to_keep}) must be at least 1")
@@ -57,6 +60,7 @@ class Checkpoints:
         self.interval_steps = interval_steps
         self.on_commit = on_commit or (lambda step: None)
         self.on_event = on_event or (lambda kind, reason, fields: None)
+        self.on_preempted = on_preempted or (lambda step: None)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=interval_steps, max_to_keep=max_to_keep, create=True,
             enable_async_checkpointing=True)
@@ -80,23 +84,36 @@ class Checkpoints:
     def save(self, step: int, state: Any, meta: dict | None = None, force: bool = False) -> bool:
         """Start an async save of `state` (a pytree of jax.Arrays) and `meta`
         (JSON-serialisable) at `step` if the interval says so (or `force`).
-        Returns whether a save started. Blocks only for the device-to-host copy
-        (and for the previous save, if it is still running)."""
+        Call it every step: it is also where a preemption is noticed. When any
+        process got a preemption notice (SIGTERM, through JAX's preemption
+        service), every process saves at the same step, waits for the commit
+        and calls `on_preempted(step)`. Returns whether a save started. Blocks
+        only for the device-to-host copy (and the previous save if it is still
+        running)."""
         self.poll()
-        if step == self._last_started or (not force and not self.manager.should_save(step)):
+        if step == self._last_started:
+            return False
+        preempted = self.manager.reached_preemption(step)
+        if not (force or preempted or self.manager.should_save(step)):
             return False
         t0 = time.perf_counter()
         if self._pending is not None:  # one save in flight at a time
             self.manager.wait_until_finished()
             self.poll()
         started = self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})), force=force)
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})),
+            force=force or preempted)
         if started:
             self._pending = self._last_started = step
             blocked = time.perf_counter() - t0
             self.blocking_s.append(blocked)
-            self.on_event("checkpoint_saved", f"save of step {step} started; blocked "
-                          f"{blocked * 1000:.1f} ms", {"step": step, "blocking_s": round(blocked, 4)})
+            kind = "emergency save" if preempted else "save"
+            self.on_event("checkpoint_saved", f"{kind} of step {step} started; blocked "
+                          f"{blocked * 1000:.1f} ms", {"step": step, "blocking_s": round(blocked, 4),
+                                                       "preemption": preempted})
+        if preempted:
+            self.wait()
+            self.on_preempted(step)
         return started
 
     def committed_steps(self) -> list[int]:

@@ -57,6 +57,7 @@ class Executor:
                 config.ENV_JOB_ID: self.spec.job_id,
                 config.ENV_MESH: self.spec.mesh.to_text(),
                 config.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or "",
+                config.ENV_JAX_HEARTBEAT_TIMEOUT_S: str(config.jax_heartbeat_timeout_s(self.spec)),
                 config.ENV_BATCH_MODE: self.spec.batch.mode,
                 config.ENV_LR_SCALING: self.spec.batch.lr_scaling}
 

@@ -32,7 +32,8 @@ def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
         generation=status.generation, state=_STATES.get(status.state, v.WorkerState.IDLE),
         pid=status.pid, exit_code=status.exit_code, signal=status.signal,
         stderr_tail=status.stderr_tail, stopped_on_request=status.stopped_on_request,
-        step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics))
+        step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics),
+        suspended=status.suspended)
 
 
 def fence(controller: Controller, header: pb.Header) -> str | None:
@@ -141,7 +142,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if kind == "heartbeat":
             hb = message.heartbeat
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker_obs(hb.worker),
-                                         hb.free_port))
+                                         hb.free_port, hb.preemption))
             return
         if h.generation < c.state.generation:
             # A report about a worker of an older generation: refused, so it can

@@ -26,8 +26,13 @@ def job_status(controller) -> pb.JobStatus:
     ranks = {h: i for i, h in enumerate(state.members)} if not state.phase.terminal else {}
     hosts = []
     for record in sorted(view.hosts.values(), key=lambda r: r.host_id):
+        note = ""
         if record.host_id in state.lost:
             host_state = "lost"
+        elif record.host_id in state.quarantined:
+            host_state, note = "quarantined", state.quarantined[record.host_id][1]
+        elif record.preemption:
+            host_state, note = "leaving", record.preemption
         elif record.host_id in ranks:
             host_state = "stopping" if state.phase.value == "stopping" else "member"
         else:
@@ -39,7 +44,7 @@ def job_status(controller) -> pb.JobStatus:
             heartbeat_age_s=max(0.0, now - record.last_heartbeat_at), step=w.step,
             rank=ranks.get(record.host_id, -1), failure_domain=record.failure_domain,
             incarnation=record.incarnation, worker_state=w.state.value,
-            address=record.address, metrics=w.metrics))
+            address=record.address, metrics=w.metrics, note=note))
     return pb.JobStatus(job_id=controller.spec.job_id, phase=state.phase.value,
                         generation=state.generation, restarts=state.restarts,
                         reason=state.reason, hosts=hosts,
@@ -62,4 +67,5 @@ def format_status(status: pb.JobStatus) -> str:
         for h in status.hosts]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"  {h.host_id} {h.state}: {h.note}" for h in status.hosts if h.note]
     return "\n".join(lines)

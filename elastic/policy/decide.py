@@ -18,6 +18,8 @@ import enum
 from collections.abc import Mapping
 
 from elastic.config import JobSpec
+from elastic.policy import quarantine
+from elastic.policy.hang import check_hang
 from elastic.policy.mesh import Candidate, plan_mesh
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
@@ -88,12 +90,16 @@ class SliceState:
     members / incarnations: hosts of the generation in rank order, and the
       agent incarnation each had when it started.
     coordinator: "host:port" of the generation's JAX coordinator.
-    stop_kind: "failure" or "grow" while STOPPING.
+    stop_kind: "failure", "preemption" or "grow" while STOPPING.
     failure_restarts: times of failure restarts (for the restart budget).
     failures_without_progress: failures in a row with no step in between.
     lost: hosts currently considered lost (journaled once).
     stop_requested: host -> time a stop was last sent to a non-member worker.
     grow_ready_since: when a bigger slice first became possible.
+    draining_since: when a member's preemption notice was first seen (the
+      slice waits for the emergency checkpoint before it stops).
+    host_failures / quarantined: failures attributed to each host, and the
+      hosts set aside (host -> (until, reason)).
     """
 
     phase: Phase = Phase.WAITING
@@ -112,6 +118,9 @@ class SliceState:
     lost: frozenset[str] = frozenset()
     stop_requested: Mapping[str, float] = dataclasses.field(default_factory=dict)
     grow_ready_since: float | None = None
+    draining_since: float | None = None
+    host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
     exit_code: int | None = None
 
 
@@ -128,6 +137,13 @@ def decide(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> D
         return Decision(state, (), state.reason)
     actions: list[Action] = []
     state = _track_lost(state, view, now, spec, actions)
+    if state.quarantined:
+        quarantined, released = quarantine.release(state.quarantined, now)
+        for host in released:
+            actions.append(Journal("host_released", state.generation,
+                                   "quarantine cooldown over", host))
+        if released:
+            state = dataclasses.replace(state, quarantined=quarantined)
     if state.phase is Phase.WAITING:
         state = _waiting(state, view, now, spec, actions)
     elif state.phase in (Phase.STARTING, Phase.RUNNING):
@@ -166,7 +182,10 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
 
 
 def _usable(record: HostRecord, state: SliceState) -> bool:
-    return record.host_id not in state.lost and not record.worker.running
+    """A host a new generation may use: heartbeating, idle, not set aside,
+    not being taken away."""
+    return (record.host_id not in state.lost and not record.worker.running
+            and record.host_id not in state.quarantined and not record.preemption)
 
 
 def _enter(state: SliceState, phase: Phase, now: float, reason: str, **changes) -> SliceState:
@@ -249,7 +268,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                        failures_without_progress=0)
     if failures:
         when, host, why = min(failures)
-        return _begin_stop(state, now, spec, actions, "failure", why, host)
+        return _begin_stop(state, now, spec, actions, "failure", why, (host,))
     if done == len(state.members):
         reason = f"all {done} workers of generation {state.generation} exited 0"
         last = view.hosts[state.members[0]].worker
@@ -257,6 +276,18 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                {"step": last.step, "metrics": dict(last.metrics)}))
         actions.append(Finish(0))
         return _enter(state, Phase.SUCCEEDED, now, reason, exit_code=0)
+    members = [view.hosts[h] for h in state.members]
+    leaving = [r for r in members if r.preemption]
+    if leaving:
+        return _drain(state, view, now, spec, actions, leaving)
+    hang = check_hang(members, view, state.phase_since, state.progressed, now, spec)
+    if hang:
+        actions.append(Journal("hang_detected", state.generation, hang.reason,
+                               hang.suspects[0] if hang.suspects else None,
+                               {"suspects": list(hang.suspects), "silent_s": round(hang.silent_s, 3),
+                                "timeout_s": round(hang.timeout_s, 3)}))
+        return _begin_stop(state, now, spec, actions, "failure", f"hang: {hang.reason}",
+                           hang.suspects)
     return _consider_grow(state, view, now, spec, actions)
 
 
@@ -280,20 +311,59 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
         return state
     why = (f"grow from {len(state.members)} to {len(plan.hosts)} hosts"
            + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else ""))
-    return _begin_stop(state, now, spec, actions, "grow", why, None)
+    return _begin_stop(state, now, spec, actions, "grow", why, ())
+
+
+def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+           actions: list[Action], leaving: list[HostRecord]) -> SliceState:
+    """A member is being taken away: wait for the emergency checkpoint (saved
+    by every worker at the next common step) to commit, then stop the slice;
+    the next generation starts without the leaving hosts and resumes at the
+    saved step + 1. Bounded by preemption.drain_timeout_s."""
+    hosts = ", ".join(f"{r.host_id} ({r.preemption})" for r in leaving)
+    since = state.draining_since if state.draining_since is not None else now
+    if state.draining_since is None:
+        state = dataclasses.replace(state, draining_since=since,
+                                    reason=f"draining: {hosts} leaving; waiting for the "
+                                           f"emergency checkpoint")
+    saved = view.emergency_save_step
+    committed = saved >= 0 and view.committed_step >= saved and view.committed_at >= since
+    if committed:
+        why = f"preemption of {hosts}: emergency checkpoint step {saved} committed"
+    elif not state.progressed:
+        why = f"preemption of {hosts} before the first step"
+    elif now - since > spec.preemption.drain_timeout_s:
+        why = (f"preemption of {hosts}: no emergency checkpoint within "
+               f"{spec.preemption.drain_timeout_s:g} s (preemption.drain_timeout_s); "
+               f"resuming from checkpoint step {view.committed_step}")
+    else:
+        return state
+    return _begin_stop(state, now, spec, actions, "preemption", why, ())
 
 
 def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
-                kind: str, why: str, host: str | None) -> SliceState:
-    grace = 0.0 if kind == "failure" else spec.health.stop_grace_s
-    actions.append(Journal("slice_stopping", state.generation, why, host,
-                           {"cause": kind, "grace_s": grace}))
+                kind: str, why: str, blamed: tuple[str, ...]) -> SliceState:
+    """Stop every member. Failures (and preemptions, whose workers wait idle
+    after their emergency save) stop with SIGKILL at once; grows get
+    health.stop_grace_s. A failure is attributed to the `blamed` hosts."""
+    grace = spec.health.stop_grace_s if kind == "grow" else 0.0
+    actions.append(Journal("slice_stopping", state.generation, why,
+                           blamed[0] if blamed else None,
+                           {"cause": kind, "grace_s": grace, "blamed": list(blamed)}))
     for member in state.members:
         actions.append(StopWorker(member, state.generation, grace, why))
-    changes = {}
+    changes: dict = {"draining_since": None}
     if kind == "failure":
         changes["failures_without_progress"] = (1 if state.progressed
                                                 else state.failures_without_progress + 1)
+        failures, quarantined, newly = quarantine.record_failures(
+            state.host_failures, state.quarantined, blamed, now, spec, why)
+        changes.update(host_failures=failures, quarantined=quarantined)
+        # A quarantine does not reset the crash-loop count: a slice that makes no
+        # step at all is failing as a whole, whichever host is blamed.
+        for host, reason in newly:
+            actions.append(Journal("host_quarantined", state.generation, reason, host,
+                                   {"until_s": round(quarantined[host][0] - now, 3)}))
     return _enter(state, Phase.STOPPING, now, why, stop_kind=kind,
                   stop_deadline=now + spec.health.stop_timeout_s, **changes)
 

@@ -39,6 +39,7 @@ class WorkerObs:
     step: int = -1
     committed_step: int = -1
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    suspended: bool = False
 
     @property
     def running(self) -> bool:
@@ -76,6 +77,11 @@ class HostRecord:
     worker: WorkerObs = dataclasses.field(default_factory=WorkerObs)
     exited_at: float = 0.0
     first_step_at: float = 0.0
+    # When the worker's step last went up (0: no step in this generation yet).
+    step_at: float = 0.0
+    # Why the host is being taken away ("" if it is not), and since when.
+    preemption: str = ""
+    preempted_at: float = 0.0
 
 
 # --- events (made by the servicer from messages) ---------------------------
@@ -98,6 +104,7 @@ class HeartbeatReceived:
     incarnation: str
     worker: WorkerObs
     free_port: int
+    preemption: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +165,11 @@ class ClusterView:
         # Latest committed checkpoint step any worker reported, and when.
         self.committed_step = -1
         self.committed_at = float("-inf")
+        # When the latest save started (a save is in flight while this is
+        # newer than committed_at), and the step of the latest emergency
+        # (preemption) save.
+        self.save_started_at = float("-inf")
+        self.emergency_save_step = -1
 
     def get(self, host_id: str) -> HostRecord | None:
         return self.hosts.get(host_id)
@@ -183,6 +195,11 @@ def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
         record.exited_at = now
     if old.step < 0 <= reported.step or old.generation != reported.generation:
         record.first_step_at = now if reported.step >= 0 else 0.0
+    if old.generation != reported.generation:
+        record.step_at = now if reported.step >= 0 else 0.0
+    elif reported.step > old.step:
+        record.step_at = now
+    changed |= old.suspended != reported.suspended
     record.worker = reported
     return changed
 
@@ -236,6 +253,10 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         facts = _note_commit(view, record, event.worker.generation,
                              event.worker.committed_step, now)
         changed = _merge_worker(record, event.worker, now)
+        if event.preemption and not record.preemption:
+            record.preemption, record.preempted_at = event.preemption, now
+            facts.append(Fact("preemption_notice", event.host_id, event.worker.generation,
+                              f"host is being taken away: {event.preemption}"))
         return changed or bool(facts), facts
     if isinstance(event, WorkerExited):
         view._touch(record, now)
@@ -258,13 +279,20 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         first = w.step < 0 <= event.step
         if first:
             record.first_step_at = now
-        if event.step > w.step and event.metrics:
-            w.metrics = dict(event.metrics)
+        if event.step > w.step:
+            record.step_at = now
+            if event.metrics:
+                w.metrics = dict(event.metrics)
         w.step = max(w.step, event.step)
         return first or bool(facts), facts
     if isinstance(event, WorkerReported):
         if event.kind not in WORKER_EVENT_KINDS or event.generation != record.worker.generation:
             return False, []
-        return False, [Fact(event.kind, event.host_id, event.generation, event.reason,
+        if event.kind == "checkpoint_saved":
+            view.save_started_at = now
+            if event.fields.get("preemption"):
+                view.emergency_save_step = max(view.emergency_save_step,
+                                               int(event.fields.get("step", -1)))
+        return event.kind == "checkpoint_saved", [Fact(event.kind, event.host_id, event.generation, event.reason,
                             dict(event.fields))]
     raise TypeError(f"unknown event {event!r}")

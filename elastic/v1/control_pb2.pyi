@@ -31,7 +31,7 @@ class Header(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("generation", "state", "pid", "exit_code", "signal", "stderr_tail", "stopped_on_request", "step", "committed_step", "metrics")
+    __slots__ = ("generation", "state", "pid", "exit_code", "signal", "stderr_tail", "stopped_on_request", "step", "committed_step", "metrics", "suspended")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class WorkerStatus(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     generation: int
     state: WorkerState
     pid: int
@@ -59,7 +60,8 @@ class WorkerStatus(_message.Message):
     step: int
     committed_step: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    suspended: bool
+    def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., suspended: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "devices", "address", "failure_domain", "agent_pid", "worker", "free_port")
@@ -92,14 +94,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "worker", "free_port")
+    __slots__ = ("seq", "worker", "free_port", "preemption")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     worker: WorkerStatus
     free_port: int
-    def __init__(self, seq: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ...) -> None: ...
+    preemption: str
+    def __init__(self, seq: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., preemption: _Optional[str] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "committed_step", "metrics")
@@ -204,7 +208,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HostStatus(_message.Message):
-    __slots__ = ("host_id", "state", "devices", "agent_pid", "worker_pid", "heartbeat_age_s", "step", "rank", "failure_domain", "incarnation", "worker_state", "address", "metrics")
+    __slots__ = ("host_id", "state", "devices", "agent_pid", "worker_pid", "heartbeat_age_s", "step", "rank", "failure_domain", "incarnation", "worker_state", "address", "metrics", "note")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +229,7 @@ class HostStatus(_message.Message):
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     state: str
     devices: int
@@ -238,7 +243,8 @@ class HostStatus(_message.Message):
     worker_state: str
     address: str
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    note: str
+    def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s")

@@ -94,8 +94,19 @@ class WorkerContext:
                 self.progress.event(kind, reason, **fields)
 
         self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
-                                        on_commit, on_event)
+                                        on_commit, on_event, self._preempted)
         return self._checkpoints
+
+    def _preempted(self, step: int, wait_s: float = 120.0) -> None:
+        """After the emergency checkpoint of `step` committed: take no further
+        step (none would be kept) and wait for the agent to end this process;
+        the next generation resumes at step + 1. Exits with 75 (EX_TEMPFAIL)
+        if nobody does within `wait_s`."""
+        self.log.warning("preemption: checkpoint step %d committed; waiting to be stopped", step)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+        os._exit(75)
 
     def compile(self, lowered, name: str):
         """Compile a lowered function (`jax.jit(f).lower(*abstract_args)`),
@@ -121,6 +132,8 @@ class WorkerContext:
                 self.progress.event("worker_phases", "startup phases of process 0: " + ", ".join(
                     f"{k} {v:.2f} s" for k, v in self.timings.items()), step=step,
                     **{f"{k}_s": v for k, v in self.timings.items()})
+        if self._step_times and len(self._step_times) % 10 == 0:
+            metrics["step_time_s"] = statistics.median(self._step_times)
         self.progress.step(step, **metrics)
         if self._checkpoints is not None:
             self._checkpoints.poll()
@@ -160,7 +173,8 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     t = time.perf_counter()
     jax.distributed.initialize(coordinator_address=env.coordinator_address,
                                num_processes=env.num_processes, process_id=env.process_id,
-                               initialization_timeout=120)
+                               initialization_timeout=120,
+                               heartbeat_timeout_seconds=env.jax_heartbeat_timeout_s)
     timings["distributed_init"] = round(time.perf_counter() - t, 3)
 
     from elastic.config import SpecError

@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 import pathlib
+import signal
+import subprocess
 import sys
 import time
 
@@ -27,7 +29,18 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--crash-on-start", action="store_true",
                         help="exit 1 before the first step (a crash loop)")
+    parser.add_argument("--crash-on-host", default="",
+                        help="on this host only, exit 3 after --crash-after-steps steps")
+    parser.add_argument("--crash-after-steps", type=int, default=5)
+    parser.add_argument("--ignore-sigterm", action="store_true",
+                        help="ignore SIGTERM (only SIGKILL ends this worker)")
+    parser.add_argument("--spawn-child", action="store_true",
+                        help="start a long-lived child process (a grandchild of the agent)")
     args = parser.parse_args()
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.spawn_child:
+        subprocess.Popen(["sleep", "1000"])
 
     env = WorkerEnv.from_environ()
     ckpt = pathlib.Path(env.checkpoint_dir) / "tiny-step.json"
@@ -39,7 +52,11 @@ def main() -> int:
         print("tiny worker: crashing on purpose", file=sys.stderr, flush=True)
         return 1
     progress = ProgressReporter(env.progress_socket, env.generation)
+    crash_at = start + args.crash_after_steps if env.host_id == args.crash_on_host else None
     for step in range(start, args.steps):
+        if step == crash_at:
+            print(f"tiny worker: crashing on purpose on {env.host_id}", file=sys.stderr, flush=True)
+            return 3
         time.sleep(args.step_time_s)
         progress.step(step)
         if env.process_id == 0 and (step + 1) % args.checkpoint_every == 0:

@@ -1,0 +1,90 @@
+"""Hang detection: a running generation that stops making step progress.
+
+Pure: (members' observed records, now, spec) -> a Hang or None. The default
+timeout is learned from the step times the workers report:
+max(hang.min_timeout_s, hang.step_time_factor x median step time), with a
+separate allowance for startup (process start, distributed init, restore,
+first compile) and extra time while a checkpoint save is in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from elastic.config import JobSpec
+from elastic.policy.view import ClusterView, HostRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class Hang:
+    """reason: one line; suspects: hosts that most likely stopped first, in
+    order; silent_s: seconds without progress; timeout_s: the limit used."""
+
+    reason: str
+    suspects: tuple[str, ...]
+    silent_s: float
+    timeout_s: float
+
+
+def hang_timeout(spec: JobSpec, step_time_s: float | None) -> float:
+    """Seconds without a step before a running generation is hung."""
+    h = spec.hang
+    if h.timeout_s > 0:
+        return h.timeout_s
+    if step_time_s and step_time_s > 0:
+        return max(h.min_timeout_s, h.step_time_factor * step_time_s)
+    return h.min_timeout_s
+
+
+def suspects(records: Sequence[HostRecord]) -> tuple[str, ...]:
+    """Members that stopped first: those whose worker is suspended (SIGSTOP);
+    else those with the lowest last step, the one whose step went up least
+    recently first."""
+    stopped = [r.host_id for r in records if r.worker.suspended]
+    if stopped:
+        return tuple(stopped)
+    lowest = min(r.worker.step for r in records)
+    behind = sorted((r for r in records if r.worker.step == lowest), key=lambda r: r.step_at)
+    return tuple(r.host_id for r in behind)
+
+
+def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: float,
+               progressed: bool, now: float, spec: JobSpec) -> Hang | None:
+    """A Hang if the generation (started at `started_at`, members in rank
+    order) has made no step for too long, else None."""
+    if not members:
+        return None
+    if not progressed:
+        limit = spec.hang.startup_timeout_s
+        silent = now - started_at
+        if silent <= limit:
+            return None
+        waiting = tuple(r.host_id for r in members if r.worker.step < 0) or \
+            tuple(r.host_id for r in members)
+        return Hang(f"no first step {silent:.1f} s after the generation started "
+                    f"(hang.startup_timeout_s = {limit:g})", waiting, silent, limit)
+    # The member that advanced least recently sets the clock: in SPMD training
+    # every process waits for the slowest, and a member that stopped alone is
+    # as stuck as a slice that stopped together. Finished workers are done.
+    active = [r for r in members if r.worker.running]
+    if not active:
+        return None
+    progress_at = min(r.step_at for r in active)
+    step_time = members[0].worker.metrics.get("step_time_s")
+    limit = hang_timeout(spec, step_time)
+    saving = view.save_started_at > view.committed_at
+    if saving:
+        limit += spec.hang.checkpoint_allowance_s
+    silent = now - progress_at
+    if silent <= limit:
+        return None
+    found = suspects(active)
+    how = "suspended" if any(r.worker.suspended for r in active) else \
+        f"no step since step {min(r.worker.step for r in active)}"
+    basis = (f"fixed hang.timeout_s" if spec.hang.timeout_s else
+             f"learned from a median step of {step_time:.3f} s" if step_time else
+             "hang.min_timeout_s")
+    return Hang(f"no step progress for {silent:.1f} s (timeout {limit:.1f} s, {basis}"
+                + (", a checkpoint save in flight" if saving else "")
+                + f"); suspects: {', '.join(found)} ({how})", found, silent, limit)
