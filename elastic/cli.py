@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--fault", action="append", default=[], metavar="KIND:HOST@TRIGGER",
                        help="inject a fault, e.g. kill-host:host-1@step=120 or "
                             "kill-worker:host-2@t=30 (repeatable)")
+    local.add_argument("--gce-metadata", metavar="URL",
+                       help="agents watch this GCE metadata URL for preemption notices; "
+                            "{host} is replaced by each host's id")
     return parser
 
 
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             return run_local(args.config, spec, args.hosts, args.devices_per_host,
-                             args.state_dir, quiet=args.quiet, faults=faults)
+                             args.state_dir, quiet=args.quiet, faults=faults,
+                             metadata_url=args.gce_metadata)
         except RuntimeError as e:
             print(f"elasticd: error: {e}", file=sys.stderr)
             return 1

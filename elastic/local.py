@@ -47,12 +47,17 @@ class LocalSlice:
 
 
 def agent_argv(address: str, host_id: str, devices: int, failure_domain: str,
-               state_dir: pathlib.Path, job_id: str) -> list[str]:
-    """The command line of one simulated host's agent."""
-    return [sys.executable, "-m", "elastic.agent.main", "--controller", address,
+               state_dir: pathlib.Path, job_id: str, metadata_url: str | None = None
+               ) -> list[str]:
+    """The command line of one simulated host's agent. `metadata_url` may
+    hold "{host}", replaced by the host id (one fake metadata path per host)."""
+    argv = [sys.executable, "-m", "elastic.agent.main", "--controller", address,
             "--host-id", host_id, "--devices", str(devices), "--address", "127.0.0.1",
             "--failure-domain", failure_domain, "--job-id", job_id,
             "--state-dir", str(state_dir / "agents" / host_id)]
+    if metadata_url:
+        argv += ["--gce-metadata", metadata_url.replace("{host}", host_id)]
+    return argv
 
 
 def child_env() -> dict[str, str]:
@@ -81,7 +86,7 @@ def _wait_for_address(state_dir: pathlib.Path, controller: subprocess.Popen,
 
 
 def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
-                state_dir: pathlib.Path) -> LocalSlice:
+                state_dir: pathlib.Path, metadata_url: str | None = None) -> LocalSlice:
     """Start the controller, wait for its address, then start `hosts` agents.
 
     Raises RuntimeError when the controller exits or does not listen within
@@ -106,7 +111,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int
     for i in range(hosts):
         host_id = f"host-{i}"
         argv = agent_argv(address, host_id, devices_per_host, f"domain-{i // per_domain}",
-                          state_dir, spec.job_id)
+                          state_dir, spec.job_id, metadata_url)
         out = open(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, env=env)
@@ -142,10 +147,11 @@ def _terminate(procs: list[subprocess.Popen], timeout_s: float,
 
 
 def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
-    """Stop agents (SIGINT: they end their workers at once, no preemption
-    drain), then the controller. Bounded."""
-    _terminate(list(local.agents.values()), agent_grace_s, signal.SIGINT)
+    """Stop the controller first (so it does not treat the workers' ends as
+    failures to recover from), then the agents (SIGINT: they end their
+    workers, no preemption drain). Bounded."""
     _terminate([local.controller], 5.0)
+    _terminate(list(local.agents.values()), agent_grace_s, signal.SIGINT)
 
 
 def format_entry(entry: dict, t0: float) -> str:
@@ -242,7 +248,7 @@ def progress_line(address: str) -> str:
 
 def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
-              progress_every_s: float = 5.0) -> int:
+              progress_every_s: float = 5.0, metadata_url: str | None = None) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting `faults` on the way; prints a summary at the end.
 
@@ -261,7 +267,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     local = injector = None
     try:
-        local = start_slice(spec_path, spec, hosts, devices_per_host, state)
+        local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url)
         print(f"elasticd local: controller at {local.address}, {hosts} hosts x "
               f"{devices_per_host} devices, state in {state}", flush=True)
         if faults:

@@ -103,7 +103,8 @@ class LocalJob:
     """`elasticd local` in its own process group, driven by a test."""
 
     def __init__(self, spec: pathlib.Path, state_dir: pathlib.Path, env: dict,
-                 hosts: int = 4, devices: int = 1, faults: tuple[str, ...] = ()) -> None:
+                 hosts: int = 4, devices: int = 1, faults: tuple[str, ...] = (),
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.state_dir = state_dir
         self.env = env
         self.extra_procs: list[subprocess.Popen] = []
@@ -111,7 +112,7 @@ class LocalJob:
             [sys.executable, "-m", "elastic.cli", "local", "--config", str(spec),
              "--hosts", str(hosts), "--devices-per-host", str(devices),
              "--state-dir", str(state_dir), "--quiet",
-             *[arg for fault in faults for arg in ("--fault", fault)]],
+             *[arg for fault in faults for arg in ("--fault", fault)], *extra_args],
             env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def journal(self) -> list[dict]:
@@ -203,8 +204,8 @@ def local_job(tmp_path, proc_env):
     jobs = []
 
     def start(spec: pathlib.Path, hosts: int = 4, devices: int = 1, faults: tuple = (),
-              name: str = "state") -> LocalJob:
-        job = LocalJob(spec, tmp_path / name, proc_env, hosts, devices, faults)
+              name: str = "state", extra_args: tuple = ()) -> LocalJob:
+        job = LocalJob(spec, tmp_path / name, proc_env, hosts, devices, faults, extra_args)
         jobs.append(job)
         return job
     yield start

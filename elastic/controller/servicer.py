@@ -152,6 +152,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 rejected=pb.Rejected(current_generation=c.state.generation,
                                      reason=f"{kind} of generation {h.generation} refused: "
                                             f"the current generation is {c.state.generation}")))
+            c.submit(v.StaleReportRefused(h.host_id, h.incarnation, h.generation,
+                                          c.state.generation, kind))
             return
         if kind == "worker_exited":
             c.submit(v.WorkerExited(h.host_id, h.incarnation, worker_obs(message.worker_exited)))

@@ -51,8 +51,9 @@ def suspects(records: Sequence[HostRecord]) -> tuple[str, ...]:
 
 def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: float,
                progressed: bool, now: float, spec: JobSpec) -> Hang | None:
-    """A Hang if the generation (started at `started_at`, members in rank
-    order) has made no step for too long, else None."""
+    """A Hang if the generation (members in rank order) has made no step for
+    too long, else None. `started_at`: when the generation started (before
+    its first step) or when its first step came (after)."""
     if not members:
         return None
     if not progressed:
@@ -70,7 +71,8 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     active = [r for r in members if r.worker.running]
     if not active:
         return None
-    progress_at = min(r.step_at for r in active)
+    # (a member with no step yet counts from when the generation's first step came)
+    progress_at = min(max(r.step_at, started_at) for r in active)
     step_time = members[0].worker.metrics.get("step_time_s")
     limit = hang_timeout(spec, step_time)
     saving = view.save_started_at > view.committed_at

@@ -141,7 +141,19 @@ class WorkerReported:
     fields: dict
 
 
-Event = Registered | HeartbeatReceived | WorkerExited | ProgressReported | WorkerReported
+@dataclasses.dataclass(frozen=True)
+class StaleReportRefused:
+    """A report about a worker of an older generation, refused by fencing."""
+
+    host_id: str
+    incarnation: str
+    generation: int
+    current_generation: int
+    kind: str
+
+
+Event = (Registered | HeartbeatReceived | WorkerExited | ProgressReported | WorkerReported
+         | StaleReportRefused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,4 +307,9 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
                                                int(event.fields.get("step", -1)))
         return event.kind == "checkpoint_saved", [Fact(event.kind, event.host_id, event.generation, event.reason,
                             dict(event.fields))]
+    if isinstance(event, StaleReportRefused):
+        return False, [Fact("stale_message_rejected", event.host_id, event.current_generation,
+                            f"{event.kind} about generation {event.generation} refused: the "
+                            f"current generation is {event.current_generation}",
+                            {"stale_generation": event.generation, "message": event.kind})]
     raise TypeError(f"unknown event {event!r}")

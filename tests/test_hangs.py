@@ -1,0 +1,98 @@
+"""Hangs, stopped agents, stubborn workers and crashing hosts, with real
+processes and real signals (tiny worker, no JAX)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from tests.conftest import tiny_spec, wait_until
+
+HANG = "[hang]\nmin_timeout_s = 3.0\n"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def with_sections(spec, text: str):
+    spec.write_text(spec.read_text() + "\n" + text)
+    return spec
+
+
+def test_sigstop_worker_is_a_hang(tmp_path, local_job):
+    job = local_job(with_sections(tiny_spec(tmp_path), HANG))
+    job.wait_for("first_progress", generation=1)
+    victim = job.host("host-2")
+    stopped_at = time.time()
+    os.kill(victim["workerPid"], signal.SIGSTOP)
+    hang = job.wait_for("hang_detected", generation=1, timeout_s=30)
+    assert hang["host"] == "host-2" and hang["suspects"][0] == "host-2"
+    assert "suspended" in hang["reason"]
+    # within the hang timeout (3 s) + 2 s; step reports arrive with heartbeats (0.25 s)
+    assert hang["ts"] - stopped_at <= hang["timeout_s"] + 2.0, hang
+    job.wait_for("generation_started", generation=2)
+    job.wait_for("first_progress", generation=2)
+    # SIGKILL reached the stopped process
+    wait_until(lambda: not alive(victim["workerPid"]), 10, "the stopped worker to be killed")
+
+
+def test_sigstop_agent_is_lost_then_rejoins(tmp_path, local_job):
+    spec = with_sections(tiny_spec(tmp_path), '[restart]\ngrow = "immediately"\n')
+    job = local_job(spec)
+    job.wait_for("first_progress", generation=1)
+    victim = job.host("host-1")
+    os.kill(victim["agentPid"], signal.SIGSTOP)
+    try:
+        job.wait_for("host_lost", host="host-1")
+        started = job.wait_for("generation_started", generation=2)
+        assert sorted(started["hosts"]) == ["host-0", "host-2", "host-3"]
+        job.wait_for("first_progress", generation=2)
+        assert alive(victim["workerPid"])  # its worker went on while the agent was stopped
+    finally:
+        os.kill(victim["agentPid"], signal.SIGCONT)
+    # the old worker is stopped before the host rejoins
+    wait_until(lambda: not alive(victim["workerPid"]), 15, "the stale worker to be stopped")
+    rejoined = job.wait_for("generation_started", generation=3, timeout_s=30)
+    assert sorted(rejoined["hosts"]) == ["host-0", "host-1", "host-2", "host-3"]
+    # its reports about generation 1 were refused (fencing), and it rejoined only after
+    refused = [e for e in job.journal() if e["kind"] == "stale_message_rejected"
+               and e["host"] == "host-1"]
+    assert refused and refused[0]["stale_generation"] == 1
+    assert refused[0]["ts"] < rejoined["ts"]
+
+
+def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path, local_job):
+    job = local_job(tiny_spec(tmp_path, "--steps 100000 --step-time-s 0.02 --ignore-sigterm "
+                                        "--spawn-child", max_hosts=2), hosts=2)
+    job.wait_for("first_progress", generation=1)
+    workers = [h["workerPid"] for h in job.status()["hosts"]]
+    t0 = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(30) == 128 + signal.SIGTERM
+    # agents give workers 5 s (--stop-grace-s) after SIGTERM, then SIGKILL the group
+    assert time.monotonic() - t0 < 5.0 + 5.0
+    for pid in workers:
+        assert not alive(pid)
+    # the grandchildren (sleep 1000) are checked by the proc_env guard
+
+
+def test_host_that_keeps_crashing_is_quarantined(tmp_path, local_job):
+    spec = with_sections(
+        tiny_spec(tmp_path, "--steps 400 --step-time-s 0.02 --crash-on-host host-2 "
+                            "--crash-after-steps 5"),
+        '[quarantine]\nfailures = 2\nwindow_s = 600\ncooldown_s = 600\n')
+    job = local_job(spec)
+    quarantined = job.wait_for("host_quarantined", timeout_s=60)
+    assert quarantined["host"] == "host-2"
+    started = job.wait_for("generation_started", generation=3)
+    assert "host-2" not in started["hosts"] and len(started["hosts"]) == 3
+    host = job.host("host-2")
+    assert host["state"] == "quarantined" and "2 failures" in host["note"]
+    assert job.wait(60) == 0, job.output()
+    assert job.journal()[-1]["kind"] == "job_succeeded"
