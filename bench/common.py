@@ -41,3 +41,11 @@ def write_result(path: str, result: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwritten to {out}")
+
+
+def print_table(results: dict[str, dict]) -> None:
+    """Print `summarize` results as a table (seconds)."""
+    print(f"\n{'measure':38} {'median':>8} {'p95':>8} {'min':>8} {'max':>8}")
+    for name, s in results.items():
+        print(f"{name:38} {s['median_s']:8.3f} {s['p95_s']:8.3f} {s['min_s']:8.3f} "
+              f"{s['max_s']:8.3f}")

@@ -30,7 +30,7 @@ from elastic.config import load_spec
 from elastic.controller.status import fetch_status
 from elastic.local import child_env, start_slice, stop_slice
 
-from common import machine, summarize, wait_entry, write_result
+from common import machine, print_table, summarize, wait_entry, write_result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -127,10 +127,7 @@ def main() -> int:
               "heartbeat_timeout_s": args.heartbeat_timeout_s,
               "results": {k: summarize(v) for k, v in rows.items() if v},
               "raw": {k: [round(x, 4) for x in v] for k, v in rows.items()}}
-    print(f"\n{'measure':38} {'median':>8} {'p95':>8} {'min':>8} {'max':>8}")
-    for name, s in result["results"].items():
-        print(f"{name:38} {s['median_s']:8.3f} {s['p95_s']:8.3f} {s['min_s']:8.3f} "
-              f"{s['max_s']:8.3f}")
+    print_table(result["results"])
     write_result(args.out, result)
     return 0
 

@@ -1,4 +1,4 @@
-"""`elasticd`: start | status | local.
+"""`elasticd`: start | status | report | local | chaos.
 
 Exit codes: 0 job succeeded, 1 job failed (or status could not reach the
 controller), 2 bad command line or job spec (nothing was started).
@@ -34,6 +34,17 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--controller", help="HOST:PORT (default: from the state dir)")
     status.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
 
+    report = sub.add_parser("report", help="goodput of a finished or running job")
+    report.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+    report.add_argument("--json", action="store_true", help="JSON instead of a table")
+
+    chaos = sub.add_parser("chaos", help="random faults on a running `elasticd local` slice")
+    chaos.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+    chaos.add_argument("--chaos", required=True, metavar="SPEC",
+                       help="e.g. mtbf=60,seed=1,kinds=all,count=5 (see elastic.chaos)")
+    chaos.add_argument("--duration-s", type=float, default=None,
+                       help="stop after this long (default: until Ctrl-C or count faults)")
+
     local = sub.add_parser("local", help="controller and N simulated hosts on this machine")
     local.add_argument("--config", required=True, help="job spec (TOML)")
     local.add_argument("--hosts", type=int, default=4)
@@ -43,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--fault", action="append", default=[], metavar="KIND:HOST@TRIGGER",
                        help="inject a fault, e.g. kill-host:host-1@step=120 or "
                             "kill-worker:host-2@t=30 (repeatable)")
+    local.add_argument("--chaos", metavar="SPEC",
+                       help="random faults, e.g. mtbf=60,seed=1,kinds=all (see elastic.chaos)")
     local.add_argument("--gce-metadata", metavar="URL",
                        help="agents watch this GCE metadata URL for preemption notices; "
                             "{host} is replaced by each host's id")
@@ -84,10 +97,38 @@ def _status(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    import json
+    import time
+
+    from elastic.controller.journal import JOURNAL_NAME, read_journal
+    from elastic.goodput import account, format_report
+
+    path = pathlib.Path(args.state_dir) / JOURNAL_NAME
+    if not path.exists():
+        print(f"elasticd: no journal at {path}", file=sys.stderr)
+        return 1
+    goodput = account(read_journal(args.state_dir), now=time.time())
+    print(json.dumps(goodput.to_json(), indent=2) if args.json else format_report(goodput))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "status":
         return _status(args)
+    if args.command == "report":
+        return _report(args)
+    if args.command == "chaos":
+        from elastic.chaos import parse_chaos
+        from elastic.local import run_chaos
+
+        try:
+            spec = parse_chaos(args.chaos)
+        except ValueError as e:
+            print(f"elasticd: error: {e}", file=sys.stderr)
+            return 2
+        return run_chaos(args.state_dir, spec, args.duration_s)
     spec = _load(args.config)
     if args.command == "start":
         from elastic.controller.server import serve
@@ -102,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "local":
         from elastic.local import run_local
 
+        from elastic.chaos import parse_chaos
         from elastic.faults import parse_fault
 
         if args.hosts < 1 or args.devices_per_host < 1:
@@ -110,13 +152,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             faults = [parse_fault(text) for text in args.fault]
+            chaos = parse_chaos(args.chaos) if args.chaos else None
         except ValueError as e:
             print(f"elasticd: error: {e}", file=sys.stderr)
             return 2
         try:
             return run_local(args.config, spec, args.hosts, args.devices_per_host,
                              args.state_dir, quiet=args.quiet, faults=faults,
-                             metadata_url=args.gce_metadata)
+                             metadata_url=args.gce_metadata, chaos=chaos)
         except RuntimeError as e:
             print(f"elasticd: error: {e}", file=sys.stderr)
             return 1

@@ -1,22 +1,16 @@
-"""Fault injection for `elasticd local`, tests and benchmarks.
+"""Planned faults for `elasticd local --fault`, tests and benchmarks.
 
 A fault spec is `KIND:HOST@TRIGGER`, e.g. `kill-host:host-1@step=120` or
-`kill-worker:host-2@t=30`:
-
-- kill-worker: SIGKILL the host's worker (its whole process group);
-- kill-host: SIGKILL the host's agent and its worker (the host is gone);
-
-TRIGGER is `step=N` (the slice has reported step N) or `t=S` (S seconds after
-the slice started). Every injected fault is journaled as `fault_injected`.
+`stop-agent:host-2@t=30`. KIND is any chaos fault kind (see elastic.chaos:
+kill-worker, kill-host, stop-worker, stop-agent, preempt, kill-during-save,
+partition). TRIGGER is `step=N` (the slice has reported step N) or `t=S`
+(S seconds after the slice started). Every injected fault is journaled as
+`fault_injected`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-
-FAULT_KINDS = ("kill-worker", "kill-host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +35,13 @@ class Fault:
 def parse_fault(text: str) -> Fault:
     """Parse `KIND:HOST@step=N` or `KIND:HOST@t=S`. Raises ValueError naming
     what is wrong."""
+    from elastic.chaos import CHAOS_KINDS
+
     kind, sep, rest = text.partition(":")
     host, at, trigger = rest.partition("@")
-    if not sep or not at or kind not in FAULT_KINDS or not host:
+    if not sep or not at or kind not in CHAOS_KINDS or not host:
         raise ValueError(f"fault {text!r}: expected KIND:HOST@step=N or KIND:HOST@t=S "
-                         f"with KIND one of {', '.join(FAULT_KINDS)}")
+                         f"with KIND one of {', '.join(CHAOS_KINDS)}")
     key, eq, value = trigger.partition("=")
     try:
         if key == "step" and eq:
@@ -55,22 +51,3 @@ def parse_fault(text: str) -> Fault:
     except ValueError:
         pass
     raise ValueError(f"fault {text!r}: trigger {trigger!r} is not step=N or t=SECONDS")
-
-
-def inject(fault: Fault, agent_pid: int, worker_pid: int) -> list[int]:
-    """Perform `fault` on a host whose agent and worker have these pids (0:
-    none). Returns the pids signalled."""
-    hit = []
-    if worker_pid:
-        try:
-            os.killpg(worker_pid, signal.SIGKILL)
-            hit.append(worker_pid)
-        except OSError:
-            pass
-    if fault.kind == "kill-host" and agent_pid:
-        try:
-            os.kill(agent_pid, signal.SIGKILL)
-            hit.append(agent_pid)
-        except OSError:
-            pass
-    return hit

@@ -26,10 +26,11 @@ import time
 import grpc
 
 from elastic.config import JobSpec
-from elastic.controller.journal import JOURNAL_NAME, JournalWriter, read_journal
+from elastic.controller.journal import JOURNAL_NAME, read_journal
 from elastic.controller.server import ADDRESS_FILE
 from elastic.controller.status import fetch_status, slice_step
-from elastic.faults import Fault, inject
+from elastic.chaos import Chaos, ChaosSpec
+from elastic.faults import Fault
 from elastic.report import summarize
 
 LOCAL_FILE = "local.json"
@@ -44,6 +45,7 @@ class LocalSlice:
     address: str
     agents: dict[str, subprocess.Popen]
     agent_argv: dict[str, list[str]]
+    heartbeat_timeout_s: float = 5.0
 
 
 def agent_argv(address: str, host_id: str, devices: int, failure_domain: str,
@@ -117,14 +119,15 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int
                                            stdin=subprocess.DEVNULL, env=env)
         out.close()
         argvs[host_id] = argv
-    local = LocalSlice(state_dir, controller, address, agents, argvs)
+    local = LocalSlice(state_dir, controller, address, agents, argvs,
+                       spec.health.heartbeat_timeout_s)
     write_local_file(local)
     return local
 
 
 def write_local_file(local: LocalSlice) -> None:
     info = {"controller": local.address, "controller_pid": local.controller.pid,
-            "launcher_pid": os.getpid(),
+            "launcher_pid": os.getpid(), "heartbeat_timeout_s": local.heartbeat_timeout_s,
             "agents": {h: {"pid": p.pid, "argv": local.agent_argv[h]}
                        for h, p in local.agents.items()}}
     tmp = local.state_dir / (LOCAL_FILE + ".tmp")
@@ -149,9 +152,29 @@ def _terminate(procs: list[subprocess.Popen], timeout_s: float,
 def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
     """Stop the controller first (so it does not treat the workers' ends as
     failures to recover from), then the agents (SIGINT: they end their
-    workers, no preemption drain). Bounded."""
+    workers, no preemption drain), including agents that `elasticd chaos`
+    started again (listed in local.json). Bounded."""
     _terminate([local.controller], 5.0)
     _terminate(list(local.agents.values()), agent_grace_s, signal.SIGINT)
+    ours = {p.pid for p in local.agents.values()}
+    try:
+        listed = json.loads((local.state_dir / LOCAL_FILE).read_text())["agents"]
+    except (OSError, ValueError, KeyError):
+        listed = {}
+    others = [a["pid"] for a in listed.values() if a.get("pid") and a["pid"] not in ours]
+    for pid in others:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+    deadline = time.monotonic() + agent_grace_s
+    for pid in others:
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def format_entry(entry: dict, t0: float) -> str:
@@ -198,41 +221,6 @@ class JournalFollower(threading.Thread):
             self._halt.wait(0.1)
 
 
-class FaultInjector(threading.Thread):
-    """Injects `faults` into a running local slice when their triggers come
-    (polling the controller's status every 0.1 s), journaling each one as
-    `fault_injected` with the slice step and the pids it hit."""
-
-    def __init__(self, local: LocalSlice, faults: list[Fault]) -> None:
-        super().__init__(daemon=True)
-        self.local, self.pending = local, list(faults)
-        self._halt = threading.Event()
-        self.journal = JournalWriter(local.state_dir)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(2.0)
-        self.journal.close()
-
-    def run(self) -> None:
-        t0 = time.monotonic()
-        while self.pending and not self._halt.wait(0.1):
-            try:
-                status = fetch_status(self.local.address, timeout_s=2.0)
-            except grpc.RpcError:
-                continue
-            step = slice_step(status)
-            for fault in [f for f in self.pending if f.due(step, time.monotonic() - t0)]:
-                host = next((h for h in status.hosts if h.host_id == fault.host), None)
-                if host is None:
-                    continue
-                self.pending.remove(fault)
-                hit = inject(fault, host.agent_pid, host.worker_pid)
-                self.journal.write(time.time(), "fault_injected", status.generation,
-                                   f"{fault.describe()} (slice at step {step})", fault.host,
-                                   {"fault": fault.kind, "step": step, "pids": hit})
-
-
 def progress_line(address: str) -> str:
     """One line on the slice: phase, generation, hosts, step, loss."""
     try:
@@ -243,14 +231,72 @@ def progress_line(address: str) -> str:
     loss = next((h.metrics["loss"] for h in members if h.rank == 0 and "loss" in h.metrics), None)
     return (f"[progress] {st.phase}, generation {st.generation}, {len(members)} hosts, "
             f"step {slice_step(st)}" + (f", loss {loss:.4f}" if loss is not None else "")
-            + f", committed step {st.committed_step}")
+            + f", committed step {st.committed_step}, ETTR {100 * st.ettr:.1f} %")
+
+
+def restart_agent(local: LocalSlice, host_id: str) -> None:
+    """Start `host_id`'s agent again (a host that comes back), same command line."""
+    old = local.agents.get(host_id)
+    if old is not None and old.poll() is None:
+        return
+    if old is not None:
+        old.wait()
+    out = open(local.state_dir / "hosts" / f"{host_id}.log", "ab")
+    local.agents[host_id] = subprocess.Popen(local.agent_argv[host_id], stdout=out,
+                                             stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=child_env())
+    out.close()
+    write_local_file(local)
+
+
+def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None) -> int:
+    """`elasticd chaos`: random faults on the local slice running in
+    `state_dir` (from its local.json) for `duration_s` seconds (None: until
+    SIGINT/SIGTERM or until `chaos.count` faults). Agents it starts again are
+    recorded in local.json, so that the launcher stops them at the end."""
+    state = pathlib.Path(state_dir).resolve()
+    info = json.loads((state / LOCAL_FILE).read_text())
+    started: list[subprocess.Popen] = []
+
+    def restart(host_id: str) -> None:
+        argv = info["agents"][host_id]["argv"]
+        out = open(state / "hosts" / f"{host_id}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=child_env(),
+                                start_new_session=True)
+        out.close()
+        started.append(proc)
+        info["agents"][host_id]["pid"] = proc.pid
+        tmp = state / (LOCAL_FILE + ".tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        tmp.replace(state / LOCAL_FILE)
+
+    timeout = float(info.get("heartbeat_timeout_s", 5.0))
+    chaos_thread = Chaos(chaos, info["controller"], state, restart,
+                         lambda h: info["agents"][h]["pid"], timeout)
+    received: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: received.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM)}
+    chaos_thread.start()
+    deadline = time.monotonic() + duration_s if duration_s else float("inf")
+    try:
+        while not received and chaos_thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        chaos_thread.stop()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    print(f"elasticd chaos: {chaos_thread.injected} fault(s) injected", flush=True)
+    return 0
 
 
 def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
-              progress_every_s: float = 5.0, metadata_url: str | None = None) -> int:
+              progress_every_s: float = 5.0, metadata_url: str | None = None,
+              chaos: ChaosSpec | None = None) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
-    injecting `faults` on the way; prints a summary at the end.
+    injecting the planned `faults` and random `chaos` faults on the way;
+    prints a summary at the end.
 
     Returns the controller's exit code (0 succeeded, 1 failed), 130 after
     SIGINT, 143 after SIGTERM."""
@@ -270,15 +316,21 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url)
         print(f"elasticd local: controller at {local.address}, {hosts} hosts x "
               f"{devices_per_host} devices, state in {state}", flush=True)
-        if faults:
-            injector = FaultInjector(local, faults)
+        if faults or chaos:
+            injector = Chaos(chaos, local.address, state,
+                             lambda h: restart_agent(local, h),
+                             lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
+                             planned=faults)
             injector.start()
-        next_line = time.monotonic() + progress_every_s
+        live = sys.stdout.isatty()
+        next_line = time.monotonic() + (0.5 if live else progress_every_s)
         while not received and local.controller.poll() is None:
             time.sleep(0.05)
             if not quiet and time.monotonic() >= next_line:
-                next_line = time.monotonic() + progress_every_s
-                print(progress_line(local.address), flush=True)
+                next_line = time.monotonic() + (0.5 if live else progress_every_s)
+                # on a terminal one line updated in place; otherwise plain lines
+                print(("\r\033[K" if live else "") + progress_line(local.address),
+                      end="" if live else "\n", flush=True)
         code = local.controller.poll()
         stop_slice(local, agent_grace_s=spec.health.stop_grace_s + 5.0)
         if received:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from elastic import transport
+from elastic.controller.journal import read_journal
+from elastic.goodput import account
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
 
@@ -45,17 +47,20 @@ def job_status(controller) -> pb.JobStatus:
             rank=ranks.get(record.host_id, -1), failure_domain=record.failure_domain,
             incarnation=record.incarnation, worker_state=w.state.value,
             address=record.address, metrics=w.metrics, note=note))
+    journal = controller.executor.journal.path
+    ettr = account(read_journal(journal.parent), now=controller.clock.time()).ettr
     return pb.JobStatus(job_id=controller.spec.job_id, phase=state.phase.value,
                         generation=state.generation, restarts=state.restarts,
                         reason=state.reason, hosts=hosts,
                         committed_step=view.committed_step,
-                        phase_age_s=max(0.0, now - state.phase_since))
+                        phase_age_s=max(0.0, now - state.phase_since), ettr=ettr)
 
 
 def format_status(status: pb.JobStatus) -> str:
     """The plain table `elasticd status` prints."""
     lines = [f"job {status.job_id}: {status.phase}, generation {status.generation}, "
-             f"{status.restarts} restarts, committed step {status.committed_step}",
+             f"{status.restarts} restarts, committed step {status.committed_step}, "
+             f"ETTR {100 * status.ettr:.1f} %",
              f"  {status.reason}", ""]
     header = ("HOST", "STATE", "RANK", "DEVICES", "AGENT PID", "WORKER PID", "WORKER",
               "HEARTBEAT AGE", "STEP", "LOSS")

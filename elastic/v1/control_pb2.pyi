@@ -247,7 +247,7 @@ class HostStatus(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s")
+    __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s", "ettr")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class JobStatus(_message.Message):
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     PHASE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ETTR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     phase: str
     generation: int
@@ -264,4 +265,5 @@ class JobStatus(_message.Message):
     hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
     committed_step: int
     phase_age_s: float
-    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ..., reason: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., phase_age_s: _Optional[float] = ...) -> None: ...
+    ettr: float
+    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ..., reason: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., phase_age_s: _Optional[float] = ..., ettr: _Optional[float] = ...) -> None: ...

@@ -1,10 +1,15 @@
 """A tiny non-JAX worker for trying the control plane and for its tests.
 
 It counts steps (sleeping `--step-time-s` each), reports them to its agent,
-and every `--checkpoint-every` steps process 0 commits the step to
-`<checkpoint dir>/tiny-step.json` (written to a temporary file, then renamed,
-so a crash never leaves a half-written one). A new generation resumes after
-the last committed step. Exits 0 after `--steps` steps.
+and every `--checkpoint-every` steps process 0 saves the step to
+`<checkpoint dir>/tiny-step.json`: written to a temporary file, held for
+`--save-time-s` (a save in flight), then renamed, so a crash never leaves a
+half-written checkpoint in place. A new generation resumes after the last
+committed step. On SIGTERM (a preemption notice through its agent) it stops
+stepping and waits to be stopped; process 0 first saves the step it reached
+(tiny workers do not synchronise, unlike JAX's preemption sync point, so the
+others may be a few steps ahead). Exits 0 after
+`--steps` steps.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-time-s", type=float, default=0.05)
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--save-time-s", type=float, default=0.0,
+                        help="how long a save stays in flight before its commit")
     parser.add_argument("--crash-on-start", action="store_true",
                         help="exit 1 before the first step (a crash loop)")
     parser.add_argument("--crash-on-host", default="",
@@ -37,21 +44,37 @@ def main() -> int:
     parser.add_argument("--spawn-child", action="store_true",
                         help="start a long-lived child process (a grandchild of the agent)")
     args = parser.parse_args()
-    if args.ignore_sigterm:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    preempted: list[int] = []
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm
+                  else lambda signum, frame: preempted.append(signum))
     if args.spawn_child:
         subprocess.Popen(["sleep", "1000"])
 
     env = WorkerEnv.from_environ()
+    progress = ProgressReporter(env.progress_socket, env.generation)
     ckpt = pathlib.Path(env.checkpoint_dir) / "tiny-step.json"
     start = json.loads(ckpt.read_text())["step"] + 1 if ckpt.exists() else 0
     print(f"tiny worker: process {env.process_id}/{env.num_processes} generation "
           f"{env.generation}, coordinator {env.coordinator_address}, starting at step {start}",
           flush=True)
+    if env.process_id == 0 and start > 0:
+        progress.event("checkpoint_restored", f"restored checkpoint step {start - 1}",
+                       step=start - 1, restore_s=0.0)
     if args.crash_on_start:
         print("tiny worker: crashing on purpose", file=sys.stderr, flush=True)
         return 1
-    progress = ProgressReporter(env.progress_socket, env.generation)
+
+    def save(step: int, emergency: bool) -> None:
+        progress.event("checkpoint_saved", f"{'emergency ' if emergency else ''}save of "
+                       f"step {step} started", step=step, blocking_s=0.0,
+                       step_time_s=args.step_time_s, preemption=emergency)
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step}))
+        time.sleep(args.save_time_s)
+        os.replace(tmp, ckpt)
+        progress.committed(step)
+
     crash_at = start + args.crash_after_steps if env.host_id == args.crash_on_host else None
     for step in range(start, args.steps):
         if step == crash_at:
@@ -59,12 +82,14 @@ def main() -> int:
             return 3
         time.sleep(args.step_time_s)
         progress.step(step)
+        if preempted:  # only process 0 writes checkpoints; the others just stop stepping
+            if env.process_id == 0:
+                save(step, emergency=True)
+            print(f"tiny worker: SIGTERM at step {step}, waiting to be stopped", flush=True)
+            while True:
+                time.sleep(1)
         if env.process_id == 0 and (step + 1) % args.checkpoint_every == 0:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ckpt.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": step}))
-            os.replace(tmp, ckpt)
-            progress.committed(step)
+            save(step, emergency=False)
     print(f"tiny worker: done at step {args.steps - 1}", flush=True)
     return 0
 

@@ -1,0 +1,274 @@
+"""Chaos: faults at random, from a seed, on a running local slice.
+
+A chaos spec is comma-separated `key=value`: `mtbf=60` (mean seconds between
+faults; the gaps are exponential), `seed=1`, `kinds=kill-worker+preempt` (or
+`all`, the default), `count=N` (stop after N faults; default unlimited).
+
+Fault kinds (each journaled as `fault_injected`):
+
+- kill-worker: SIGKILL a host's worker process group;
+- kill-host: SIGKILL its agent and worker; the host comes back (a new agent)
+  after heartbeat_timeout_s + 2 s, as a rebooted machine would;
+- stop-worker: SIGSTOP the worker (a hang: the controller must SIGKILL it);
+- stop-agent: SIGSTOP the agent, SIGCONT after heartbeat_timeout_s + 2 s;
+- preempt: SIGTERM to the agent (emergency checkpoint, the host leaves); the
+  host comes back after its agent exits;
+- kill-during-save: SIGKILL a worker right after a checkpoint save starts
+  (the async write is in flight);
+- partition: cut a host off the network. Only where the tool put the host in
+  a network namespace of its own; `elasticd local` hosts share the root
+  namespace, so it is skipped with a journaled message (`fault_skipped`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from elastic.controller.journal import JournalWriter, read_journal
+from elastic.controller.status import fetch_status, slice_step
+from elastic.faults import Fault
+
+CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
+               "kill-during-save", "partition")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChaosSpec:
+    """mtbf_s: mean seconds between faults; seed; kinds drawn from; count:
+    the number of faults (None: until stopped)."""
+
+    mtbf_s: float = 60.0
+    seed: int = 0
+    kinds: tuple[str, ...] = CHAOS_KINDS
+    count: int | None = None
+
+
+def parse_chaos(text: str) -> ChaosSpec:
+    """Parse `mtbf=60,seed=1,kinds=kill-worker+preempt,count=5`. Raises
+    ValueError naming the bad part."""
+    values: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        try:
+            if key == "mtbf" and eq:
+                values["mtbf_s"] = float(value.rstrip("s"))
+            elif key == "seed" and eq:
+                values["seed"] = int(value)
+            elif key == "count" and eq:
+                values["count"] = int(value)
+            elif key == "kinds" and eq:
+                kinds = CHAOS_KINDS if value == "all" else tuple(value.split("+"))
+                unknown = [k for k in kinds if k not in CHAOS_KINDS]
+                if unknown:
+                    raise ValueError(f"unknown fault kind(s) {unknown}")
+                values["kinds"] = kinds
+            else:
+                raise ValueError("expected mtbf=S, seed=N, kinds=A+B or count=N")
+        except ValueError as e:
+            raise ValueError(f"chaos spec {text!r}: {part!r}: {e}") from None
+    spec = ChaosSpec(**values)
+    if spec.mtbf_s <= 0 or (spec.count is not None and spec.count < 1):
+        raise ValueError(f"chaos spec {text!r}: mtbf must be > 0 and count >= 1")
+    return spec
+
+
+def schedule(spec: ChaosSpec, n: int) -> list[tuple[float, str, float]]:
+    """The first `n` faults of `spec`: (seconds after the previous fault,
+    kind, a number in [0, 1) that picks the host). Pure: the same seed gives
+    the same faults."""
+    rng = random.Random(spec.seed)
+    return [(rng.expovariate(1.0 / spec.mtbf_s), rng.choice(spec.kinds), rng.random())
+            for _ in range(n)]
+
+
+class Chaos(threading.Thread):
+    """Injects faults into the slice whose controller is at `address`,
+    journaling into `state_dir`: at random from `spec`, and the `planned`
+    ones when their triggers come.
+
+    restart_agent(host_id): start that host's agent again (the caller owns
+    the process). heartbeat_timeout_s: how long a host must stay away to be
+    declared lost (stopped agents resume, killed hosts come back after it + 2 s).
+    """
+
+    def __init__(self, spec: ChaosSpec | None, address: str, state_dir, restart_agent:
+                 Callable[[str], None], agent_pid: Callable[[str], int],
+                 heartbeat_timeout_s: float, planned: list[Fault] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.spec, self.address, self.state_dir = spec, address, state_dir
+        self.planned = list(planned or [])
+        self.restart_agent, self.agent_pid = restart_agent, agent_pid
+        self.away_s = heartbeat_timeout_s + 2.0
+        self.journal = JournalWriter(state_dir)
+        self.injected = 0
+        self._halt = threading.Event()
+        self._pending: list[tuple[float, Callable[[], None]]] = []
+
+    def stop(self) -> None:
+        """Stop injecting; resume stopped agents and bring back hosts due back."""
+        self._halt.set()
+        self.join(5.0)
+        for _, action in self._pending:
+            action()
+        self._pending.clear()
+        self.journal.close()
+
+    def _later(self, delay_s: float, action: Callable[[], None]) -> None:
+        self._pending.append((time.monotonic() + delay_s, action))
+
+    def _run_due(self) -> None:
+        now = time.monotonic()
+        due = [p for p in self._pending if p[0] <= now]
+        self._pending = [p for p in self._pending if p[0] > now]
+        for _, action in due:
+            action()
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep `seconds` while running due actions; False when stopped."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self._run_due()
+            if self._halt.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+                return False
+        return True
+
+    def _running_status(self):
+        """The status once the slice runs (and has stepped); None when stopped."""
+        while not self._halt.is_set():
+            self._run_due()
+            try:
+                st = fetch_status(self.address, timeout_s=2.0)
+                if st.phase == "running" and slice_step(st) >= 0:
+                    return st
+            except grpc.RpcError:
+                pass
+            self._halt.wait(0.2)
+        return None
+
+    def run(self) -> None:
+        if self.planned:
+            self._run_planned()
+        if self.spec is not None:
+            self._run_random()
+        while self._pending and not self._halt.is_set():
+            self._wait(0.2)
+
+    def _run_planned(self) -> None:
+        t0 = time.monotonic()
+        while self.planned and self._wait(0.1):
+            try:
+                status = fetch_status(self.address, timeout_s=2.0)
+            except grpc.RpcError:
+                continue
+            step = slice_step(status)
+            for fault in [f for f in self.planned if f.due(step, time.monotonic() - t0)]:
+                host = next((h for h in status.hosts if h.host_id == fault.host), None)
+                if host is not None:
+                    self.planned.remove(fault)
+                    self._inject(fault.kind, host, status)
+                    self.injected += 1
+
+    def _run_random(self) -> None:
+        n = self.spec.count if self.spec.count is not None else 100_000
+        for gap, kind, pick in schedule(self.spec, n):
+            if not self._wait(gap):
+                return
+            status = self._running_status()
+            if status is None:
+                return
+            members = sorted((h for h in status.hosts if h.state == "member"),
+                             key=lambda h: h.host_id)
+            host = members[int(pick * len(members))]
+            self._inject(kind, host, status)
+            self.injected += 1
+
+    def _record(self, kind: str, host, status, pids: list[int], note: str = "") -> None:
+        self.journal.write(time.time(), "fault_injected", status.generation,
+                           f"chaos: {kind} {host.host_id} (slice at step {slice_step(status)})"
+                           + (f"; {note}" if note else ""), host.host_id,
+                           {"fault": kind, "step": slice_step(status), "pids": pids})
+
+    def _inject(self, kind: str, host, status) -> None:
+        h, worker, agent = host.host_id, host.worker_pid, host.agent_pid
+        if kind == "partition":
+            self.journal.write(time.time(), "fault_skipped", status.generation,
+                               "partition: elasticd local runs hosts in the root network "
+                               "namespace, not in one the tool created; skipped", h,
+                               {"fault": kind})
+            return
+        if kind == "kill-during-save":
+            since = time.time()
+            saved = self._wait_for_save(since, timeout_s=120)
+            status = fetch_status(self.address, timeout_s=2.0)
+            host = next((x for x in status.hosts if x.host_id == h), host)
+            worker = host.worker_pid
+            note = f"save of step {saved['step']} in flight" if saved else "no save came; killed"
+            _signal_group(worker, signal.SIGKILL)
+            self._record(kind, host, status, [worker], note)
+            return
+        if kind == "kill-worker":
+            _signal_group(worker, signal.SIGKILL)
+            self._record(kind, host, status, [worker])
+        elif kind == "stop-worker":
+            _signal(worker, signal.SIGSTOP)
+            self._record(kind, host, status, [worker])
+        elif kind == "kill-host":
+            _signal(agent, signal.SIGKILL)
+            _signal_group(worker, signal.SIGKILL)
+            self._record(kind, host, status, [agent, worker])
+            self._later(self.away_s, lambda: self.restart_agent(h))
+        elif kind == "stop-agent":
+            _signal(agent, signal.SIGSTOP)
+            self._record(kind, host, status, [agent])
+            self._later(self.away_s, lambda: _signal(agent, signal.SIGCONT))
+        elif kind == "preempt":
+            _signal(agent, signal.SIGTERM)
+            self._record(kind, host, status, [agent])
+            self._later(1.0, lambda: self._come_back_after_exit(h, agent))
+
+    def _come_back_after_exit(self, host_id: str, pid: int) -> None:
+        if _alive(pid) and not self._halt.is_set():
+            self._later(0.5, lambda: self._come_back_after_exit(host_id, pid))
+        elif self.agent_pid(host_id) == pid:
+            self.restart_agent(host_id)
+
+    def _wait_for_save(self, since: float, timeout_s: float) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._halt.is_set():
+            for e in read_journal(self.state_dir):
+                if e["kind"] == "checkpoint_saved" and e["ts"] >= since:
+                    return e
+            self._halt.wait(0.02)
+        return None
+
+
+def _signal(pid: int, sig: int) -> None:
+    if pid:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    if pid:
+        try:
+            os.killpg(pid, sig)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

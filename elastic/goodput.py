@@ -1,0 +1,205 @@
+"""Goodput accounting from the journal: how much wall time became training.
+
+ETTR (effective training time ratio) = productive step time / wall time. The
+rest (badput) is split by cause:
+
+- waiting: no generation running (before the first one, or between a stop
+  and the next start: too few hosts, settling);
+- detection: from the moment a failure happened to `slice_stopping` (the
+  failure moment: an injected fault's time, a lost host's or a hang's last
+  sign of life, a worker's exit);
+- teardown: `slice_stopping` -> `slice_stopped`;
+- startup: `generation_started` -> first step, less the restore (process
+  start, distributed init, compile);
+- restore: the restore time the workers report;
+- lost work: steps computed and then thrown away (a generation's steps after
+  the checkpoint the next generation restored), at that generation's median
+  step time.
+
+Productive time is each generation's time from its first step to its stop,
+less its detection time and lost work. Pure: journal entries in, numbers out.
+The definitions follow the ML Goodput notion of Google Cloud's
+`ml-goodput-measurement` (productive training time over total job time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Iterable
+
+CAUSES = ("waiting", "detection", "teardown", "startup", "restore", "lost_work")
+
+
+@dataclasses.dataclass
+class Incident:
+    """One failure or preemption, as the journal tells it.
+
+    detected_after_s: failure moment -> slice_stopping; recovered_after_s:
+    failure moment -> first step of the next generation (None if none came);
+    lost_steps: steps computed again after the restore.
+    """
+
+    kind: str
+    host: str | None
+    generation: int
+    at: float
+    detected_after_s: float
+    recovered_after_s: float | None
+    lost_steps: int
+    reason: str
+
+
+@dataclasses.dataclass
+class Goodput:
+    """wall_s and productive_s in seconds; badput_s by cause (CAUSES);
+    ettr = productive_s / wall_s; steps: the last step reached + 1."""
+
+    wall_s: float
+    productive_s: float
+    badput_s: dict[str, float]
+    ettr: float
+    steps: int
+    generations: int
+    incidents: list[Incident]
+
+    def to_json(self) -> dict:
+        return {"wall_s": round(self.wall_s, 3), "productive_s": round(self.productive_s, 3),
+                "ettr": round(self.ettr, 5), "steps": self.steps,
+                "generations": self.generations,
+                "badput_s": {k: round(v, 3) for k, v in self.badput_s.items()},
+                "incidents": [dataclasses.asdict(i) for i in self.incidents]}
+
+
+@dataclasses.dataclass
+class _Generation:
+    number: int
+    start: float
+    hosts: list[str]
+    first: float | None = None
+    first_step: int = -1
+    restore_s: float = 0.0
+    restored_step: int | None = None
+    stop: float | None = None
+    stop_entry: dict | None = None
+    stopped: float | None = None
+    last_step: int = -1
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    # (when, kind, host, reason, injected): what may have ended this generation
+    signs: list[tuple[float, str, str | None, str, bool]] = dataclasses.field(default_factory=list)
+
+
+def _generations(entries: list[dict]) -> list[_Generation]:
+    gens: dict[int, _Generation] = {}
+    for e in entries:
+        kind, g = e["kind"], e.get("generation") or 0
+        if kind == "generation_started":
+            gens[g] = _Generation(g, e["ts"], list(e.get("hosts", [])))
+            continue
+        gen = gens.get(g)
+        if gen is None:
+            continue
+        if kind == "first_progress" and gen.first is None:
+            gen.first, gen.first_step = e["ts"], e.get("step", -1)
+            gen.last_step = max(gen.last_step, gen.first_step)
+        elif kind == "checkpoint_restored":
+            gen.restore_s, gen.restored_step = e.get("restore_s", 0.0), e.get("step")
+        elif kind in ("slice_stopping", "job_succeeded", "job_failed") and gen.stop is None:
+            gen.stop, gen.stop_entry = e["ts"], e
+            if kind != "slice_stopping":
+                gen.stopped = e["ts"]
+                gen.last_step = max(gen.last_step, e.get("step", -1))
+        elif kind == "slice_stopped" and gen.stopped is None:
+            gen.stopped = e["ts"]
+        elif kind in ("worker_exited", "checkpoint_committed", "checkpoint_saved"):
+            if gen.first is not None or kind == "worker_exited":
+                gen.last_step = max(gen.last_step, e.get("step", -1) or -1)
+            if kind == "checkpoint_saved" and e.get("step_time_s"):
+                gen.step_times.append(e["step_time_s"])
+        # signs of the failure that ends this generation, with the moment it happened
+        if kind == "fault_injected":
+            gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
+        elif kind in ("host_lost", "hang_detected"):
+            gen.signs.append((e["ts"] - e.get("silent_s", 0.0), kind, e.get("host"), e["reason"],
+                              False))
+        elif kind == "preemption_notice":
+            gen.signs.append((e["ts"], "preemption", e.get("host"), e["reason"], False))
+        elif kind == "worker_exited" and not e.get("stopped_on_request") and \
+                (e.get("exit_code") or e.get("signal")):
+            gen.signs.append((e["ts"], "worker_exited", e.get("host"), e["reason"], False))
+    return [gens[k] for k in sorted(gens)]
+
+
+def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
+    """Goodput of a job from its journal entries (in order). For a job still
+    running, `now` (Unix seconds) ends the wall time (default: the last entry)."""
+    entries = list(journal)
+    if not entries:
+        return Goodput(0.0, 0.0, dict.fromkeys(CAUSES, 0.0), 0.0, 0, 0, [])
+    t0 = entries[0]["ts"]
+    end_entry = next((e for e in reversed(entries)
+                      if e["kind"] in ("job_succeeded", "job_failed", "controller_stopped")), None)
+    t_end = end_entry["ts"] if end_entry else max(now or 0.0, entries[-1]["ts"])
+    gens = _generations(entries)
+    bad = dict.fromkeys(CAUSES, 0.0)
+    productive = 0.0
+    incidents: list[Incident] = []
+    covered_until = t0
+    for i, gen in enumerate(gens):
+        bad["waiting"] += max(0.0, gen.start - covered_until)
+        stop = gen.stop if gen.stop is not None else t_end
+        stopped = gen.stopped if gen.stopped is not None else t_end
+        first = gen.first if gen.first is not None else stop
+        restore = min(gen.restore_s, max(0.0, first - gen.start))
+        bad["restore"] += restore
+        bad["startup"] += max(0.0, first - gen.start) - restore
+        bad["teardown"] += max(0.0, stopped - stop)
+        covered_until = max(stopped, stop)
+        training = max(0.0, stop - first)
+        nxt = gens[i + 1] if i + 1 < len(gens) else None
+        # lost work: steps after the checkpoint the next generation restored
+        lost_steps = 0
+        if nxt is not None and gen.first is not None:
+            resumed = nxt.restored_step if nxt.restored_step is not None else -1
+            lost_steps = max(0, gen.last_step - resumed)
+        steps_done = max(1, gen.last_step - gen.first_step + 1)
+        step_time = statistics.median(gen.step_times) if gen.step_times else training / steps_done
+        detection = 0.0
+        cause = (gen.stop_entry or {}).get("cause")
+        if gen.stop_entry and gen.stop_entry["kind"] == "slice_stopping" and \
+                cause in ("failure", "preemption"):
+            signs = [s for s in gen.signs if s[0] <= stop + 1e-6] or \
+                [(stop, cause, gen.stop_entry.get("host"), gen.stop_entry["reason"], False)]
+            # an injected fault is the known cause; else the earliest sign of trouble
+            at, kind, host, reason, _ = min(signs, key=lambda s: (not s[4], s[0]))
+            if cause == "failure":
+                detection = min(training, max(0.0, stop - max(at, first)))
+            recovered = (nxt.first - at) if nxt is not None and nxt.first is not None else None
+            incidents.append(Incident(kind, host, gen.number, at, max(0.0, stop - at),
+                                      recovered, lost_steps, reason))
+        lost = min(max(0.0, training - detection), lost_steps * step_time)
+        bad["detection"] += detection
+        bad["lost_work"] += lost
+        productive += max(0.0, training - detection - lost)
+    bad["waiting"] += max(0.0, t_end - covered_until)
+    wall = max(1e-9, t_end - t0)
+    steps = max((g.last_step for g in gens), default=-1) + 1
+    return Goodput(wall, productive, bad, productive / wall, steps, len(gens), incidents)
+
+
+def format_report(g: Goodput) -> str:
+    """The table `elasticd report` prints."""
+    lines = [f"wall time {g.wall_s:.1f} s, productive {g.productive_s:.1f} s: "
+             f"ETTR {100 * g.ettr:.1f} %", f"{g.steps} steps, {g.generations} generation(s), "
+             f"{len(g.incidents)} incident(s)", "", "badput by cause:"]
+    for cause in CAUSES:
+        share = 100 * g.badput_s[cause] / g.wall_s if g.wall_s else 0.0
+        lines.append(f"  {cause:10} {g.badput_s[cause]:8.1f} s  {share:5.1f} %")
+    if g.incidents:
+        lines += ["", f"  {'GEN':>4}  {'KIND':16} {'HOST':8} {'DETECTED AFTER':>14} "
+                      f"{'RECOVERED AFTER':>15} {'LOST STEPS':>10}"]
+        for i in g.incidents:
+            recovered = f"{i.recovered_after_s:.2f} s" if i.recovered_after_s is not None else "-"
+            lines.append(f"  {i.generation:>4}  {i.kind:16} {i.host or '-':8} "
+                         f"{i.detected_after_s:12.2f} s {recovered:>15} {i.lost_steps:>10}")
+    return "\n".join(lines)

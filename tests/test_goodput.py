@@ -1,0 +1,80 @@
+"""Goodput accounting from a journal built by hand (every second accounted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.goodput import CAUSES, account, format_report
+
+
+def e(ts, kind, generation=0, host=None, reason="", **fields):
+    return {"ts": 1000.0 + ts, "kind": kind, "generation": generation, "host": host,
+            "reason": reason or kind, **fields}
+
+
+JOURNAL = [
+    e(0, "controller_started"),
+    e(1, "generation_started", 1, hosts=["a", "b"]),
+    e(5, "first_progress", 1, step=0),
+    e(6, "checkpoint_saved", 1, "a", step=0, step_time_s=0.1, blocking_s=0.05),
+    e(16, "checkpoint_committed", 1, "a", step=100),
+    e(20, "fault_injected", 1, "a", fault="kill-worker", step=149),
+    e(20.1, "worker_exited", 1, "a", signal=9, exit_code=0, step=149),
+    e(20.1, "slice_stopping", 1, "a", cause="failure"),
+    e(20.2, "worker_exited", 1, "b", signal=9, exit_code=0, stopped_on_request=True, step=149),
+    e(20.3, "slice_stopped", 1),
+    e(20.3, "generation_started", 2, hosts=["a", "b"]),
+    e(21, "checkpoint_restored", 2, "a", step=100, restore_s=0.5),
+    e(24, "first_progress", 2, step=101),
+    e(40, "job_succeeded", 2, step=299),
+]
+
+
+def test_every_second_is_accounted():
+    g = account(JOURNAL)
+    assert g.wall_s == pytest.approx(40.0)
+    expected = {"waiting": 1.0, "startup": 4.0 + 3.2, "restore": 0.5, "teardown": 0.2,
+                "detection": 0.1, "lost_work": 49 * 0.1}
+    for cause in CAUSES:
+        assert g.badput_s[cause] == pytest.approx(expected[cause], abs=1e-6), cause
+    assert g.productive_s == pytest.approx(10.1 + 16.0)
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
+    assert g.ettr == pytest.approx(26.1 / 40)
+    assert g.steps == 300 and g.generations == 2
+
+
+def test_incident_from_an_injected_fault():
+    [incident] = account(JOURNAL).incidents
+    assert (incident.kind, incident.host, incident.generation) == ("kill-worker", "a", 1)
+    assert incident.detected_after_s == pytest.approx(0.1)
+    assert incident.recovered_after_s == pytest.approx(4.0)
+    assert incident.lost_steps == 49
+
+
+def test_lost_host_detection_counts_from_its_silence():
+    journal = JOURNAL[:5] + [
+        e(25, "host_lost", 1, "b", silent_s=5.0),
+        e(25, "slice_stopping", 1, "b", cause="failure"),
+        e(25.1, "slice_stopped", 1),
+    ]
+    g = account(journal, now=1000.0 + 30)
+    [incident] = g.incidents
+    assert incident.kind == "host_lost" and incident.detected_after_s == pytest.approx(5.0)
+    assert incident.recovered_after_s is None
+    assert g.badput_s["detection"] == pytest.approx(5.0)
+    assert g.badput_s["waiting"] == pytest.approx(1.0 + 4.9)  # nothing ran after the stop
+
+
+def test_running_job_so_far_and_empty_journal():
+    g = account(JOURNAL[:3], now=1000.0 + 10)
+    assert g.wall_s == pytest.approx(10) and g.productive_s == pytest.approx(5.0)
+    assert account([]).ettr == 0.0
+
+
+def test_report_lists_causes_and_incidents():
+    g = account(JOURNAL)
+    text = format_report(g)
+    assert f"ETTR {100 * g.ettr:.1f} %" in text and "wall time 40.0 s" in text
+    for cause in CAUSES:
+        assert cause in text
+    assert "kill-worker" in text and "49" in text
