@@ -1,57 +1,72 @@
-"""Benchmark: worker SIGKILL -> first step of the next generation, by phase,
-on the reference workload (workers/lm, 4 local hosts x 2 CPU devices); and the
-blocking time of checkpoint saves as a share of step time.
+"""Benchmark: recovery from every fault kind on the reference workload
+(workers/lm, 4 local hosts x 2 CPU devices), by phase; and the blocking time
+of checkpoint saves as a share of step time.
 
-Phases (medians over --trials):
-  detection   kill -> slice_stopping (the agent reports the exit)
-  teardown    slice_stopping -> slice_stopped (peers SIGKILLed and reaped)
-  scheduling  slice_stopped -> generation_started
-  then from the new process 0's own timings (`worker_phases`):
-  process_start (exec -> elastic.worker.init(), incl. importing JAX and the
-  script's modules), distributed_init, restore, first_step (compile + run);
-  and "other" = what the worker did between them (corpus, Orbax set-up).
-  total       kill -> first_progress of the next generation
+For each fault kind, `--trials` faults, each on another host, each once the
+slice runs on all hosts again (hosts that leave come back, and the slice
+grows back). From the journal (elastic.goodput): detection (the fault ->
+`slice_stopping`) and recovery (the fault -> first step of the next
+generation), median and p95; and for worker SIGKILL the startup phases
+process 0 reports (`worker_phases`).
 
-    .venv/bin/python bench/recovery.py --trials 10
+    .venv/bin/python bench/recovery.py --trials 10 --kinds kill-worker kill-host
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import signal
 import statistics
 import sys
 import tempfile
 import time
 
-from common import machine, summarize, wait_entry, write_result
+from common import machine, summarize, write_result
 
+from elastic.chaos import Chaos
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.status import fetch_status, slice_step
-from elastic.local import start_slice, stop_slice
+from elastic.goodput import account
+from elastic.local import restart_agent, start_slice, stop_slice
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+KINDS = ["kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt", "kill-during-save"]
+PHASES = ("process_start", "distributed_init", "restore", "first_step")
+
+
+def wait_full(address: str, hosts: int, steps: int) -> None:
+    """Until all hosts are members of a running generation that made `steps` steps."""
+    deadline = time.monotonic() + 300
+    start = None
+    while time.monotonic() < deadline:
+        st = fetch_status(address)
+        members = [h for h in st.hosts if h.state == "member"]
+        if st.phase == "running" and len(members) == hosts and slice_step(st) >= 0:
+            start = slice_step(st) if start is None else start
+            if slice_step(st) >= start + steps:
+                return
+        else:
+            start = None
+        time.sleep(0.1)
+    raise TimeoutError("the slice did not come back to all hosts")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--kinds", nargs="+", default=KINDS)
     parser.add_argument("--hosts", type=int, default=4)
-    parser.add_argument("--devices-per-host", type=int, default=2)
-    parser.add_argument("--steps-between", type=int, default=10,
-                        help="steps to run in each generation before the next kill")
+    parser.add_argument("--steps-between", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=130,
-                        help="steps before the first kill (checkpoint overhead is measured there)")
+                        help="steps before the first fault (checkpoint overhead is measured there)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-recovery-"))
-    argv = [sys.executable, str(REPO / "workers/lm/train.py"), "--steps", "1000000",
-            "--checkpoint-every", "25", "--eval-every", "1000000"]
+    argv = [sys.executable, str(REPO / "workers/lm/train.py"), "--steps", "100000000",
+            "--checkpoint-every", "25", "--eval-every", "100000000"]
     spec_path = work / "job.toml"
     spec_path.write_text(f"""
 [job]
@@ -65,72 +80,79 @@ data = -1
 model = 2
 
 [restart]
-max_restarts = 1000
-crash_loop_failures = 1000
+grow = "immediately"
+max_restarts = 10000
+crash_loop_failures = 10000
+
+[quarantine]
+failures = 10000   # the same hosts are hit again and again on purpose
 """)
+    spec = load_spec(spec_path)
     state = work / "state"
-    local = start_slice(str(spec_path), load_spec(spec_path), args.hosts, args.devices_per_host,
-                        state)
-    phases: dict[str, list[float]] = {}
+    local = start_slice(str(spec_path), spec, args.hosts, 2, state)
+    chaos = Chaos(None, local.address, state, lambda h: restart_agent(local, h),
+                  lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s)
+    chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
+    trial_of: dict[float, str] = {}
     try:
-        generation = wait_entry(state, "first_progress", timeout_s=180)["generation"]
-        # a stretch without faults, for the checkpoint overhead (saves every 25 steps)
-        while slice_step(fetch_status(local.address)) < args.warmup_steps:
-            time.sleep(0.2)
-        for trial in range(args.trials):
-            # let the generation make some steps (and a checkpoint now and then)
-            target = slice_step(fetch_status(local.address)) + args.steps_between
-            while slice_step(fetch_status(local.address)) < target:
-                time.sleep(0.1)
-            status = fetch_status(local.address)
-            victim = next(h for h in status.hosts
-                          if h.host_id == f"host-{trial % args.hosts}")
-            t0 = time.time()
-            os.killpg(victim.worker_pid, signal.SIGKILL)
-            stopping = wait_entry(state, "slice_stopping", generation=generation)
-            stopped = wait_entry(state, "slice_stopped", generation=generation)
-            started = wait_entry(state, "generation_started", generation=generation + 1)
-            first = wait_entry(state, "first_progress", generation=generation + 1, timeout_s=120)
-            worker = wait_entry(state, "worker_phases", generation=generation + 1)
-            row = {"detection": stopping["ts"] - t0, "teardown": stopped["ts"] - stopping["ts"],
-                   "scheduling": started["ts"] - stopped["ts"]}
-            for name in ("process_start", "distributed_init", "restore", "first_step"):
-                row[name] = worker.get(f"{name}_s", 0.0)
-            row["total"] = first["ts"] - t0
-            row["other"] = max(0.0, first["ts"] - started["ts"] - sum(
-                row[k] for k in ("process_start", "distributed_init", "restore", "first_step")))
-            for k, v in row.items():
-                phases.setdefault(k, []).append(v)
-            print(f"trial {trial + 1}/{args.trials}: " + ", ".join(
-                f"{k} {v:.2f} s" for k, v in row.items()), flush=True)
-            generation += 1
+        wait_full(local.address, args.hosts, args.warmup_steps)
+        for kind in args.kinds:
+            for trial in range(args.trials):
+                wait_full(local.address, args.hosts, args.steps_between)
+                status = fetch_status(local.address)
+                host = next(h for h in status.hosts
+                            if h.host_id == f"host-{1 + trial % (args.hosts - 1)}")
+                t0 = time.time()
+                chaos.inject(kind, host, status)
+                trial_of[t0] = kind
+                print(f"{kind} {trial + 1}/{args.trials} on {host.host_id}", flush=True)
+        wait_full(local.address, args.hosts, args.steps_between)
     finally:
+        chaos.stop()
         stop_slice(local)
 
-    saves = [e for e in read_journal(state) if e["kind"] == "checkpoint_saved"
-             and e.get("step_time_s")]
-    blocking = [e["blocking_s"] for e in saves[1:]]  # the first save sets up Orbax
+    journal = list(read_journal(state))
+    incidents = [i for i in account(journal).incidents if i.kind in args.kinds]
+    phases = {}
+    for incident in incidents:
+        worker = next((e for e in journal if e["kind"] == "worker_phases"
+                       and e["generation"] == incident.generation + 1), None)
+        if worker:
+            for name in PHASES:
+                phases.setdefault(incident.kind, {}).setdefault(name, []).append(
+                    worker.get(f"{name}_s", 0.0))
+    results = {}
+    for kind in args.kinds:
+        mine = [i for i in incidents if i.kind == kind]
+        results[kind] = {
+            "faults": len(mine),
+            "detection": summarize([i.detected_after_s for i in mine]) if mine else None,
+            "to_first_step": summarize([i.recovered_after_s for i in mine
+                                        if i.recovered_after_s is not None]) if mine else None,
+            "worker_phases": {k: summarize(v) for k, v in phases.get(kind, {}).items()},
+            "lost_steps_median": statistics.median(i.lost_steps for i in mine) if mine else None,
+        }
+    saves = [e for e in journal if e["kind"] == "checkpoint_saved" and e.get("step_time_s")
+             and not e.get("preemption")]
+    blocking = [e["blocking_s"] for e in saves[1:]]
     step_time = statistics.median(e["step_time_s"] for e in saves)
-    share = statistics.median(blocking) / (25 * step_time) if blocking else float("nan")
-    order = ["detection", "teardown", "scheduling", "process_start", "distributed_init",
-             "restore", "first_step", "other", "total"]
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
-              "hosts": args.hosts, "devices_per_host": args.devices_per_host,
-              "phases": {k: summarize(phases[k]) for k in order},
-              "checkpoint": {"saves": len(blocking),
-                             "median_blocking_s": round(statistics.median(blocking), 4)
-                             if blocking else None,
-                             "median_step_time_s": round(step_time, 4),
-                             "interval_steps": 25, "blocking_share": round(share, 5)},
-              "raw": phases}
-    print(f"\n{'phase':18} {'median':>8} {'p95':>8}")
-    for k in order:
-        s = result["phases"][k]
-        print(f"{k:18} {s['median_s']:8.2f} {s['p95_s']:8.2f}")
-    c = result["checkpoint"]
-    print(f"\ncheckpoint saves: median blocking {c['median_blocking_s']} s per save every 25 "
-          f"steps of {c['median_step_time_s']} s -> {100 * share:.2f} % of step time")
-    write_result(args.out, result)
+    share = statistics.median(blocking) / (25 * step_time)
+    print(f"\n{'fault':18} {'n':>3} {'detect p50':>10} {'p95':>7} {'first step p50':>14} "
+          f"{'p95':>7}  startup phases p50 (process, dist init, restore, first step)")
+    for kind, r in results.items():
+        if not r["faults"]:
+            continue
+        d, f, ph = r["detection"], r["to_first_step"], r["worker_phases"]
+        phase_text = ", ".join(f"{ph[k]['median_s']:.2f}" for k in PHASES if k in ph)
+        print(f"{kind:18} {r['faults']:>3} {d['median_s']:9.2f}s {d['p95_s']:6.2f}s "
+              f"{f['median_s']:13.2f}s {f['p95_s']:6.2f}s  {phase_text}")
+    print(f"\ncheckpoint saves: median blocking {statistics.median(blocking):.3f} s per save "
+          f"every 25 steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
+    write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+                            "hosts": args.hosts, "trials": args.trials, "faults": results,
+                            "checkpoint": {"median_blocking_s": statistics.median(blocking),
+                                           "median_step_time_s": step_time,
+                                           "interval_steps": 25, "blocking_share": share}})
     return 0
 
 

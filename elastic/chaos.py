@@ -173,7 +173,7 @@ class Chaos(threading.Thread):
                 host = next((h for h in status.hosts if h.host_id == fault.host), None)
                 if host is not None:
                     self.planned.remove(fault)
-                    self._inject(fault.kind, host, status)
+                    self.inject(fault.kind, host, status)
                     self.injected += 1
 
     def _run_random(self) -> None:
@@ -187,7 +187,7 @@ class Chaos(threading.Thread):
             members = sorted((h for h in status.hosts if h.state == "member"),
                              key=lambda h: h.host_id)
             host = members[int(pick * len(members))]
-            self._inject(kind, host, status)
+            self.inject(kind, host, status)
             self.injected += 1
 
     def _record(self, kind: str, host, status, pids: list[int], note: str = "") -> None:
@@ -196,7 +196,8 @@ class Chaos(threading.Thread):
                            + (f"; {note}" if note else ""), host.host_id,
                            {"fault": kind, "step": slice_step(status), "pids": pids})
 
-    def _inject(self, kind: str, host, status) -> None:
+    def inject(self, kind: str, host, status) -> None:
+        """Perform one fault of `kind` on `host` (a HostStatus of `status`) now."""
         h, worker, agent = host.host_id, host.worker_pid, host.agent_pid
         if kind == "partition":
             self.journal.write(time.time(), "fault_skipped", status.generation,

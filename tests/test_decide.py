@@ -491,6 +491,14 @@ def d_event_saved():
                           {"step": 9, "preemption": True})
 
 
+def test_an_older_emergency_save_does_not_end_the_drain():
+    state, view = preempted_slice()
+    view.emergency_save_step, view.emergency_save_at = 5, T0 - 50  # an earlier generation's
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 2)  # a regular commit
+    decision = decide(state, view, T0 + 2, spec())
+    assert decision.state.phase is Phase.RUNNING and "draining" in decision.reason
+
+
 def test_preemption_drain_is_bounded():
     state, view = preempted_slice()
     draining = decide(state, view, T0 + 1, spec())

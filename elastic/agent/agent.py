@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 
 import grpc
@@ -89,7 +90,8 @@ class Agent:
         self.supervisor.status.suspended = running and self.supervisor.suspended()
         free_port = 0 if running or self.preemption else self.ports.probe()
         self._post(heartbeat=pb.Heartbeat(seq=self._seq, worker=self.supervisor.status,
-                                          free_port=free_port, preemption=self.preemption))
+                                          free_port=free_port, preemption=self.preemption,
+                                          sent_at=time.time()))
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
         self._post(worker_exited=status)

@@ -4,6 +4,7 @@ reconcile loop. The servicer calls `submit`; `run` decides and executes."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 
 from elastic.clock import Clock
@@ -34,6 +35,8 @@ class Controller:
         self.state = SliceState(generation=initial_generation, phase_since=clock.monotonic())
         self.executor = Executor(spec, journal, clock)
         self._wake = asyncio.Event()
+        # Seconds from an agent's send to receipt, for the last 10,000 heartbeats.
+        self.heartbeat_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)
 
     @property
     def sessions(self):

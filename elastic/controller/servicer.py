@@ -141,6 +141,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         kind = message.WhichOneof("body")
         if kind == "heartbeat":
             hb = message.heartbeat
+            if hb.sent_at:
+                c.heartbeat_latency_s.append(c.clock.time() - hb.sent_at)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker_obs(hb.worker),
                                          hb.free_port, hb.preemption))
             return

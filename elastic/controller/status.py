@@ -49,11 +49,15 @@ def job_status(controller) -> pb.JobStatus:
             address=record.address, metrics=w.metrics, note=note))
     journal = controller.executor.journal.path
     ettr = account(read_journal(journal.parent), now=controller.clock.time()).ettr
+    latencies = sorted(controller.heartbeat_latency_s)
+    p50 = latencies[len(latencies) // 2] if latencies else 0.0
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0
     return pb.JobStatus(job_id=controller.spec.job_id, phase=state.phase.value,
                         generation=state.generation, restarts=state.restarts,
                         reason=state.reason, hosts=hosts,
                         committed_step=view.committed_step,
-                        phase_age_s=max(0.0, now - state.phase_since), ettr=ettr)
+                        phase_age_s=max(0.0, now - state.phase_since), ettr=ettr,
+                        heartbeat_latency_p50_s=p50, heartbeat_latency_p99_s=p99)
 
 
 def format_status(status: pb.JobStatus) -> str:

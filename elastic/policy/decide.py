@@ -327,7 +327,8 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                     reason=f"draining: {hosts} leaving; waiting for the "
                                            f"emergency checkpoint")
     saved = view.emergency_save_step
-    committed = saved >= 0 and view.committed_step >= saved and view.committed_at >= since
+    committed = (view.emergency_save_at >= since and view.committed_step >= saved
+                 and view.committed_at >= view.emergency_save_at)
     if committed:
         why = f"preemption of {hosts}: emergency checkpoint step {saved} committed"
     elif not state.progressed:

@@ -182,6 +182,7 @@ class ClusterView:
         # (preemption) save.
         self.save_started_at = float("-inf")
         self.emergency_save_step = -1
+        self.emergency_save_at = float("-inf")
 
     def get(self, host_id: str) -> HostRecord | None:
         return self.hosts.get(host_id)
@@ -303,8 +304,8 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         if event.kind == "checkpoint_saved":
             view.save_started_at = now
             if event.fields.get("preemption"):
-                view.emergency_save_step = max(view.emergency_save_step,
-                                               int(event.fields.get("step", -1)))
+                view.emergency_save_step = int(event.fields.get("step", -1))
+                view.emergency_save_at = now
         return event.kind == "checkpoint_saved", [Fact(event.kind, event.host_id, event.generation, event.reason,
                             dict(event.fields))]
     if isinstance(event, StaleReportRefused):

@@ -94,16 +94,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "worker", "free_port", "preemption")
+    __slots__ = ("seq", "worker", "free_port", "preemption", "sent_at")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     worker: WorkerStatus
     free_port: int
     preemption: str
-    def __init__(self, seq: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., preemption: _Optional[str] = ...) -> None: ...
+    sent_at: float
+    def __init__(self, seq: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., preemption: _Optional[str] = ..., sent_at: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "committed_step", "metrics")
@@ -247,7 +249,7 @@ class HostStatus(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s", "ettr")
+    __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s", "ettr", "heartbeat_latency_p50_s", "heartbeat_latency_p99_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +259,8 @@ class JobStatus(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     PHASE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     ETTR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_LATENCY_P50_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_LATENCY_P99_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     phase: str
     generation: int
@@ -266,4 +270,6 @@ class JobStatus(_message.Message):
     committed_step: int
     phase_age_s: float
     ettr: float
-    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ..., reason: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., phase_age_s: _Optional[float] = ..., ettr: _Optional[float] = ...) -> None: ...
+    heartbeat_latency_p50_s: float
+    heartbeat_latency_p99_s: float
+    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ..., reason: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., phase_age_s: _Optional[float] = ..., ettr: _Optional[float] = ..., heartbeat_latency_p50_s: _Optional[float] = ..., heartbeat_latency_p99_s: _Optional[float] = ...) -> None: ...

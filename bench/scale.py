@@ -1,0 +1,225 @@
+"""Benchmark: one `elasticd` against 1,000 / 5,000 / 10,000 simulated agents.
+
+Simulated agents are `grpc.aio` clients (many per process, no workers): each
+registers, opens its stream, heartbeats once a second (with its send time)
+and answers start/stop commands as a real agent would (a stop is
+acknowledged with a worker exit report at once). For each size:
+
+- controller CPU share over 20 s of steady heartbeats (its process's
+  user+system time / wall time; 100 % = one core);
+- heartbeat latency p50/p99 (controller receipt - agent send, from status);
+- detection: one agent goes silent -> `host_lost`, minus the silence start
+  (target: within heartbeat_timeout_s + 1 s = 6 s);
+- fan-out: `generation_started` -> the last agent received its start, and
+  `slice_stopping` -> the last agent received its stop.
+
+    .venv/bin/python bench/scale.py --agents 1000 5000 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+from common import machine, wait_entry, write_result
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CLIENT_PROCESSES = 4
+AGENTS_PER_CHANNEL = 250
+
+
+# --- the client side: many simulated agents in one process ------------------------------
+
+async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
+                          silence: asyncio.Event | None) -> None:
+    incarnation = uuid.uuid4().hex[:12]
+    status = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
+
+    def header():
+        return pb.Header(job_id=job_id, host_id=host_id, incarnation=incarnation,
+                         generation=status.generation)
+
+    await stub.Register(pb.RegisterRequest(header=header(), devices=1, address="127.0.0.1",
+                                           failure_domain=host_id, worker=status,
+                                           free_port=20000 + random.randrange(20000)),
+                        timeout=120)
+    call = stub.Connect()
+    await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=status)))
+
+    async def beat():
+        await asyncio.sleep(random.random())  # spread the heartbeats over the second
+        seq = 0
+        while silence is None or not silence.is_set():
+            seq += 1
+            await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
+                seq=seq, worker=status, free_port=30000 + seq % 1000, sent_at=time.time())))
+            await asyncio.sleep(1.0)
+
+    task = asyncio.create_task(beat())
+    try:
+        while True:
+            message = await call.read()
+            if message is None or not hasattr(message, "WhichOneof"):
+                return
+            kind = message.WhichOneof("body")
+            received.setdefault(kind, {})[host_id] = time.time()
+            if kind == "start":
+                status.generation = message.start.generation
+                status.state, status.step, status.pid = pb.WORKER_RUNNING, 0, 1
+            elif kind == "stop" and status.state == pb.WORKER_RUNNING:
+                status.state, status.signal, status.stopped_on_request = pb.WORKER_EXITED, 9, True
+                if silence is None or not silence.is_set():
+                    await call.write(pb.AgentMessage(header=header(), worker_exited=status))
+    finally:
+        task.cancel()
+
+
+async def client_main(address: str, job_id: str, first: int, count: int, out: str) -> None:
+    sys.path.insert(0, str(REPO))
+    from elastic import transport
+    from elastic.v1 import control_pb2 as pb
+    from elastic.v1 import control_pb2_grpc as pb_grpc
+
+    received: dict = {}
+    silence = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, silence.set)
+    done = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, done.set)
+    channels = [transport.aio_channel(address)
+                for _ in range(max(1, count // AGENTS_PER_CHANNEL))]
+    tasks = []
+    for i in range(count):
+        stub = pb_grpc.ControllerStub(channels[i % len(channels)])
+        host = f"sim-{first + i:05d}"
+        tasks.append(asyncio.create_task(simulated_agent(
+            stub, pb, host, job_id, received, silence if first + i == 0 else None)))
+        if i % 100 == 99:
+            await asyncio.sleep(0.05)  # do not register all at the same instant
+    await done.wait()
+    for t in tasks:
+        t.cancel()
+    pathlib.Path(out).write_text(json.dumps(received))
+    os._exit(0)  # skip channel teardown of thousands of streams
+
+
+# --- the benchmark driver ------------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_size(n: int, steady_s: float) -> dict:
+    from elastic.controller.status import fetch_status
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f"elastic-scale-{n}-"))
+    spec = work / "job.toml"
+    spec.write_text(f"""
+[job]
+id = "scale"
+command = ["true"]
+min_hosts = {n}
+max_hosts = {n}
+
+[health]
+heartbeat_interval_s = 1.0
+heartbeat_timeout_s = 5.0
+stop_timeout_s = 30.0
+
+[hang]
+startup_timeout_s = 100000.0
+""")
+    state = work / "state"
+    ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
+                            "--listen", "127.0.0.1:0", "--state-dir", str(state)],
+                           stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
+    clients = []
+    try:
+        deadline = time.monotonic() + 30
+        while not (state / "controller.addr").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        address = (state / "controller.addr").read_text().strip()
+        per = -(-n // CLIENT_PROCESSES)
+        for k in range(CLIENT_PROCESSES):
+            count = min(per, n - k * per)
+            clients.append((subprocess.Popen(
+                [sys.executable, __file__, "client", address, str(k * per), str(count),
+                 str(work / f"client{k}.json")], stderr=open(work / f"client{k}.log", "w")),
+                work / f"client{k}.json"))
+        started = wait_entry(state, "generation_started", generation=1, timeout_s=600)
+        time.sleep(3.0)  # let every start arrive and the heartbeats settle
+        c0, t0 = cpu_seconds(ctl.pid), time.monotonic()
+        time.sleep(steady_s)
+        cpu_share = (cpu_seconds(ctl.pid) - c0) / (time.monotonic() - t0)
+        status = fetch_status(address, timeout_s=30)
+        silent_at = time.time()
+        clients[0][0].send_signal(signal.SIGUSR1)  # sim-00000 stops heartbeating
+        lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60)
+        stopping = wait_entry(state, "slice_stopping", generation=1, timeout_s=60)
+        wait_entry(state, "slice_stopped", generation=1, timeout_s=120)
+        time.sleep(3.0)  # the last stops arrive
+    finally:
+        for proc, _ in clients:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in clients:
+            proc.wait(60)
+        ctl.send_signal(signal.SIGTERM)
+        ctl.wait(30)
+    received: dict = {}
+    for _, path in clients:
+        for kind, by_host in json.loads(path.read_text()).items():
+            received.setdefault(kind, {}).update(by_host)
+    starts, stops = received.get("start", {}), received.get("stop", {})
+    return {
+        "agents": n,
+        "controller_cpu_share": round(cpu_share, 3),
+        "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
+        "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
+        "detection_s": round(lost["ts"] - silent_at, 3),
+        "start_fanout_s": round(max(starts.values()) - started["ts"], 3) if starts else None,
+        "starts_received": len(starts),
+        "stop_fanout_s": round(max(stops.values()) - stopping["ts"], 3) if stops else None,
+        "stops_received": len(stops),
+    }
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "client":
+        _, _, address, first, count, out = sys.argv
+        asyncio.run(client_main(address, "scale", int(first), int(count), out))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, nargs="+", default=[1000, 5000, 10000])
+    parser.add_argument("--steady-s", type=float, default=20.0)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
+    args = parser.parse_args()
+    rows = []
+    for n in args.agents:
+        row = run_size(n, args.steady_s)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print(f"\n{'agents':>7} {'ctl CPU':>8} {'hb p50':>8} {'hb p99':>8} {'detect':>8} "
+          f"{'start fan-out':>14} {'stop fan-out':>13}")
+    for r in rows:
+        print(f"{r['agents']:>7} {100 * r['controller_cpu_share']:7.1f}% "
+              f"{1000 * r['heartbeat_latency_p50_s']:6.1f}ms {1000 * r['heartbeat_latency_p99_s']:6.1f}ms "
+              f"{r['detection_s']:7.2f}s {r['start_fanout_s']:13.2f}s {r['stop_fanout_s']:12.2f}s")
+    write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+                            "client_processes": CLIENT_PROCESSES, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
