@@ -9,18 +9,43 @@ import platform
 import statistics
 import time
 
-from elastic.controller.journal import read_journal
+
+
+class _Tail:
+    """Journal entries read so far (incrementally: big journals stay cheap)."""
+
+    def __init__(self) -> None:
+        self.offset, self.entries, self.partial = 0, [], b""
+
+    def read(self, path: pathlib.Path) -> list[dict]:
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+            self.offset += len(chunk)
+            *lines, self.partial = (self.partial + chunk).split(b"\n")
+            for line in lines:
+                try:
+                    self.entries.append(json.loads(line))
+                except ValueError:
+                    pass
+        return self.entries
+
+
+_tails: dict[str, _Tail] = {}
 
 
 def wait_entry(state_dir, kind, timeout_s=60.0, after_ts=0.0, **match) -> dict:
     """The first journal entry of `kind` at or after `after_ts` matching `match`."""
+    path = pathlib.Path(state_dir) / "events.jsonl"
+    tail = _tails.setdefault(str(path), _Tail())
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for e in read_journal(state_dir):
+        for e in tail.read(path):
             if e["kind"] == kind and e["ts"] >= after_ts and \
                     all(e.get(k) == v for k, v in match.items()):
                 return e
-        time.sleep(0.01)
+        time.sleep(0.02)
     raise TimeoutError(f"no {kind} {match} within {timeout_s} s")
 
 
@@ -49,3 +74,33 @@ def print_table(results: dict[str, dict]) -> None:
     for name, s in results.items():
         print(f"{name:38} {s['median_s']:8.3f} {s['p95_s']:8.3f} {s['min_s']:8.3f} "
               f"{s['max_s']:8.3f}")
+
+
+def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 25,
+           extra: str = "") -> pathlib.Path:
+    """Write a job spec running workers/lm (endless, mesh data=-1 x model=2,
+    restart budget and crash loop out of the way, as benchmarks hit the same
+    hosts again and again) into `work`; returns its path. `extra`: more TOML."""
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    argv = [sys.executable, str(repo / "workers/lm/train.py"), "--steps", "100000000",
+            "--checkpoint-every", str(checkpoint_every), "--eval-every", "100000000"]
+    path = work / "job.toml"
+    path.write_text(f"""
+[job]
+id = "{job_id}"
+command = {json.dumps(argv)}
+min_hosts = 1
+max_hosts = {hosts}
+
+[mesh]
+data = -1
+model = 2
+
+[restart]
+max_restarts = 10000
+crash_loop_failures = 10000
+{extra}
+""")
+    return path

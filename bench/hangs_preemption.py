@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import signal
@@ -23,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from common import machine, print_table, summarize, wait_entry, write_result
+from common import lm_job, machine, print_table, summarize, wait_entry, write_result
 
 from elastic.config import load_spec
 from elastic.controller.status import fetch_status, slice_step
@@ -55,28 +54,8 @@ def main() -> int:
                                              "hangs_preemption.json"))
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-hangs-"))
-    argv = [sys.executable, str(REPO / "workers/lm/train.py"), "--steps", "10000000",
-            "--checkpoint-every", "100", "--eval-every", "10000000"]
-    spec_path = work / "job.toml"
-    spec_path.write_text(f"""
-[job]
-id = "hangs"
-command = {json.dumps(argv)}
-min_hosts = 1
-max_hosts = {args.hosts}
-
-[mesh]
-data = -1
-model = 2
-
-[restart]
-grow = "immediately"
-max_restarts = 1000
-crash_loop_failures = 1000
-
-[quarantine]
-failures = 1000   # the same hosts are hit again and again on purpose
-""")
+    spec_path = lm_job(work, "hangs", args.hosts, 100,
+                       extra='grow = "immediately"\n[quarantine]\nfailures = 10000')
     state = work / "state"
     local = start_slice(str(spec_path), load_spec(spec_path), args.hosts, 2, state)
     rows: dict[str, list[float]] = {}

@@ -15,14 +15,13 @@ process 0 reports (`worker_phases`).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
 import tempfile
 import time
 
-from common import machine, summarize, write_result
+from common import lm_job, machine, summarize, write_result
 
 from elastic.chaos import Chaos
 from elastic.config import load_spec
@@ -65,28 +64,8 @@ def main() -> int:
     args = parser.parse_args()
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-recovery-"))
-    argv = [sys.executable, str(REPO / "workers/lm/train.py"), "--steps", "100000000",
-            "--checkpoint-every", "25", "--eval-every", "100000000"]
-    spec_path = work / "job.toml"
-    spec_path.write_text(f"""
-[job]
-id = "recovery"
-command = {json.dumps(argv)}
-min_hosts = 1
-max_hosts = {args.hosts}
-
-[mesh]
-data = -1
-model = 2
-
-[restart]
-grow = "immediately"
-max_restarts = 10000
-crash_loop_failures = 10000
-
-[quarantine]
-failures = 10000   # the same hosts are hit again and again on purpose
-""")
+    spec_path = lm_job(work, "recovery", args.hosts, 25,
+                       extra='grow = "immediately"\n[quarantine]\nfailures = 10000')
     spec = load_spec(spec_path)
     state = work / "state"
     local = start_slice(str(spec_path), spec, args.hosts, 2, state)

@@ -35,7 +35,7 @@ from common import machine, wait_entry, write_result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLIENT_PROCESSES = 4
-AGENTS_PER_CHANNEL = 250
+AGENTS_PER_CHANNEL = 100
 
 
 # --- the client side: many simulated agents in one process ------------------------------
@@ -49,10 +49,13 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
         return pb.Header(job_id=job_id, host_id=host_id, incarnation=incarnation,
                          generation=status.generation)
 
-    await stub.Register(pb.RegisterRequest(header=header(), devices=1, address="127.0.0.1",
-                                           failure_domain=host_id, worker=status,
-                                           free_port=20000 + random.randrange(20000)),
-                        timeout=120)
+    from elastic import transport
+
+    async for attempt in transport.retrying():  # as the real agent does
+        with attempt:
+            await stub.Register(pb.RegisterRequest(
+                header=header(), devices=1, address="127.0.0.1", failure_domain=host_id,
+                worker=status, free_port=20000 + random.randrange(20000)), timeout=30)
     call = stub.Connect()
     await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=status)))
 
@@ -61,6 +64,8 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
         seq = 0
         while silence is None or not silence.is_set():
             seq += 1
+            if status.state == pb.WORKER_RUNNING:
+                status.step += 1  # a training step per heartbeat
             await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
                 seq=seq, worker=status, free_port=30000 + seq % 1000, sent_at=time.time())))
             await asyncio.sleep(1.0)
@@ -86,7 +91,6 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
 
 async def client_main(address: str, job_id: str, first: int, count: int, out: str) -> None:
     sys.path.insert(0, str(REPO))
-    from elastic import transport
     from elastic.v1 import control_pb2 as pb
     from elastic.v1 import control_pb2_grpc as pb_grpc
 
@@ -96,14 +100,20 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     loop.add_signal_handler(signal.SIGUSR1, silence.set)
     done = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, done.set)
-    channels = [transport.aio_channel(address)
+    # a connection of its own per channel (grpc shares one between channels of
+    # equal arguments), as real agents on separate hosts would have
+    import grpc
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(max(1, count // AGENTS_PER_CHANNEL))]
     tasks = []
     for i in range(count):
         stub = pb_grpc.ControllerStub(channels[i % len(channels)])
         host = f"sim-{first + i:05d}"
-        tasks.append(asyncio.create_task(simulated_agent(
-            stub, pb, host, job_id, received, silence if first + i == 0 else None)))
+        task = asyncio.create_task(simulated_agent(
+            stub, pb, host, job_id, received, silence if first + i == 0 else None))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or print(
+            f"simulated agent failed: {t.exception()!r}", file=sys.stderr, flush=True))
+        tasks.append(task)
         if i % 100 == 99:
             await asyncio.sleep(0.05)  # do not register all at the same instant
     await done.wait()
@@ -139,7 +149,7 @@ heartbeat_timeout_s = 5.0
 stop_timeout_s = 30.0
 
 [hang]
-startup_timeout_s = 100000.0
+startup_timeout_s = 600.0
 """)
     state = work / "state"
     ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),

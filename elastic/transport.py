@@ -22,6 +22,13 @@ _SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.so_reuseport", 0),
+    # gRPC core cancels calls beyond 3,000 not yet taken up by the application
+    # (a soft limit of 1,000): when thousands of agents (re)connect at once the
+    # asyncio server takes them up one by one, so the limits must exceed the
+    # agent count. Found with bench/scale.py: without these, streams past
+    # ~2,800 failed with CANCELLED / INTERNAL.
+    ("grpc.server.max_pending_requests", 1_000_000),
+    ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
 ]
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 

@@ -119,6 +119,7 @@ class SliceState:
     stop_requested: Mapping[str, float] = dataclasses.field(default_factory=dict)
     grow_ready_since: float | None = None
     draining_since: float | None = None
+    waiting_journaled_at: float = float("-inf")
     host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
     exit_code: int | None = None
@@ -194,14 +195,25 @@ def _enter(state: SliceState, phase: Phase, now: float, reason: str, **changes) 
 
 def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
              actions: list[Action]) -> SliceState:
+    heartbeating = len(view.hosts) - len(state.lost)
+    if heartbeating < spec.min_hosts:  # O(1): no plan can start (thousands registering)
+        reason = f"waiting for hosts: {heartbeating} heartbeating, min_hosts is {spec.min_hosts}"
+        if now - state.waiting_journaled_at >= 30.0:
+            actions.append(Journal("waiting_for_hosts", state.generation, reason))
+            return dataclasses.replace(state, reason=reason, waiting_journaled_at=now)
+        return dataclasses.replace(state, reason=reason)
     candidates = [Candidate(r.host_id, r.failure_domain, r.devices)
                   for r in view.hosts.values() if _usable(r, state)]
     plan = plan_mesh(spec, candidates)
     if not plan.hosts:
-        if plan.reason != state.reason:
+        # journaled on entering the wait and then at most every 30 s (status
+        # always shows the current reason): hosts arriving one by one must not
+        # write a line each
+        if now - state.waiting_journaled_at >= 30.0:
             actions.append(Journal("waiting_for_hosts", state.generation, plan.reason))
-            return dataclasses.replace(state, reason=plan.reason)
-        return state
+            return dataclasses.replace(state, reason=plan.reason, waiting_journaled_at=now)
+        return dataclasses.replace(state, reason=plan.reason) \
+            if plan.reason != state.reason else state
     settle_left = view.last_registration_at + spec.health.rendezvous_settle_s - now
     if len(plan.hosts) < spec.max_hosts and settle_left > 0:
         return dataclasses.replace(
@@ -224,7 +236,8 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     return _enter(state, Phase.STARTING, now, reason, generation=generation,
                   coordinator=address, members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
                                                          for h in plan.hosts),
-                  progressed=False, grow_ready_since=None)
+                  progressed=False, grow_ready_since=None,
+                  waiting_journaled_at=float("-inf"))
 
 
 def _member_failure(state: SliceState, view: ClusterView, host: str,

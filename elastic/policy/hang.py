@@ -84,7 +84,7 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     found = suspects(active)
     how = "suspended" if any(r.worker.suspended for r in active) else \
         f"no step since step {min(r.worker.step for r in active)}"
-    basis = (f"fixed hang.timeout_s" if spec.hang.timeout_s else
+    basis = ("fixed hang.timeout_s" if spec.hang.timeout_s else
              f"learned from a median step of {step_time:.3f} s" if step_time else
              "hang.min_timeout_s")
     return Hang(f"no step progress for {silent:.1f} s (timeout {limit:.1f} s, {basis}"

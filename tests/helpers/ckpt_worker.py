@@ -46,7 +46,7 @@ def checksums(state: dict) -> dict:
 
 
 def main() -> int:
-    mode, directory = sys.argv[1], sys.argv[2]
+    mode = sys.argv[1]  # argv[2], the directory, is also in ELASTIC_CHECKPOINT_DIR
     ctx = elastic.worker.init()
     mesh = ctx.mesh
     events = []

@@ -1,0 +1,62 @@
+"""Benchmark: the reference workload under chaos, one fault per `--mtbf`
+seconds on average, for `--duration` seconds -> ETTR and the badput
+breakdown (target ETTR >= 90 % at one fault per 60 s).
+
+    .venv/bin/python bench/soak.py --duration 600 --mtbf 60 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+import time
+
+from common import lm_job, machine, write_result
+
+from elastic.chaos import Chaos, ChaosSpec, CHAOS_KINDS
+from elastic.config import load_spec
+from elastic.controller.journal import read_journal
+from elastic.goodput import account, format_report
+from elastic.local import progress_line, restart_agent, start_slice, stop_slice
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--mtbf", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--kinds", default="+".join(k for k in CHAOS_KINDS if k != "partition"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
+    args = parser.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-soak-"))
+    spec_path = lm_job(work, "soak", args.hosts, 25)
+    spec = load_spec(spec_path)
+    state = work / "state"
+    local = start_slice(str(spec_path), spec, args.hosts, 2, state)
+    chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+"))), local.address,
+                  state, lambda h: restart_agent(local, h), lambda h: local.agents[h].pid,
+                  spec.health.heartbeat_timeout_s)
+    chaos.start()
+    deadline = time.monotonic() + args.duration
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
+            print(progress_line(local.address), flush=True)
+    finally:
+        chaos.stop()
+        stop_slice(local)
+    goodput = account(read_journal(state))
+    print(format_report(goodput))
+    write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+                            "duration_s": args.duration, "mtbf_s": args.mtbf, "seed": args.seed,
+                            "faults_injected": chaos.injected, **goodput.to_json()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
