@@ -70,7 +70,8 @@ def main() -> int:
     state = work / "state"
     local = start_slice(str(spec_path), spec, args.hosts, 2, state)
     chaos = Chaos(None, local.address, state, lambda h: restart_agent(local, h),
-                  lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s)
+                  lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
+                  keep_running=True)
     chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
     trial_of: dict[float, str] = {}
     try:

@@ -95,14 +95,17 @@ class Chaos(threading.Thread):
     ones when their triggers come.
 
     restart_agent(host_id): start that host's agent again (the caller owns
-    the process). heartbeat_timeout_s: how long a host must stay away to be
+    the process). keep_running: keep serving the come-back actions of faults
+    injected from outside (inject()) until stop(). heartbeat_timeout_s: how long a host must stay away to be
     declared lost (stopped agents resume, killed hosts come back after it + 2 s).
     """
 
     def __init__(self, spec: ChaosSpec | None, address: str, state_dir, restart_agent:
                  Callable[[str], None], agent_pid: Callable[[str], int],
-                 heartbeat_timeout_s: float, planned: list[Fault] | None = None) -> None:
+                 heartbeat_timeout_s: float, planned: list[Fault] | None = None,
+                 keep_running: bool = False) -> None:
         super().__init__(daemon=True)
+        self.keep_running = keep_running
         self.spec, self.address, self.state_dir = spec, address, state_dir
         self.planned = list(planned or [])
         self.restart_agent, self.agent_pid = restart_agent, agent_pid
@@ -110,6 +113,7 @@ class Chaos(threading.Thread):
         self.journal = JournalWriter(state_dir)
         self.injected = 0
         self._halt = threading.Event()
+        self._lock = threading.Lock()  # inject() may be called from another thread
         self._pending: list[tuple[float, Callable[[], None]]] = []
 
     def stop(self) -> None:
@@ -122,12 +126,14 @@ class Chaos(threading.Thread):
         self.journal.close()
 
     def _later(self, delay_s: float, action: Callable[[], None]) -> None:
-        self._pending.append((time.monotonic() + delay_s, action))
+        with self._lock:
+            self._pending.append((time.monotonic() + delay_s, action))
 
     def _run_due(self) -> None:
         now = time.monotonic()
-        due = [p for p in self._pending if p[0] <= now]
-        self._pending = [p for p in self._pending if p[0] > now]
+        with self._lock:
+            due = [p for p in self._pending if p[0] <= now]
+            self._pending = [p for p in self._pending if p[0] > now]
         for _, action in due:
             action()
 
@@ -158,7 +164,9 @@ class Chaos(threading.Thread):
             self._run_planned()
         if self.spec is not None:
             self._run_random()
-        while self._pending and not self._halt.is_set():
+        # bring back what is due back (and, with keep_running, serve faults
+        # injected from outside through inject())
+        while (self._pending or self.keep_running) and not self._halt.is_set():
             self._wait(0.2)
 
     def _run_planned(self) -> None:

@@ -158,10 +158,14 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
         training = max(0.0, stop - first)
         nxt = gens[i + 1] if i + 1 < len(gens) else None
         # lost work: steps after the checkpoint the next generation restored
+        # (known once the next generation restored a step or made its first step;
+        # a job that ended before that lost nothing it would redo)
         lost_steps = 0
         if nxt is not None and gen.first is not None:
-            resumed = nxt.restored_step if nxt.restored_step is not None else -1
-            lost_steps = max(0, gen.last_step - resumed)
+            resumed = nxt.restored_step if nxt.restored_step is not None else \
+                (nxt.first_step - 1 if nxt.first is not None else None)
+            if resumed is not None:
+                lost_steps = max(0, gen.last_step - resumed)
         steps_done = max(1, gen.last_step - gen.first_step + 1)
         step_time = statistics.median(gen.step_times) if gen.step_times else training / steps_done
         detection = 0.0

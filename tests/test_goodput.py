@@ -78,3 +78,10 @@ def test_report_lists_causes_and_incidents():
     for cause in CAUSES:
         assert cause in text
     assert "kill-worker" in text and "49" in text
+
+
+def test_no_lost_work_counted_when_the_next_generation_never_resumed():
+    journal = JOURNAL[:11] + [e(21, "controller_stopped", 2)]
+    g = account(journal)
+    assert g.badput_s["lost_work"] == 0.0
+    assert g.incidents[0].lost_steps == 0
