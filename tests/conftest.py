@@ -60,6 +60,15 @@ def proc_env():
     assert not left, f"processes left behind by the test: {left}"
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
     """Poll `predicate` until it returns something truthy; fail after timeout."""
     deadline = time.monotonic() + timeout_s

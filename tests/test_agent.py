@@ -9,15 +9,7 @@ import sys
 
 from elastic import config
 from elastic.agent.supervisor import kill_leftovers
-from tests.conftest import LocalJob, tiny_spec, wait_until
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from tests.conftest import LocalJob, alive, tiny_spec, wait_until
 
 
 def test_restarted_agent_kills_leftovers_of_previous_incarnation(tmp_path, proc_env):

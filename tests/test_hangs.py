@@ -7,17 +7,9 @@ import os
 import signal
 import time
 
-from tests.conftest import tiny_spec, wait_until
+from tests.conftest import alive, tiny_spec, wait_until
 
 HANG = "[hang]\nmin_timeout_s = 3.0\n"
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def with_sections(spec, text: str):
