@@ -505,3 +505,16 @@ def test_preemption_drain_is_bounded():
     heartbeat_all(view, T0 + 21.5)
     late = decide(draining.state, view, T0 + 21.5, spec())
     assert late.state.phase is Phase.STOPPING and "no emergency checkpoint" in late.reason
+
+
+def test_quarantine_never_sets_aside_the_hosts_the_job_needs():
+    view = ClusterView()
+    register(view, "h0")
+    register(view, "h1")
+    s = dataclasses.replace(spec(min_hosts=2, restart={"crash_loop_failures": 99}),
+                            quarantine=QuarantineSpec(failures=1, window_s=100, cooldown_s=50))
+    state = running_slice(view, ["h0", "h1"])
+    worker(view, "h1", T0 + 1, 1, WorkerState.EXITED, exit_code=3)
+    stopping = decide(state, view, T0 + 1, s)
+    assert stopping.state.phase is Phase.STOPPING
+    assert "host_quarantined" not in kinds(stopping) and not stopping.state.quarantined

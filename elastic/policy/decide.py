@@ -281,7 +281,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                        failures_without_progress=0)
     if failures:
         when, host, why = min(failures)
-        return _begin_stop(state, now, spec, actions, "failure", why, (host,))
+        return _begin_stop(state, now, spec, actions, "failure", why, (host,), len(view.hosts))
     if done == len(state.members):
         reason = f"all {done} workers of generation {state.generation} exited 0"
         last = view.hosts[state.members[0]].worker
@@ -300,7 +300,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                {"suspects": list(hang.suspects), "silent_s": round(hang.silent_s, 3),
                                 "timeout_s": round(hang.timeout_s, 3)}))
         return _begin_stop(state, now, spec, actions, "failure", f"hang: {hang.reason}",
-                           hang.suspects)
+                           hang.suspects, len(view.hosts))
     return _consider_grow(state, view, now, spec, actions)
 
 
@@ -356,10 +356,11 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
 
 
 def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
-                kind: str, why: str, blamed: tuple[str, ...]) -> SliceState:
+                kind: str, why: str, blamed: tuple[str, ...], registered: int = 0) -> SliceState:
     """Stop every member. Failures (and preemptions, whose workers wait idle
     after their emergency save) stop with SIGKILL at once; grows get
-    health.stop_grace_s. A failure is attributed to the `blamed` hosts."""
+    health.stop_grace_s. A failure is attributed to the `blamed` hosts
+    (`registered`: how many hosts the controller knows, for quarantine)."""
     grace = spec.health.stop_grace_s if kind == "grow" else 0.0
     actions.append(Journal("slice_stopping", state.generation, why,
                            blamed[0] if blamed else None,
@@ -371,7 +372,7 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
         changes["failures_without_progress"] = (1 if state.progressed
                                                 else state.failures_without_progress + 1)
         failures, quarantined, newly = quarantine.record_failures(
-            state.host_failures, state.quarantined, blamed, now, spec, why)
+            state.host_failures, state.quarantined, blamed, now, spec, why, registered)
         changes.update(host_failures=failures, quarantined=quarantined)
         # A quarantine does not reset the crash-loop count: a slice that makes no
         # step at all is failing as a whole, whichever host is blamed.
