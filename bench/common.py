@@ -9,39 +9,19 @@ import platform
 import statistics
 import time
 
+from elastic.controller.journal import JournalTail
 
 
-class _Tail:
-    """Journal entries read so far (incrementally: big journals stay cheap)."""
 
-    def __init__(self) -> None:
-        self.offset, self.entries, self.partial = 0, [], b""
-
-    def read(self, path: pathlib.Path) -> list[dict]:
-        if path.exists():
-            with path.open("rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-            self.offset += len(chunk)
-            *lines, self.partial = (self.partial + chunk).split(b"\n")
-            for line in lines:
-                try:
-                    self.entries.append(json.loads(line))
-                except ValueError:
-                    pass
-        return self.entries
-
-
-_tails: dict[str, _Tail] = {}
+_tails: dict[str, JournalTail] = {}
 
 
 def wait_entry(state_dir, kind, timeout_s=60.0, after_ts=0.0, **match) -> dict:
     """The first journal entry of `kind` at or after `after_ts` matching `match`."""
-    path = pathlib.Path(state_dir) / "events.jsonl"
-    tail = _tails.setdefault(str(path), _Tail())
+    tail = _tails.setdefault(str(state_dir), JournalTail(state_dir))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for e in tail.read(path):
+        for e in tail.read():
             if e["kind"] == kind and e["ts"] >= after_ts and \
                     all(e.get(k) == v for k, v in match.items()):
                 return e

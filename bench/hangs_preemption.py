@@ -17,7 +17,6 @@ import argparse
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from common import lm_job, machine, print_table, summarize, wait_entry, write_re
 
 from elastic.config import load_spec
 from elastic.controller.status import fetch_status, slice_step
-from elastic.local import child_env, start_slice, stop_slice
+from elastic.local import restart_agent, start_slice, stop_slice
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -59,7 +58,6 @@ def main() -> int:
     state = work / "state"
     local = start_slice(str(spec_path), load_spec(spec_path), args.hosts, 2, state)
     rows: dict[str, list[float]] = {}
-    extra: list[subprocess.Popen] = []
 
     def add(name: str, value: float) -> None:
         rows.setdefault(name, []).append(value)
@@ -95,11 +93,7 @@ def main() -> int:
                   f"{committed['ts'] - t0:.2f} s, first step of generation {generation + 1} "
                   f"after {first['ts'] - t0:.2f} s", flush=True)
             local.agents[host_id].wait(30)  # the preempted agent leaves; start it again
-            log = open(state / "hosts" / f"{host_id}.log", "ab")
-            extra.append(subprocess.Popen(local.agent_argv[host_id], env=child_env(),
-                                          stdout=log, stderr=subprocess.STDOUT))
-            local.agents[host_id] = extra[-1]
-            log.close()
+            restart_agent(local, host_id)
     finally:
         stop_slice(local)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "hosts": args.hosts,

@@ -23,7 +23,6 @@ Fault kinds (each journaled as `fault_injected`):
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import signal
 import threading
@@ -32,9 +31,10 @@ from collections.abc import Callable
 
 import grpc
 
-from elastic.controller.journal import JournalWriter, read_journal
+from elastic.controller.journal import JournalTail, JournalWriter
 from elastic.controller.status import fetch_status, slice_step
 from elastic.faults import Fault
+from elastic.procs import alive, signal_group, signal_pid
 
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
                "kill-during-save", "partition")
@@ -220,64 +220,41 @@ class Chaos(threading.Thread):
             host = next((x for x in status.hosts if x.host_id == h), host)
             worker = host.worker_pid
             note = f"save of step {saved['step']} in flight" if saved else "no save came; killed"
-            _signal_group(worker, signal.SIGKILL)
+            signal_group(worker, signal.SIGKILL)
             self._record(kind, host, status, [worker], note)
             return
         if kind == "kill-worker":
-            _signal_group(worker, signal.SIGKILL)
+            signal_group(worker, signal.SIGKILL)
             self._record(kind, host, status, [worker])
         elif kind == "stop-worker":
-            _signal(worker, signal.SIGSTOP)
+            signal_pid(worker, signal.SIGSTOP)
             self._record(kind, host, status, [worker])
         elif kind == "kill-host":
-            _signal(agent, signal.SIGKILL)
-            _signal_group(worker, signal.SIGKILL)
+            signal_pid(agent, signal.SIGKILL)
+            signal_group(worker, signal.SIGKILL)
             self._record(kind, host, status, [agent, worker])
             self._later(self.away_s, lambda: self.restart_agent(h))
         elif kind == "stop-agent":
-            _signal(agent, signal.SIGSTOP)
+            signal_pid(agent, signal.SIGSTOP)
             self._record(kind, host, status, [agent])
-            self._later(self.away_s, lambda: _signal(agent, signal.SIGCONT))
+            self._later(self.away_s, lambda: signal_pid(agent, signal.SIGCONT))
         elif kind == "preempt":
-            _signal(agent, signal.SIGTERM)
+            signal_pid(agent, signal.SIGTERM)
             self._record(kind, host, status, [agent])
             self._later(1.0, lambda: self._come_back_after_exit(h, agent))
 
     def _come_back_after_exit(self, host_id: str, pid: int) -> None:
-        if _alive(pid) and not self._halt.is_set():
+        if alive(pid) and not self._halt.is_set():
             self._later(0.5, lambda: self._come_back_after_exit(host_id, pid))
         elif self.agent_pid(host_id) == pid:
             self.restart_agent(host_id)
 
     def _wait_for_save(self, since: float, timeout_s: float) -> dict | None:
+        tail = JournalTail(self.state_dir)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self._halt.is_set():
-            for e in read_journal(self.state_dir):
+            for e in tail.read():
                 if e["kind"] == "checkpoint_saved" and e["ts"] >= since:
                     return e
             self._halt.wait(0.02)
         return None
-
-
-def _signal(pid: int, sig: int) -> None:
-    if pid:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    if pid:
-        try:
-            os.killpg(pid, sig)
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -27,10 +27,6 @@ class Fault:
             return step >= self.at_step
         return elapsed_s >= (self.at_s or 0.0)
 
-    def describe(self) -> str:
-        trigger = f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:g} s"
-        return f"{self.kind} {self.host} at {trigger}"
-
 
 def parse_fault(text: str) -> Fault:
     """Parse `KIND:HOST@step=N` or `KIND:HOST@t=S`. Raises ValueError naming

@@ -26,7 +26,7 @@ import time
 import grpc
 
 from elastic.config import JobSpec
-from elastic.controller.journal import JOURNAL_NAME, read_journal
+from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
 from elastic.controller.server import ADDRESS_FILE
 from elastic.controller.status import fetch_status, slice_step
 from elastic.chaos import Chaos, ChaosSpec
@@ -198,24 +198,12 @@ class JournalFollower(threading.Thread):
         self.join(2.0)
 
     def run(self) -> None:
-        offset = self.path.stat().st_size if self.path.exists() else 0
-        buffer = b""
+        tail = JournalTail(self.path.parent, from_end=True)
         while True:
             stopping = self._halt.is_set()
-            if self.path.exists():
-                with self.path.open("rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                offset += len(chunk)
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    try:
-                        entry = json.loads(line)
-                    except ValueError:
-                        continue
-                    self.t0 = entry["ts"] if self.t0 is None else self.t0
-                    print(format_entry(entry, self.t0), file=self.out, flush=True)
+            for entry in tail.new():
+                self.t0 = entry["ts"] if self.t0 is None else self.t0
+                print(format_entry(entry, self.t0), file=self.out, flush=True)
             if stopping:
                 return
             self._halt.wait(0.1)

@@ -20,6 +20,8 @@ import uuid
 
 import pytest
 
+from elastic.procs import alive
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY_WORKER = REPO / "workers" / "tiny" / "worker.py"
 
@@ -32,10 +34,8 @@ def tagged_pids(tag: str) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found.append(int(entry.name))
+            if needle in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
+                found.append(int(entry.name))
         except OSError:
             continue
     return found
@@ -58,15 +58,6 @@ def proc_env():
         except OSError:
             pass
     assert not left, f"processes left behind by the test: {left}"
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from elastic import config
+from elastic.procs import process_state, signal_group, signal_pid
 from elastic.v1 import control_pb2 as pb
 
 log = logging.getLogger("elastic-agent")
@@ -36,15 +37,6 @@ def die_with_agent(argv: list[str]) -> list[str]:
     return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
 
 
-def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
-    """Signal a process group; False if it no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
 def kill_leftovers(owner: str, incarnation: str) -> list[int]:
     """SIGKILL every process marked as started by an agent with state dir
     `owner` but another incarnation (what a previous agent process left).
@@ -59,12 +51,9 @@ def kill_leftovers(owner: str, incarnation: str) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if marker in environ and mine not in environ:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-            except OSError:
-                pass
+        if marker in environ and mine not in environ and \
+                signal_pid(int(entry.name), signal.SIGKILL):
+            killed.append(int(entry.name))
     return killed
 
 
@@ -133,7 +122,7 @@ class WorkerSupervisor:
     async def _watch_exit(self, proc: asyncio.subprocess.Process, generation: int) -> None:
         pump = asyncio.create_task(self._pump_stderr(proc.stderr))
         code = await proc.wait()
-        kill_group(proc.pid)  # grandchildren in the worker's group go with it
+        signal_group(proc.pid)  # grandchildren in the worker's group go with it
         try:
             await asyncio.wait_for(pump, 1.0)  # a leftover may hold the pipe open
         except (TimeoutError, asyncio.CancelledError):
@@ -158,14 +147,14 @@ class WorkerSupervisor:
             return
         self._stop_requested = True
         if grace_s > 0:
-            kill_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(asyncio.shield(watch), grace_s)
                 return
             except TimeoutError:
                 log.warning("worker pid %d still running %.1f s after SIGTERM; SIGKILL",
                             proc.pid, grace_s)
-        kill_group(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         try:
             await asyncio.wait_for(asyncio.shield(watch), 5.0)
         except TimeoutError:
@@ -174,26 +163,17 @@ class WorkerSupervisor:
     def suspended(self) -> bool:
         """Whether the worker's main process is stopped (SIGSTOP): it will
         not step again until SIGCONT."""
-        if self._proc is None:
-            return False
-        try:
-            with open(f"/proc/{self._proc.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-        except OSError:
-            return False
+        return self._proc is not None and process_state(self._proc.pid) in ("T", "t")
 
     def signal_main(self, sig: int) -> None:
         """Send `sig` to the worker's main process only (not its group)."""
         if self._proc is not None and self.running:
-            try:
-                os.kill(self._proc.pid, sig)
-            except OSError:
-                pass
+            signal_pid(self._proc.pid, sig)
 
     def kill_now(self) -> None:
         """SIGKILL the worker's group at once (the agent is exiting)."""
         if self._proc is not None:
-            kill_group(self._proc.pid)
+            signal_group(self._proc.pid)
 
     def note_progress(self, generation: int, step: int | None, committed_step: int | None,
                       metrics: Mapping[str, float] | None = None) -> tuple[bool, bool]:

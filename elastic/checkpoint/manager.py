@@ -68,8 +68,6 @@ class Checkpoints:
                                              item_names=("state", "meta"))
         self._pending: int | None = None
         self._last_started: int | None = None
-        # Seconds each save() blocked the caller (the synchronous part of a save).
-        self.blocking_s: list[float] = []
 
     def poll(self) -> int | None:
         """Report a save that finished since the last call; returns its step.
@@ -106,7 +104,6 @@ class Checkpoints:
         if started:
             self._pending = self._last_started = step
             blocked = time.perf_counter() - t0
-            self.blocking_s.append(blocked)
             kind = "emergency save" if preempted else "save"
             self.on_event("checkpoint_saved", f"{kind} of step {step} started; blocked "
                           f"{blocked * 1000:.1f} ms", {"step": step, "blocking_s": round(blocked, 4),

@@ -10,8 +10,8 @@ import logging
 from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.executor import Executor
-from elastic.controller.journal import JournalWriter
-from elastic.policy.decide import Phase, SliceState, decide
+from elastic.controller.journal import JournalTail, JournalWriter
+from elastic.policy.decide import SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
 
 log = logging.getLogger("elasticd")
@@ -35,6 +35,8 @@ class Controller:
         self.view = ClusterView()
         self.state = SliceState(generation=initial_generation, phase_since=clock.monotonic())
         self.executor = Executor(spec, journal, clock)
+        # the journal as written so far, read incrementally (status computes ETTR from it)
+        self.journal_tail = JournalTail(journal.path.parent)
         self._wake = asyncio.Event()
         # Seconds from an agent's send to receipt, for the last 10,000 heartbeats.
         self.heartbeat_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)
@@ -82,6 +84,3 @@ class Controller:
             self.reconcile()
             pass_s = self.clock.monotonic() - t0
         return self.state.exit_code or 0
-
-    def phase(self) -> Phase:
-        return self.state.phase

@@ -40,6 +40,39 @@ class JournalWriter:
         self._file.close()
 
 
+class JournalTail:
+    """Reads a journal incrementally, for watching a running job: `read()`
+    returns every entry so far, parsing only what was appended since the last
+    call (a torn last line waits for its end). `new()` returns only those."""
+
+    def __init__(self, state_dir: str | os.PathLike[str], from_end: bool = False) -> None:
+        self.path = pathlib.Path(state_dir) / JOURNAL_NAME
+        self.offset = self.path.stat().st_size if from_end and self.path.exists() else 0
+        self.entries: list[dict] = []
+        self._partial = b""
+
+    def new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        self.offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        fresh = []
+        for line in lines:
+            try:
+                fresh.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.entries += fresh
+        return fresh
+
+    def read(self) -> list[dict]:
+        self.new()
+        return self.entries
+
+
 def read_journal(state_dir: str | os.PathLike[str]) -> Iterator[dict]:
     """Entries of `<state_dir>/events.jsonl` in order; a torn last line is skipped."""
     path = pathlib.Path(state_dir) / JOURNAL_NAME

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from elastic import transport
-from elastic.controller.journal import read_journal
 from elastic.goodput import account
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
@@ -47,8 +46,7 @@ def job_status(controller) -> pb.JobStatus:
             rank=ranks.get(record.host_id, -1), failure_domain=record.failure_domain,
             incarnation=record.incarnation, worker_state=w.state.value,
             address=record.address, metrics=w.metrics, note=note))
-    journal = controller.executor.journal.path
-    ettr = account(read_journal(journal.parent), now=controller.clock.time()).ettr
+    ettr = account(controller.journal_tail.read(), now=controller.clock.time()).ettr
     latencies = sorted(controller.heartbeat_latency_s)
     p50 = latencies[len(latencies) // 2] if latencies else 0.0
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0
