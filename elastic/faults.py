@@ -15,6 +15,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
+    """One planned fault: `kind` on `host`, when the slice reaches step
+    `at_step`, or `at_s` seconds after it started (one of the two is set)."""
     kind: str
     host: str
     at_step: int | None = None

@@ -64,6 +64,8 @@ class Goodput:
     incidents: list[Incident]
 
     def to_json(self) -> dict:
+        """The figures as a JSON object (seconds rounded to ms), as
+        `elasticd report --json` prints them."""
         return {"wall_s": round(self.wall_s, 3), "productive_s": round(self.productive_s, 3),
                 "ettr": round(self.ettr, 5), "steps": self.steps,
                 "generations": self.generations,

@@ -126,6 +126,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int
 
 
 def write_local_file(local: LocalSlice) -> None:
+    """Write `<state-dir>/local.json` atomically: controller address and pid,
+    each agent's pid and command line (read by `elasticd chaos` and tests)."""
     info = {"controller": local.address, "controller_pid": local.controller.pid,
             "launcher_pid": os.getpid(), "heartbeat_timeout_s": local.heartbeat_timeout_s,
             "agents": {h: {"pid": p.pid, "argv": local.agent_argv[h]}

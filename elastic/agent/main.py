@@ -13,6 +13,8 @@ from elastic.agent.preemption import GCE_METADATA_URL
 
 
 def parse_args(argv: list[str] | None = None) -> AgentSettings:
+    """The agent's settings from its command line (argparse exits 2 on a
+    bad one, e.g. --devices 0)."""
     parser = argparse.ArgumentParser(
         prog="elastic-agent", description="Run one host of an elastic job: register with "
         "the controller, heartbeat, and run the worker it asks for. SIGTERM: preemption "

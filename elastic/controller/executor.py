@@ -63,15 +63,19 @@ class Executor:
 
     def record(self, kind: str, generation: int, reason: str, host: str | None = None,
                fields: dict | None = None) -> None:
+        """Journal one entry (timestamped with the injected clock) and log it."""
         entry = self.journal.write(self.clock.time(), kind, generation, reason, host, fields)
         log.info("%s gen=%s%s: %s", kind, generation, f" host={host}" if host else "", reason)
         return entry
 
     def record_facts(self, facts: list[Fact]) -> None:
+        """Journal the facts `observe` returned."""
         for fact in facts:
             self.record(fact.kind, fact.generation, fact.reason, fact.host, fact.fields)
 
     def send(self, host: str, message: pb.ControllerMessage) -> bool:
+        """Queue `message` on `host`'s stream; False (and a warning) when the
+        host has no registration (its heartbeats will show what it runs)."""
         session = self.sessions.get(host)
         if session is None:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
@@ -81,6 +85,7 @@ class Executor:
         return True
 
     def apply(self, actions: tuple[d.Action, ...]) -> None:
+        """Perform `actions` in order. Raises TypeError on an unknown action."""
         for action in actions:
             if isinstance(action, d.Journal):
                 self.record(action.kind, action.generation, action.reason, action.host,

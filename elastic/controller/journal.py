@@ -30,6 +30,9 @@ class JournalWriter:
 
     def write(self, ts: float, kind: str, generation: int, reason: str,
               host: str | None = None, fields: Mapping[str, Any] | None = None) -> dict:
+        """Append one entry: `ts` in Unix seconds, `kind`, `generation`,
+        `reason`, `host` (None where none applies) and extra `fields`. Returns
+        the entry written. Raises OSError when the disk refuses it."""
         entry = {"ts": round(ts, 6), "kind": kind, "generation": generation,
                  "host": host, "reason": reason, **(fields or {})}
         self._file.write(json.dumps(entry, sort_keys=False) + "\n")
@@ -52,6 +55,7 @@ class JournalTail:
         self._partial = b""
 
     def new(self) -> list[dict]:
+        """The entries appended since the last call."""
         if not self.path.exists():
             return []
         with self.path.open("rb") as f:
@@ -69,6 +73,7 @@ class JournalTail:
         return fresh
 
     def read(self) -> list[dict]:
+        """Every entry so far (the list grows; do not modify it)."""
         self.new()
         return self.entries
 

@@ -25,6 +25,7 @@ from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
 
 class Phase(enum.Enum):
+    """The controller's phase for the job (see the module docstring)."""
     WAITING = "waiting"
     STARTING = "starting"
     RUNNING = "running"
@@ -127,6 +128,8 @@ class SliceState:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
+    """What one reconcile pass decided: the next state, the actions to
+    perform in order, and a one-line reason (shown by `elasticd status`)."""
     state: SliceState
     actions: tuple[Action, ...]
     reason: str

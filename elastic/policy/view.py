@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 
 class WorkerState(enum.Enum):
+    """A worker as its agent sees it."""
     IDLE = "idle"
     RUNNING = "running"
     EXITED = "exited"
@@ -88,6 +89,7 @@ class HostRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Registered:
+    """An agent registered (a new incarnation, or the same one reconnecting)."""
     host_id: str
     incarnation: str
     devices: int
@@ -100,6 +102,8 @@ class Registered:
 
 @dataclasses.dataclass(frozen=True)
 class HeartbeatReceived:
+    """A heartbeat: the whole worker status, a free port for a coordinator,
+    and the preemption reason once the host is being taken away."""
     host_id: str
     incarnation: str
     worker: WorkerObs
@@ -109,6 +113,7 @@ class HeartbeatReceived:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerExited:
+    """A worker ended (reported the moment its agent reaped it)."""
     host_id: str
     incarnation: str
     worker: WorkerObs
@@ -116,6 +121,7 @@ class WorkerExited:
 
 @dataclasses.dataclass(frozen=True)
 class ProgressReported:
+    """A first step, a committed checkpoint step or new metrics, sent at once."""
     host_id: str
     incarnation: str
     generation: int
@@ -185,6 +191,7 @@ class ClusterView:
         self.emergency_save_at = float("-inf")
 
     def get(self, host_id: str) -> HostRecord | None:
+        """The record of `host_id`, None if it never registered."""
         return self.hosts.get(host_id)
 
     def silent(self, cutoff: float) -> Iterator[HostRecord]:
