@@ -14,12 +14,16 @@ rest (badput) is split by cause:
 - restore: the restore time the workers report;
 - lost work: steps computed and then thrown away (a generation's steps after
   the checkpoint the next generation restored), at that generation's median
-  step time.
+  step time;
+- checkpoint save: the time training was blocked starting checkpoint saves
+  (the device-to-host copy and Orbax's barriers; the write itself runs in
+  the background), as process 0 reports it.
 
 Productive time is each generation's time from its first step to its stop,
-less its detection time and lost work. Pure: journal entries in, numbers out.
+less its detection time, lost work and checkpoint save time. Pure: journal entries in, numbers out.
 The definitions follow the ML Goodput notion of Google Cloud's
-`ml-goodput-measurement` (productive training time over total job time).
+`ml-goodput-measurement` (productive training time over total job time; it
+also counts unproductive checkpoint save time as badput).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import dataclasses
 import statistics
 from collections.abc import Iterable
 
-CAUSES = ("waiting", "detection", "teardown", "startup", "restore", "lost_work")
+CAUSES = ("waiting", "detection", "teardown", "startup", "restore", "lost_work",
+          "checkpoint_save")
 
 
 @dataclasses.dataclass
@@ -87,6 +92,8 @@ class _Generation:
     stopped: float | None = None
     last_step: int = -1
     step_times: list[float] = dataclasses.field(default_factory=list)
+    # (when, seconds): how long each checkpoint save blocked training
+    save_blocking: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     # (when, kind, host, reason, injected): what may have ended this generation
     signs: list[tuple[float, str, str | None, str, bool]] = dataclasses.field(default_factory=list)
 
@@ -118,6 +125,8 @@ def _generations(entries: list[dict]) -> list[_Generation]:
                 gen.last_step = max(gen.last_step, e.get("step", -1) or -1)
             if kind == "checkpoint_saved" and e.get("step_time_s"):
                 gen.step_times.append(e["step_time_s"])
+            if kind == "checkpoint_saved" and e.get("blocking_s"):
+                gen.save_blocking.append((e["ts"], e["blocking_s"]))
         # signs of the failure that ends this generation, with the moment it happened
         if kind == "fault_injected":
             gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
@@ -184,9 +193,12 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
             incidents.append(Incident(kind, host, gen.number, at, max(0.0, stop - at),
                                       recovered, lost_steps, reason))
         lost = min(max(0.0, training - detection), lost_steps * step_time)
+        saving = min(max(0.0, training - detection - lost),
+                     sum(s for ts, s in gen.save_blocking if first <= ts <= stop))
         bad["detection"] += detection
         bad["lost_work"] += lost
-        productive += max(0.0, training - detection - lost)
+        bad["checkpoint_save"] += saving
+        productive += max(0.0, training - detection - lost - saving)
     bad["waiting"] += max(0.0, t_end - covered_until)
     wall = max(1e-9, t_end - t0)
     steps = max((g.last_step for g in gens), default=-1) + 1
@@ -200,7 +212,7 @@ def format_report(g: Goodput) -> str:
              f"{len(g.incidents)} incident(s)", "", "badput by cause:"]
     for cause in CAUSES:
         share = 100 * g.badput_s[cause] / g.wall_s if g.wall_s else 0.0
-        lines.append(f"  {cause:10} {g.badput_s[cause]:8.1f} s  {share:5.1f} %")
+        lines.append(f"  {cause:15} {g.badput_s[cause]:8.1f} s  {share:5.1f} %")
     if g.incidents:
         lines += ["", f"  {'GEN':>4}  {'KIND':16} {'HOST':8} {'DETECTED AFTER':>14} "
                       f"{'RECOVERED AFTER':>15} {'LOST STEPS':>10}"]

@@ -9,8 +9,8 @@ import pytest
 from elastic.config import HealthSpec, JobSpec, MeshSpec, RestartSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, SliceState, decide
-from elastic.policy.view import (ClusterView, HeartbeatReceived, ProgressReported, Registered,
-                                 WorkerExited, WorkerObs, WorkerState, observe)
+from elastic.policy.view import (ClusterView, Disconnected, HeartbeatReceived, ProgressReported,
+                                 Registered, WorkerExited, WorkerObs, WorkerState, observe)
 
 T0 = 1000.0
 
@@ -170,6 +170,33 @@ def test_lost_host_after_heartbeat_timeout(silent_s, lost):
         assert decision.state.lost == {"h1"}
 
 
+@pytest.mark.parametrize("closed_for_s,reconnects,lost", [
+    (0.9, False, False),  # within reconnect_grace_s (1 s): wait for it
+    (1.1, False, True),   # gone: lost long before heartbeat_timeout_s (5 s)
+    (1.1, True, False),   # the same agent registered again (a broken connection)
+])
+def test_lost_host_when_its_connection_closes(closed_for_s, reconnects, lost):
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    observe(view, Disconnected("h1", "inc-h1"), T0 + 0.5)
+    observe(view, Disconnected("h0", "other-incarnation"), T0 + 0.5)  # not the one registered
+    if reconnects:
+        register(view, "h1", now=T0 + 0.7)
+    heartbeat_all(view, T0 + 0.5 + closed_for_s)
+    decision = decide(state, view, T0 + 0.5 + closed_for_s, spec())
+    assert ("host_lost" in kinds(decision)) is lost
+    if lost:
+        lost_entry = next(a for a in decision.actions if getattr(a, "kind", "") == "host_lost")
+        assert decision.state.lost == {"h1"} and "connection closed" in lost_entry.reason
+        # heartbeats it sent before cannot bring it back; registering again does
+        later = decide(decision.state, view, T0 + 2, spec())
+        assert "h1" in later.state.lost
+        register(view, "h1", now=T0 + 3, incarnation="restarted")
+        assert "h1" not in decide(later.state, view, T0 + 3, spec()).state.lost
+
+
 def test_agent_restart_is_member_failure():
     view = ClusterView()
     for h in ("h0", "h1"):
@@ -286,11 +313,7 @@ def test_restart_budget(earlier, max_restarts, fails):
     ("after_checkpoint", True, True),
 ])
 def test_grow_policy(policy, commit_after_join, grows):
-    view = ClusterView()
-    for h in ("h0", "h1"):
-        register(view, h)
-    state = running_slice(view, ["h0", "h1"])
-    register(view, "h2", now=T0 + 1)
+    state, view = slice_with_a_waiting_host()
     s = spec(restart={"grow": policy})
     first = decide(state, view, T0 + 1, s)
     if commit_after_join:
@@ -303,17 +326,41 @@ def test_grow_policy(policy, commit_after_join, grows):
         assert {a.grace_s for a in stopping.actions if isinstance(a, d.StopWorker)} == {2.0}
 
 
-def test_grow_restart_does_not_spend_failure_budget():
+def slice_with_a_waiting_host() -> tuple[SliceState, ClusterView]:
+    """h0 and h1 running generation 1; h2 registered at T0 + 1."""
     view = ClusterView()
     for h in ("h0", "h1"):
         register(view, h)
     state = running_slice(view, ["h0", "h1"])
     register(view, "h2", now=T0 + 1)
+    return state, view
+
+
+def test_grow_restart_does_not_spend_failure_budget():
+    state, view = slice_with_a_waiting_host()
     s = spec(restart={"grow": "immediately", "max_restarts": 0})
     end = stop_and_settle(state, view, T0 + 1, s)
     assert end.state.phase is Phase.WAITING and end.state.failure_restarts == ()
     again = decide(end.state, view, T0 + 3, s)
     assert len([a for a in again.actions if isinstance(a, d.StartWorker)]) == 3
+
+
+def test_grow_stop_ends_when_its_emergency_checkpoint_commits():
+    state, view = slice_with_a_waiting_host()
+    s = spec(restart={"grow": "immediately"})
+    stopping = decide(state, view, T0 + 1, s)
+    assert stopping.state.stop_kind == "grow"
+    heartbeat_all(view, T0 + 1.2)
+    assert not decide(stopping.state, view, T0 + 1.2, s).actions  # grace runs (2 s)
+    # the SIGTERM made the workers save at JAX's preemption sync point
+    observe(view, d_event_saved(), T0 + 1.3)
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 1.5)
+    hurried = decide(stopping.state, view, T0 + 1.5, s)
+    kills = [a for a in hurried.actions if isinstance(a, d.StopWorker)]
+    assert [(a.host, a.grace_s) for a in kills] == [("h0", 0.0), ("h1", 0.0)]
+    assert hurried.state.stop_hurried and hurried.state.phase is Phase.STOPPING
+    assert not [a for a in decide(hurried.state, view, T0 + 1.6, s).actions
+                if isinstance(a, d.StopWorker)]  # sent once
 
 
 # --- stray workers (fencing of old generations) --------------------------------------

@@ -26,6 +26,7 @@ JOURNAL = [
     e(20.3, "generation_started", 2, hosts=["a", "b"]),
     e(21, "checkpoint_restored", 2, "a", step=100, restore_s=0.5),
     e(24, "first_progress", 2, step=101),
+    e(30, "checkpoint_saved", 2, "a", step=200, step_time_s=0.1, blocking_s=0.2),
     e(40, "job_succeeded", 2, step=299),
 ]
 
@@ -34,12 +35,12 @@ def test_every_second_is_accounted():
     g = account(JOURNAL)
     assert g.wall_s == pytest.approx(40.0)
     expected = {"waiting": 1.0, "startup": 4.0 + 3.2, "restore": 0.5, "teardown": 0.2,
-                "detection": 0.1, "lost_work": 49 * 0.1}
+                "detection": 0.1, "lost_work": 49 * 0.1, "checkpoint_save": 0.05 + 0.2}
     for cause in CAUSES:
         assert g.badput_s[cause] == pytest.approx(expected[cause], abs=1e-6), cause
-    assert g.productive_s == pytest.approx(10.1 + 16.0)
+    assert g.productive_s == pytest.approx(10.1 - 0.05 + 16.0 - 0.2)
     assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
-    assert g.ettr == pytest.approx(26.1 / 40)
+    assert g.ettr == pytest.approx(25.85 / 40)
     assert g.steps == 300 and g.generations == 2
 
 

@@ -64,6 +64,7 @@ class Agent:
         self.supervisor = WorkerSupervisor(os.path.abspath(settings.state_dir),
                                            self.incarnation, self._worker_exited)
         self.ports = PortProber()
+        self._prestart_next = False
         self.progress_address = f"@elastic-progress-{self.incarnation}"
         self._outbox: asyncio.Queue | None = None
         self._stopping = asyncio.Event()
@@ -113,6 +114,7 @@ class Agent:
         self.preemption = reason
         self._leave_after_stop = leave
         log.warning("preemption: %s", reason)
+        self.supervisor.discard_prestarted()  # no next generation on this host
         self.supervisor.signal_main(signal.SIGTERM)
         self._heartbeat()
         loop = asyncio.get_running_loop()
@@ -150,6 +152,8 @@ class Agent:
             return
         first, newer = self.supervisor.note_progress(report.generation, report.step,
                                                      report.committed_step, report.metrics)
+        if first and self._prestart_next:
+            self._spawn(self.supervisor.prestart_next())
         if first or newer:
             status = self.supervisor.status
             self._post(progress=pb.Progress(step=status.step, committed_step=status.committed_step,
@@ -177,6 +181,9 @@ class Agent:
                config.ENV_CACHE_DIR: os.path.join(os.path.abspath(self.settings.state_dir),
                                                   "compile-cache"),
                "PYTHONUNBUFFERED": "1"}
+        self._prestart_next = start.prestart_next
+        if not start.prestart_next:
+            self.supervisor.discard_prestarted()
         await self.supervisor.start(start.generation, list(start.argv), env, start.workdir)
         self._heartbeat()  # the controller learns of the new worker before its first step
 
@@ -293,7 +300,7 @@ class Agent:
             log.info("agent stopping: ending the worker (grace %.1f s)", grace)
             await self.supervisor.stop(self.supervisor.status.generation, grace)
         finally:
-            self.supervisor.kill_now()
+            await self.supervisor.close()
             connection.cancel()
             for task in list(self._tasks):
                 task.cancel()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import json
 import logging
 import os
 import pathlib
@@ -21,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from elastic import config
 from elastic.procs import process_state, signal_group, signal_pid
+from elastic.worker.prestart import READY_LINE
 from elastic.v1 import control_pb2 as pb
 
 log = logging.getLogger("elastic-agent")
@@ -57,6 +60,45 @@ def kill_leftovers(owner: str, incarnation: str) -> list[int]:
     return killed
 
 
+def launch_key(argv: list[str], full_env: Mapping[str, str], workdir: str) -> tuple | None:
+    """What must be equal for a pre-started process to run a worker: the
+    interpreter, the working directory and every environment variable but
+    the per-generation ones (JAX reads `JAX_*` defaults at import). None if
+    `argv` is not `python script.py ...` or `python -m module ...`."""
+    if len(argv) < 2 or not os.path.basename(argv[0]).startswith("python") or \
+            (argv[1].startswith("-") and argv[1] != "-m") or (argv[1] == "-m" and len(argv) < 3):
+        return None
+    env = tuple(sorted((k, v) for k, v in full_env.items()
+                       if k not in config.PER_GENERATION_ENV))
+    return (argv[0], workdir, env)
+
+
+@dataclasses.dataclass
+class Prestarted:
+    """A pre-started worker process (elastic.worker.prestart): `ready`
+    resolves True once it has imported what it preloads and waits for its
+    launch, False if it exited first."""
+
+    proc: asyncio.subprocess.Process
+    key: tuple
+    ready: asyncio.Task
+
+
+async def _ready(proc: asyncio.subprocess.Process) -> bool:
+    while line := await proc.stderr.readline():
+        if line.rstrip() == READY_LINE:
+            return True
+        sys.stderr.buffer.write(line)
+    return False
+
+
+def _discard(warm: Prestarted) -> None:
+    warm.ready.cancel()
+    warm.proc.stdin.close()  # end of input: it would exit by itself
+    if warm.proc.returncode is None:
+        signal_group(warm.proc.pid)
+
+
 class WorkerSupervisor:
     """Runs at most one worker at a time.
 
@@ -76,41 +118,127 @@ class WorkerSupervisor:
         self._watch: asyncio.Task | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self._stop_requested = False
+        self._last_launch: tuple[list[str], dict[str, str], str] | None = None
+        self._prestarted: Prestarted | None = None
 
     @property
     def running(self) -> bool:
         return self.status.state == pb.WORKER_RUNNING
 
+    def _full_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        return {**config.environ_snapshot(), **env,
+                config.ENV_WORKER_OWNER: self.owner,
+                config.ENV_INCARNATION: self.incarnation}
+
     async def start(self, generation: int, argv: list[str], env: Mapping[str, str],
                     workdir: str) -> None:
-        """Start the worker of `generation` (ending any worker still running).
-        A command that cannot be executed is reported as an exit with code
-        127 and the OS error in the stderr tail."""
+        """Start the worker of `generation` (ending any worker still running),
+        in the pre-started process if one is ready for this very command and
+        environment, else in a new process. A command that cannot be
+        executed is reported as an exit with code 127 and the OS error in the
+        stderr tail."""
         if self.running:
             await self.stop(self.status.generation, 0.0)
-        full_env = {**config.environ_snapshot(), **env,
-                    config.ENV_WORKER_OWNER: self.owner,
-                    config.ENV_INCARNATION: self.incarnation}
+        full_env = self._full_env(env)
         self._tail.clear()
         self._stop_requested = False
+        self._last_launch = (list(argv), dict(env), workdir)
         self.status = pb.WorkerStatus(generation=generation, state=pb.WORKER_RUNNING,
                                       step=-1, committed_step=-1)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *die_with_agent(argv), cwd=workdir or None, env=full_env, stdin=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)
-        except OSError as e:
-            self.status.state = pb.WORKER_EXITED
-            self.status.exit_code = 127
-            self.status.stderr_tail = f"cannot start {argv!r} in {workdir!r}: {e}"
-            log.error(self.status.stderr_tail)
-            self.on_exit(self.status)
-            return
+        proc = await self._launch_prestarted(argv, full_env, workdir)
+        how = "in its pre-started process" if proc else "cold"
+        if proc is None:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *die_with_agent(argv), cwd=workdir or None, env=full_env,
+                    stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True)
+            except OSError as e:
+                self.status.state = pb.WORKER_EXITED
+                self.status.exit_code = 127
+                self.status.stderr_tail = f"cannot start {argv!r} in {workdir!r}: {e}"
+                log.error(self.status.stderr_tail)
+                self.on_exit(self.status)
+                return
         self._proc = proc
         self.status.pid = proc.pid
-        log.info("worker of generation %d started, pid %d: %s", generation, proc.pid,
+        log.info("worker of generation %d started %s, pid %d: %s", generation, how, proc.pid,
                  " ".join(argv))
         self._watch = asyncio.create_task(self._watch_exit(proc, generation))
+
+    # --- the pre-started process ----------------------------------------------
+
+    async def prestart_next(self) -> None:
+        """Pre-start a process for the next worker, with the command,
+        environment and directory of the last start (per-generation variables
+        left out). No-op if one is already up for them, or if the command is
+        not `python script.py ...` / `python -m module ...`. Never raises: a
+        pre-start that fails only means the next start is cold."""
+        if self._last_launch is None:
+            return
+        argv, env, workdir = self._last_launch
+        full_env = self._full_env(env)
+        key = launch_key(argv, full_env, workdir)
+        if key is None:
+            return
+        if self._prestarted is not None:
+            if self._prestarted.key == key and self._prestarted.proc.returncode is None:
+                return
+            self.discard_prestarted()
+        spawn_env = {k: v for k, v in full_env.items() if k not in config.PER_GENERATION_ENV}
+        script = [] if argv[1] == "-m" else [argv[1]]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *die_with_agent([argv[0], "-m", "elastic.worker.prestart", *script]),
+                cwd=workdir or None, env=spawn_env, stdin=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            log.warning("cannot pre-start a worker process: %s", e)
+            return
+        self._prestarted = Prestarted(proc, key, asyncio.create_task(_ready(proc)))
+        log.info("pre-started pid %d for the next worker", proc.pid)
+
+    async def _launch_prestarted(self, argv: list[str], full_env: dict[str, str],
+                                 workdir: str) -> asyncio.subprocess.Process | None:
+        warm, self._prestarted = self._prestarted, None
+        if warm is None:
+            return None
+        if warm.key != launch_key(argv, full_env, workdir) or not warm.ready.done() or \
+                not warm.ready.result() or warm.proc.returncode is not None:
+            log.info("pre-started pid %d not usable for this start (%s); starting cold",
+                     warm.proc.pid, "other command or environment"
+                     if warm.key != launch_key(argv, full_env, workdir) else "not ready")
+            _discard(warm)
+            return None
+        message = json.dumps({"argv": argv, "env": full_env, "cwd": workdir}) + "\n"
+        try:
+            warm.proc.stdin.write(message.encode())
+            await warm.proc.stdin.drain()
+            warm.proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError) as e:
+            log.warning("pre-started pid %d gone (%s); starting cold", warm.proc.pid, e)
+            _discard(warm)
+            return None
+        return warm.proc
+
+    def discard_prestarted(self) -> asyncio.subprocess.Process | None:
+        """Kill the pre-started process, if any; returns it (to await)."""
+        warm, self._prestarted = self._prestarted, None
+        if warm is not None:
+            _discard(warm)
+            return warm.proc
+        return None
+
+    async def close(self) -> None:
+        """The agent is exiting: SIGKILL the worker's group and the
+        pre-started process, and reap the latter (bounded: 5 s)."""
+        proc = self.discard_prestarted()
+        self.kill_now()
+        if proc is not None:
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:
+                log.error("pre-started pid %d not reaped 5 s after SIGKILL", proc.pid)
 
     async def _pump_stderr(self, stream: asyncio.StreamReader) -> None:
         out = sys.stderr.buffer
@@ -171,7 +299,9 @@ class WorkerSupervisor:
             signal_pid(self._proc.pid, sig)
 
     def kill_now(self) -> None:
-        """SIGKILL the worker's group at once (the agent is exiting)."""
+        """SIGKILL the worker's group and the pre-started process at once
+        (the agent is exiting)."""
+        self.discard_prestarted()
         if self._proc is not None:
             signal_group(self._proc.pid)
 

@@ -33,6 +33,24 @@ class Restored:
     meta: dict
 
 
+def use_coordination_service_barriers() -> None:
+    """Make Orbax's barriers waits in the JAX coordination service instead of
+    collectives (its absl flag `experimental_orbax_use_distributed_barrier`,
+    process-wide). A save passes ~8 barriers; as collectives each is a
+    compiled all-gather over gloo, ~6 ms on this machine, and it never times
+    out when a peer is gone. Measured: blocking save time 97 -> 58 ms median
+    (3 runs x 11 saves), 4 processes x 2 CPU devices on 2 cores, 12 MiB
+    state. No-op on an Orbax without the flag."""
+    from absl import flags
+
+    try:
+        flag = flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+    except KeyError:
+        return
+    if not flag.value:
+        flag.parse(True)
+
+
 class Checkpoints:
     """Checkpoints of one job in `directory`.
 
@@ -61,6 +79,7 @@ class Checkpoints:
         self.on_commit = on_commit or (lambda step: None)
         self.on_event = on_event or (lambda kind, reason, fields: None)
         self.on_preempted = on_preempted or (lambda step: None)
+        use_coordination_service_barriers()
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=interval_steps, max_to_keep=max_to_keep, create=True,
             enable_async_checkpointing=True)

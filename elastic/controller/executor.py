@@ -98,7 +98,8 @@ class Executor:
                         num_processes=action.num_processes,
                         coordinator_address=action.coordinator_address,
                         argv=list(self.spec.command), env=self.worker_env(),
-                        workdir=self.spec.workdir)))
+                        workdir=self.spec.workdir,
+                        prestart_next=self.spec.restart.prestart_workers)))
             elif isinstance(action, d.StopWorker):
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation,

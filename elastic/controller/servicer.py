@@ -117,8 +117,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 await context.write(message)
         finally:
             reader.cancel()
-            if c.sessions.get(host) is session:
+            if c.sessions.get(host) is session:  # not replaced by a new registration
                 del c.sessions[host]
+                c.submit(v.Disconnected(host, session.incarnation))
         if session.close_status and session.close_status[0] is not None:
             await context.abort(*session.close_status)
 

@@ -99,6 +99,8 @@ class SliceState:
     grow_ready_since: when a bigger slice first became possible.
     draining_since: when a member's preemption notice was first seen (the
       slice waits for the emergency checkpoint before it stops).
+    stop_hurried: a grow stop whose emergency checkpoint committed has sent
+      SIGKILL to the workers still waiting (instead of letting the grace run).
     host_failures / quarantined: failures attributed to each host, and the
       hosts set aside (host -> (until, reason)).
     """
@@ -120,6 +122,7 @@ class SliceState:
     stop_requested: Mapping[str, float] = dataclasses.field(default_factory=dict)
     grow_ready_since: float | None = None
     draining_since: float | None = None
+    stop_hurried: bool = False
     waiting_journaled_at: float = float("-inf")
     host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
@@ -166,17 +169,25 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     timeout = spec.health.heartbeat_timeout_s
     cutoff = now - timeout
     lost = set(state.lost)
+
+    def lose(host: str, reason: str, fields: dict) -> None:
+        lost.add(host)
+        actions.append(Journal("host_lost", state.generation, reason, host, fields))
+
     for record in view.silent(cutoff):
         if record.host_id not in lost:
-            lost.add(record.host_id)
-            actions.append(Journal(
-                "host_lost", state.generation,
-                f"no heartbeat for {now - record.last_heartbeat_at:.1f} s "
-                f"(heartbeat_timeout_s = {timeout:g})", record.host_id,
-                {"silent_s": round(now - record.last_heartbeat_at, 3)}))
+            lose(record.host_id, f"no heartbeat for {now - record.last_heartbeat_at:.1f} s "
+                 f"(heartbeat_timeout_s = {timeout:g})",
+                 {"silent_s": round(now - record.last_heartbeat_at, 3)})
+    grace = spec.health.reconnect_grace_s
+    for host, at in view.disconnected.items():
+        if host not in lost and now - at >= grace:
+            lose(host, f"connection closed {now - at:.1f} s ago and not reopened "
+                 f"(reconnect_grace_s = {grace:g})", {"disconnected_s": round(now - at, 3)})
     for host in state.lost:
         record = view.get(host)
-        if record is not None and record.last_heartbeat_at >= cutoff:
+        if record is not None and record.last_heartbeat_at >= cutoff and \
+                host not in view.disconnected:
             lost.discard(host)
             actions.append(Journal("host_returned", state.generation,
                                    "heartbeats resumed", host))
@@ -342,11 +353,9 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         state = dataclasses.replace(state, draining_since=since,
                                     reason=f"draining: {hosts} leaving; waiting for the "
                                            f"emergency checkpoint")
-    saved = view.emergency_save_step
-    committed = (view.emergency_save_at >= since and view.committed_step >= saved
-                 and view.committed_at >= view.emergency_save_at)
-    if committed:
-        why = f"preemption of {hosts}: emergency checkpoint step {saved} committed"
+    if _emergency_committed(view, since):
+        why = (f"preemption of {hosts}: emergency checkpoint step "
+               f"{view.emergency_save_step} committed")
     elif not state.progressed:
         why = f"preemption of {hosts} before the first step"
     elif now - since > spec.preemption.drain_timeout_s:
@@ -358,11 +367,19 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     return _begin_stop(state, now, spec, actions, "preemption", why, ())
 
 
+def _emergency_committed(view: ClusterView, since: float) -> bool:
+    """Whether an emergency (preemption) save started at or after `since`
+    and has committed."""
+    return (view.emergency_save_at >= since and view.committed_step >= view.emergency_save_step
+            and view.committed_at >= view.emergency_save_at)
+
+
 def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
                 kind: str, why: str, blamed: tuple[str, ...], registered: int = 0) -> SliceState:
     """Stop every member. Failures (and preemptions, whose workers wait idle
     after their emergency save) stop with SIGKILL at once; grows get
-    health.stop_grace_s. A failure is attributed to the `blamed` hosts
+    health.stop_grace_s, cut short once the emergency checkpoint the SIGTERM
+    set off has committed (see _stopping). A failure is attributed to the `blamed` hosts
     (`registered`: how many hosts the controller knows, for quarantine)."""
     grace = spec.health.stop_grace_s if kind == "grow" else 0.0
     actions.append(Journal("slice_stopping", state.generation, why,
@@ -370,7 +387,7 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
                            {"cause": kind, "grace_s": grace, "blamed": list(blamed)}))
     for member in state.members:
         actions.append(StopWorker(member, state.generation, grace, why))
-    changes: dict = {"draining_since": None}
+    changes: dict = {"draining_since": None, "stop_hurried": False}
     if kind == "failure":
         changes["failures_without_progress"] = (1 if state.progressed
                                                 else state.failures_without_progress + 1)
@@ -396,6 +413,14 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
               actions: list[Action]) -> SliceState:
     pending = [h for h, inc in zip(state.members, state.incarnations)
                if not _stopped(view.get(h), state, inc)]
+    if pending and state.stop_kind == "grow" and not state.stop_hurried \
+            and _emergency_committed(view, state.phase_since):
+        # The workers saved at JAX's preemption sync point and now only wait.
+        for host in pending:
+            actions.append(StopWorker(host, state.generation, 0.0,
+                                      f"emergency checkpoint step {view.emergency_save_step} "
+                                      f"committed"))
+        state = dataclasses.replace(state, stop_hurried=True)
     if pending and now < state.stop_deadline:
         return state
     for host in pending:

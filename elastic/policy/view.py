@@ -112,6 +112,15 @@ class HeartbeatReceived:
 
 
 @dataclasses.dataclass(frozen=True)
+class Disconnected:
+    """The agent's stream to the controller ended without the agent
+    registering again first: its process died (the kernel closes its
+    sockets at once), it exited, or the connection broke."""
+    host_id: str
+    incarnation: str
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerExited:
     """A worker ended (reported the moment its agent reaped it)."""
     host_id: str
@@ -158,8 +167,8 @@ class StaleReportRefused:
     kind: str
 
 
-Event = (Registered | HeartbeatReceived | WorkerExited | ProgressReported | WorkerReported
-         | StaleReportRefused)
+Event = (Registered | HeartbeatReceived | Disconnected | WorkerExited | ProgressReported
+         | WorkerReported | StaleReportRefused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +198,8 @@ class ClusterView:
         self.save_started_at = float("-inf")
         self.emergency_save_step = -1
         self.emergency_save_at = float("-inf")
+        # Hosts whose stream ended and that have not registered since: when.
+        self.disconnected: dict[str, float] = {}
 
     def get(self, host_id: str) -> HostRecord | None:
         """The record of `host_id`, None if it never registered."""
@@ -255,6 +266,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             free_port=event.free_port, worker=event.worker)
         view.hosts[event.host_id] = record
         view.last_registration_at = now
+        view.disconnected.pop(event.host_id, None)
         if old is not None and old.incarnation == event.incarnation:
             record.exited_at, record.first_step_at = old.exited_at, old.first_step_at
             return True, []  # a reconnect of the same agent process
@@ -278,6 +290,9 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             facts.append(Fact("preemption_notice", event.host_id, event.worker.generation,
                               f"host is being taken away: {event.preemption}"))
         return changed or bool(facts), facts
+    if isinstance(event, Disconnected):
+        view.disconnected[event.host_id] = now
+        return True, []
     if isinstance(event, WorkerExited):
         view._touch(record, now)
         _merge_worker(record, event.worker, now)

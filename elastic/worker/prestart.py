@@ -1,0 +1,130 @@
+"""A pre-started worker process: Python with JAX, Orbax and the training
+program's packages already imported, waiting for the launch of the next
+generation's worker.
+
+The agent starts one (`python -m elastic.worker.prestart`) once the current
+worker has made its first step, with the environment the next worker will
+have except the per-generation variables. At the next start it writes one
+JSON line to the process's stdin, {"argv": [...], "env": {...}, "cwd": ...};
+this process then takes that environment, directory and argv and runs the
+program as `__main__`, exactly as `python script.py ...` or
+`python -m module ...` would. End of input before a launch: exit 0.
+
+Why: on 2 cores, starting 4 Python processes that import JAX and Orbax takes
+~1.9 s of a ~4 s restart (bench/recovery.py, phase `process_start`), and the
+slowest start holds up everyone's `jax.distributed.initialize`. Only modules
+that read no per-generation setting at import time are imported ahead (JAX
+reads its `JAX_*` defaults at import; the agent refuses a launch whose
+environment differs in anything but the per-generation variables, see
+`elastic.agent.supervisor.launch_key`). The backend is not touched: devices
+are created after `jax.distributed.initialize`, in the launched program.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import json
+import os
+import pathlib
+import runpy
+import sys
+import time
+import types
+
+#: Unix time the launch message arrived (None until then, or when this
+#: process was not pre-started); `elastic.worker.init()` measures its
+#: `process_start` phase from here instead of from the process's exec.
+launched_at: float | None = None
+
+#: Written to stderr once the preloads are done and the launch may come.
+READY_LINE = b"elastic-prestart: ready"
+
+PRELOAD = ("jax", "jax.numpy", "numpy", "orbax.checkpoint", "elastic.worker.runtime",
+           "elastic.checkpoint.manager")
+
+
+def program_imports(script: str) -> list[str]:
+    """Top-level modules a script imports at module level (absolute imports
+    only), leaving out modules that live next to the script (user code may
+    read its environment when imported). Unreadable script: []."""
+    path = pathlib.Path(script)
+    try:
+        tree = ast.parse(path.read_text(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    local = {p.stem for p in path.parent.glob("*.py")} | \
+        {p.name for p in path.parent.iterdir() if (p / "__init__.py").exists()}
+    return [n for n in names if n.split(".")[0] not in local]
+
+
+def preload(names) -> None:
+    """Import each module, ignoring failures (the program will import it
+    again and report the error where the user expects it)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - anything a module raises at import
+            pass
+
+
+def run(launch: dict) -> None:
+    """Become the program `launch` describes (argv[0] is the interpreter,
+    then `script args...` or `-m module args...`). Returns when it returns;
+    its exceptions and SystemExit propagate."""
+    global launched_at
+    launched_at = time.time()
+    os.environ.clear()
+    os.environ.update(launch["env"])
+    if launch.get("cwd"):
+        os.chdir(launch["cwd"])
+    argv = list(launch["argv"][1:])
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        # As `python script.py` does: argv[0] as given, __file__ absolute,
+        # the script's directory first on sys.path (runpy.run_path would
+        # make argv[0] the path it was given).
+        script = os.path.abspath(argv[0])
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(script))
+        main = types.ModuleType("__main__")
+        main.__file__ = script
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
+        with open(script, "rb") as f:
+            code = compile(f.read(), script, "exec")
+        exec(code, main.__dict__)
+
+
+def main() -> None:
+    script = sys.argv[1] if len(sys.argv) > 1 else ""
+    preload(PRELOAD)
+    if script:
+        preload(program_imports(script))
+    sys.stderr.buffer.write(READY_LINE + b"\n")
+    sys.stderr.flush()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    run(json.loads(line))
+
+
+if __name__ == "__main__":
+    # Run as the importable module, not as __main__, so that `launched_at`
+    # is the attribute `elastic.worker.init()` reads.
+    from elastic.worker import prestart
+
+    prestart.main()

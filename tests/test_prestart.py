@@ -1,0 +1,138 @@
+"""Pre-started worker processes: a restart runs the worker in a process that
+already imported JAX, exactly as a cold `python script.py` would run it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import pytest
+
+from elastic import config
+from elastic.agent.supervisor import WorkerSupervisor, launch_key
+from elastic.worker.prestart import program_imports
+
+PY = sys.executable
+
+SCRIPT = """
+import json, os, sys
+import elastic.worker.prestart as prestart
+with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps({
+        "pid": os.getpid(), "argv": sys.argv, "cwd": os.getcwd(), "name": __name__,
+        "path0": sys.path[0], "generation": os.environ.get("ELASTIC_GENERATION"),
+        "launched": prestart.launched_at is not None,
+        "jax_loaded": "jax" in sys.modules}) + "\\n")
+sys.exit(3 if os.environ["ELASTIC_GENERATION"] == "2" else 0)
+"""
+
+
+@pytest.mark.parametrize("argv, usable", [
+    ([PY, "train.py", "--steps", "5"], True),
+    ([PY, "-m", "pkg.train"], True),
+    (["python3", "train.py"], True),
+    ([PY, "-u", "train.py"], False),     # interpreter flags: start cold
+    ([PY, "-m"], False),
+    ([PY], False),
+    (["bash", "run.sh"], False),
+    (["./train"], False),
+])
+def test_launch_key_only_for_plain_python_commands(argv, usable):
+    assert (launch_key(argv, {}, "/w") is not None) is usable
+
+
+def test_launch_key_ignores_only_per_generation_variables():
+    env = {"A": "1", config.ENV_GENERATION: "3", config.ENV_PROCESS_ID: "0"}
+    same = dict(env, **{config.ENV_GENERATION: "4", config.ENV_PROCESS_ID: "2",
+                        config.ENV_COORDINATOR: "h:1", config.ENV_NUM_PROCESSES: "3"})
+    key = launch_key([PY, "t.py"], env, "/w")
+    assert launch_key([PY, "t.py"], same, "/w") == key
+    assert launch_key([PY, "t.py"], dict(env, A="2"), "/w") != key
+    assert launch_key([PY, "t.py"], dict(env, JAX_PLATFORMS="cpu"), "/w") != key
+    assert launch_key([PY, "t.py"], env, "/other") != key
+    assert launch_key([PY, "u.py"], env, "/w") == key  # the script is given at launch
+
+
+def test_program_imports_leave_out_the_programs_own_modules(tmp_path):
+    (tmp_path / "model.py").write_text("")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    script = tmp_path / "train.py"
+    script.write_text("import os, json\nimport model\nfrom pkg import x\nimport optax.tree\n"
+                      "from jax import numpy\nfrom . import y\ndef f():\n    import inner\n")
+    assert program_imports(str(script)) == ["os", "json", "optax.tree", "jax"]
+    assert program_imports(str(tmp_path / "missing.py")) == []
+
+
+class _Exits:
+    def __init__(self) -> None:
+        self.statuses = []
+        self.event = asyncio.Event()
+
+    def __call__(self, status) -> None:
+        self.statuses.append((status.generation, status.exit_code, status.signal))
+        self.event.set()
+
+    async def wait(self) -> tuple[int, int, int]:
+        await asyncio.wait_for(self.event.wait(), 60)
+        self.event.clear()
+        return self.statuses[-1]
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def _ready(sup: WorkerSupervisor, spawned: list) -> int:
+    await sup.prestart_next()
+    assert await asyncio.wait_for(sup._prestarted.ready, 60)
+    spawned.append(sup._prestarted.proc)
+    return sup._prestarted.proc.pid
+
+
+def test_restart_runs_in_the_prestarted_process(tmp_path, proc_env):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    record = tmp_path / "record.jsonl"
+    argv = [PY, "train.py", "--steps", "7"]
+
+    async def scenario():
+        exits, spawned = _Exits(), []
+        sup = WorkerSupervisor(str(tmp_path / "state"), "inc", exits)
+        base = {"ELASTIC_TEST_TAG": proc_env["ELASTIC_TEST_TAG"], "RECORD": str(record),
+                "PATH": proc_env["PATH"]}
+        try:
+            await sup.start(1, argv, dict(base, ELASTIC_GENERATION="1"), str(work))
+            assert await exits.wait() == (1, 0, 0)
+            warm_pid = await _ready(sup, spawned)
+            await sup.start(2, argv, dict(base, ELASTIC_GENERATION="2"), str(work))
+            assert sup.status.pid == warm_pid
+            assert await exits.wait() == (2, 3, 0)  # the program's exit code, unchanged
+            # the environment changed beyond the per-generation variables: cold
+            warm_pid = await _ready(sup, spawned)
+            await sup.start(3, argv, dict(base, ELASTIC_GENERATION="3", OTHER="x"), str(work))
+            assert sup.status.pid != warm_pid
+            assert await exits.wait() == (3, 0, 0)
+            # a pre-started process that died before its launch: cold, no error
+            warm_pid = await _ready(sup, spawned)
+            os.kill(warm_pid, 9)
+            await sup._prestarted.proc.wait()
+            await sup.start(4, argv, dict(base, ELASTIC_GENERATION="4", OTHER="x"), str(work))
+            assert sup.status.pid != warm_pid
+            assert await exits.wait() == (4, 0, 0)
+        finally:
+            sup.kill_now()
+            for proc in spawned:  # reaped before the loop closes
+                await asyncio.wait_for(proc.wait(), 10)
+
+    asyncio.run(scenario())
+    cold, warm, changed, after_kill = _records(record)
+    assert warm["argv"] == ["train.py", "--steps", "7"] == cold["argv"]
+    assert warm["name"] == "__main__" and warm["cwd"] == str(work) == cold["cwd"]
+    assert warm["path0"] == str(work) == cold["path0"]
+    assert warm["generation"] == "2" and warm["launched"] and warm["jax_loaded"]
+    assert not cold["launched"] and not cold["jax_loaded"]
+    assert not changed["launched"] and not after_kill["launched"]
