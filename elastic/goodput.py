@@ -12,9 +12,10 @@ rest (badput) is split by cause:
 - startup: `generation_started` -> first step, less the restore (process
   start, distributed init, compile);
 - restore: the restore time the workers report;
-- lost work: steps computed and then thrown away (a generation's steps after
-  the checkpoint the next generation restored), at that generation's median
-  step time;
+- lost work: training thrown away: from the save of the step the next
+  generation resumed from (or from the generation's first step, if it kept
+  none of it) to the failure moment; training after that moment is already
+  counted as detection;
 - checkpoint save: the time training was blocked starting checkpoint saves
   (the device-to-host copy and Orbax's barriers; the write itself runs in
   the background), as process 0 reports it.
@@ -29,7 +30,6 @@ also counts unproductive checkpoint save time as badput).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Iterable
 
 CAUSES = ("waiting", "detection", "teardown", "startup", "restore", "lost_work",
@@ -91,9 +91,10 @@ class _Generation:
     stop_entry: dict | None = None
     stopped: float | None = None
     last_step: int = -1
-    step_times: list[float] = dataclasses.field(default_factory=list)
     # (when, seconds): how long each checkpoint save blocked training
     save_blocking: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    # step -> when its save started (the state it captured)
+    saved_at: dict[int, float] = dataclasses.field(default_factory=dict)
     # (when, kind, host, reason, injected): what may have ended this generation
     signs: list[tuple[float, str, str | None, str, bool]] = dataclasses.field(default_factory=list)
 
@@ -123,10 +124,10 @@ def _generations(entries: list[dict]) -> list[_Generation]:
         elif kind in ("worker_exited", "checkpoint_committed", "checkpoint_saved"):
             if gen.first is not None or kind == "worker_exited":
                 gen.last_step = max(gen.last_step, e.get("step", -1) or -1)
-            if kind == "checkpoint_saved" and e.get("step_time_s"):
-                gen.step_times.append(e["step_time_s"])
             if kind == "checkpoint_saved" and e.get("blocking_s"):
                 gen.save_blocking.append((e["ts"], e["blocking_s"]))
+            if kind == "checkpoint_saved" and e.get("step") is not None:
+                gen.saved_at[e["step"]] = e["ts"] - e.get("blocking_s", 0.0)
         # signs of the failure that ends this generation, with the moment it happened
         if kind == "fault_injected":
             gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
@@ -168,18 +169,16 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
         covered_until = max(stopped, stop)
         training = max(0.0, stop - first)
         nxt = gens[i + 1] if i + 1 < len(gens) else None
-        # lost work: steps after the checkpoint the next generation restored
-        # (known once the next generation restored a step or made its first step;
-        # a job that ended before that lost nothing it would redo)
-        lost_steps = 0
+        # lost steps: after the checkpoint the next generation restored (known
+        # once the next generation restored a step or made its first step; a
+        # job that ended before that lost nothing it would redo)
+        lost_steps, resumed = 0, None
         if nxt is not None and gen.first is not None:
             resumed = nxt.restored_step if nxt.restored_step is not None else \
                 (nxt.first_step - 1 if nxt.first is not None else None)
             if resumed is not None:
                 lost_steps = max(0, gen.last_step - resumed)
-        steps_done = max(1, gen.last_step - gen.first_step + 1)
-        step_time = statistics.median(gen.step_times) if gen.step_times else training / steps_done
-        detection = 0.0
+        detection, at = 0.0, stop
         cause = (gen.stop_entry or {}).get("cause")
         if gen.stop_entry and gen.stop_entry["kind"] == "slice_stopping" and \
                 cause in ("failure", "preemption"):
@@ -192,9 +191,16 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
             recovered = (nxt.first - at) if nxt is not None and nxt.first is not None else None
             incidents.append(Incident(kind, host, gen.number, at, max(0.0, stop - at),
                                       recovered, lost_steps, reason))
-        lost = min(max(0.0, training - detection), lost_steps * step_time)
+        # Useful training ends at the failure moment (after it: detection), or
+        # at the stop; with steps lost, at the save of the step resumed from.
+        useful_until = min(at, stop) if cause == "failure" else stop
+        lost = 0.0
+        if lost_steps:
+            kept_until = min(useful_until, gen.saved_at.get(resumed, first))
+            lost = min(max(0.0, training - detection), useful_until - kept_until)
+            useful_until = kept_until
         saving = min(max(0.0, training - detection - lost),
-                     sum(s for ts, s in gen.save_blocking if first <= ts <= stop))
+                     sum(s for ts, s in gen.save_blocking if first <= ts - s <= useful_until))
         bad["detection"] += detection
         bad["lost_work"] += lost
         bad["checkpoint_save"] += saving

@@ -17,6 +17,7 @@ JOURNAL = [
     e(1, "generation_started", 1, hosts=["a", "b"]),
     e(5, "first_progress", 1, step=0),
     e(6, "checkpoint_saved", 1, "a", step=0, step_time_s=0.1, blocking_s=0.05),
+    e(15, "checkpoint_saved", 1, "a", step=100, step_time_s=0.1, blocking_s=0.05),
     e(16, "checkpoint_committed", 1, "a", step=100),
     e(20, "fault_injected", 1, "a", fault="kill-worker", step=149),
     e(20.1, "worker_exited", 1, "a", signal=9, exit_code=0, step=149),
@@ -35,12 +36,14 @@ def test_every_second_is_accounted():
     g = account(JOURNAL)
     assert g.wall_s == pytest.approx(40.0)
     expected = {"waiting": 1.0, "startup": 4.0 + 3.2, "restore": 0.5, "teardown": 0.2,
-                "detection": 0.1, "lost_work": 49 * 0.1, "checkpoint_save": 0.05 + 0.2}
+                "detection": 0.1, "lost_work": 20 - 14.95, "checkpoint_save": 0.05 + 0.05 + 0.2}
     for cause in CAUSES:
         assert g.badput_s[cause] == pytest.approx(expected[cause], abs=1e-6), cause
-    assert g.productive_s == pytest.approx(10.1 - 0.05 + 16.0 - 0.2)
+    # generation 1: 15.1 s of training, 0.1 s detection, from the save of step
+    # 100 (started at 14.95) to the fault lost, 0.1 s blocked in saves
+    assert g.productive_s == pytest.approx(15.1 - 0.1 - 5.05 - 0.1 + 16.0 - 0.2)
     assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
-    assert g.ettr == pytest.approx(25.85 / 40)
+    assert g.ettr == pytest.approx(25.65 / 40)
     assert g.steps == 300 and g.generations == 2
 
 
@@ -86,3 +89,24 @@ def test_no_lost_work_counted_when_the_next_generation_never_resumed():
     g = account(journal)
     assert g.badput_s["lost_work"] == 0.0
     assert g.incidents[0].lost_steps == 0
+
+
+def test_training_during_detection_is_not_counted_twice():
+    # host b's agent stopped at 20 (its worker trained on) and was declared
+    # lost at 25; the next generation resumed from step 100, saved at 14.95
+    journal = JOURNAL[:6] + [
+        e(24, "checkpoint_saved", 1, "a", step=190, blocking_s=0.05),
+        e(25, "host_lost", 1, "b", silent_s=5.0),
+        e(25, "slice_stopping", 1, "b", cause="failure"),
+        e(25.1, "slice_stopped", 1),
+        e(25.1, "generation_started", 2, hosts=["a"]),
+        e(26, "checkpoint_restored", 2, "a", step=100, restore_s=0.5),
+        e(27, "first_progress", 2, step=101),
+        e(30, "job_succeeded", 2, step=130),
+    ]
+    g = account(journal)
+    assert g.badput_s["detection"] == pytest.approx(5.0)
+    assert g.badput_s["lost_work"] == pytest.approx(20 - 14.95)  # to the failure moment only
+    # the save at 24 started within the lost span: lost work, not checkpoint time
+    assert g.badput_s["checkpoint_save"] == pytest.approx(0.05 + 0.05)
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)

@@ -24,7 +24,9 @@ with open(os.environ["RECORD"], "a") as f:
         "pid": os.getpid(), "argv": sys.argv, "cwd": os.getcwd(), "name": __name__,
         "path0": sys.path[0], "generation": os.environ.get("ELASTIC_GENERATION"),
         "launched": prestart.launched_at is not None,
-        "jax_loaded": "jax" in sys.modules}) + "\\n")
+        "jax_loaded": "jax" in sys.modules,
+        "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
+        }) + "\\n")
 sys.exit(3 if os.environ["ELASTIC_GENERATION"] == "2" else 0)
 """
 
@@ -108,6 +110,8 @@ def test_restart_runs_in_the_prestarted_process(tmp_path, proc_env):
             await sup.start(1, argv, dict(base, ELASTIC_GENERATION="1"), str(work))
             assert await exits.wait() == (1, 0, 0)
             warm_pid = await _ready(sup, spawned)
+            if os.geteuid() == 0:  # preloading never competes with training
+                assert os.sched_getscheduler(warm_pid) == os.SCHED_IDLE
             await sup.start(2, argv, dict(base, ELASTIC_GENERATION="2"), str(work))
             assert sup.status.pid == warm_pid
             assert await exits.wait() == (2, 3, 0)  # the program's exit code, unchanged
@@ -134,5 +138,6 @@ def test_restart_runs_in_the_prestarted_process(tmp_path, proc_env):
     assert warm["name"] == "__main__" and warm["cwd"] == str(work) == cold["cwd"]
     assert warm["path0"] == str(work) == cold["path0"]
     assert warm["generation"] == "2" and warm["launched"] and warm["jax_loaded"]
+    assert warm["policies"] == [os.SCHED_OTHER] == cold["policies"]  # every thread
     assert not cold["launched"] and not cold["jax_loaded"]
     assert not changed["launched"] and not after_kill["launched"]

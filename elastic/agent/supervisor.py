@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from elastic import config
 from elastic.procs import process_state, signal_group, signal_pid
-from elastic.worker.prestart import READY_LINE
+from elastic.worker.prestart import READY_LINE, set_policy
 from elastic.v1 import control_pb2 as pb
 
 log = logging.getLogger("elastic-agent")
@@ -203,11 +203,21 @@ class WorkerSupervisor:
         warm, self._prestarted = self._prestarted, None
         if warm is None:
             return None
-        if warm.key != launch_key(argv, full_env, workdir) or not warm.ready.done() or \
-                not warm.ready.result() or warm.proc.returncode is not None:
+        if warm.key != launch_key(argv, full_env, workdir) or warm.proc.returncode is not None:
             log.info("pre-started pid %d not usable for this start (%s); starting cold",
                      warm.proc.pid, "other command or environment"
-                     if warm.key != launch_key(argv, full_env, workdir) else "not ready")
+                     if warm.proc.returncode is None else "it exited")
+            _discard(warm)
+            return None
+        # Back to normal priority (it preloads at SCHED_IDLE, see prestart.py);
+        # one still importing finishes now, still sooner than a cold start.
+        set_policy(warm.proc.pid, os.SCHED_OTHER)
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(warm.ready), 60.0)
+        except TimeoutError:
+            ready = False
+        if not ready:
+            log.warning("pre-started pid %d never got ready; starting cold", warm.proc.pid)
             _discard(warm)
             return None
         message = json.dumps({"argv": argv, "env": full_env, "cwd": workdir}) + "\n"

@@ -106,8 +106,25 @@ def run(launch: dict) -> None:
         exec(code, main.__dict__)
 
 
+def set_policy(pid: int | str, policy: int) -> bool:
+    """Set the scheduling policy of every thread of process `pid` ("self"
+    for this one); False if not permitted (only root may always leave
+    SCHED_IDLE again) or the process is gone."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def main() -> None:
     script = sys.argv[1] if len(sys.argv) > 1 else ""
+    # Preload at idle priority, so it never takes CPU from the training it
+    # runs beside (4 imports ~3 CPU-seconds: ~1.5 s of training on 2 cores).
+    # Only as root, where normal priority can surely be restored: the agent
+    # (same user) restores it before it sends the launch, and so do we.
+    idle = os.geteuid() == 0 and set_policy("self", os.SCHED_IDLE)
     preload(PRELOAD)
     if script:
         preload(program_imports(script))
@@ -116,6 +133,8 @@ def main() -> None:
     line = sys.stdin.readline()
     if not line.strip():
         return
+    if idle:
+        set_policy("self", os.SCHED_OTHER)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
