@@ -31,10 +31,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--kinds", default="+".join(k for k in CHAOS_KINDS if k != "partition"))
+    parser.add_argument("--quarantine", action="store_true",
+                        help="keep the default quarantine policy (off by default: faults "
+                             "picked uniformly at random are not a bad host, and setting "
+                             "hosts aside would shrink the slice the soak measures)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-soak-"))
-    spec_path = lm_job(work, "soak", args.hosts, 25)
+    spec_path = lm_job(work, "soak", args.hosts, 25,
+                       "" if args.quarantine else "[quarantine]\nfailures = 1000000")
     spec = load_spec(spec_path)
     state = work / "state"
     local = start_slice(str(spec_path), spec, args.hosts, 2, state)

@@ -197,6 +197,20 @@ def test_lost_host_when_its_connection_closes(closed_for_s, reconnects, lost):
         assert "h1" not in decide(later.state, view, T0 + 3, spec()).state.lost
 
 
+def test_a_disconnected_member_is_blamed_before_a_peer_that_aborted():
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    observe(view, Disconnected("h1", "inc-h1"), T0 + 1.0)  # agent and worker killed
+    worker(view, "h0", T0 + 1.05, 1, WorkerState.EXITED, sig=6)  # gloo aborted
+    decision = decide(state, view, T0 + 1.05, spec())
+    assert decision.state.phase is Phase.STOPPING
+    assert "host h1 disconnected" in decision.reason
+    stopping = next(a for a in decision.actions if getattr(a, "kind", "") == "slice_stopping")
+    assert stopping.fields["blamed"] == ["h1"]
+
+
 def test_agent_restart_is_member_failure():
     view = ClusterView()
     for h in ("h0", "h1"):
@@ -546,10 +560,22 @@ def test_an_older_emergency_save_does_not_end_the_drain():
     assert decision.state.phase is Phase.RUNNING and "draining" in decision.reason
 
 
+def test_a_hang_ends_a_preemption_drain_at_once():
+    state, view = preempted_slice()  # members made step 5 at T0
+    draining = decide(state, view, T0 + 1, spec())
+    assert "draining" in draining.reason
+    heartbeat_all(view, T0 + 10.5)  # no step since T0: over the 10 s hang timeout
+    hung = decide(draining.state, view, T0 + 10.5, spec())
+    assert hung.state.phase is Phase.STOPPING and hung.state.stop_kind == "failure"
+    assert "hang_detected" in kinds(hung)
+
+
 def test_preemption_drain_is_bounded():
     state, view = preempted_slice()
     draining = decide(state, view, T0 + 1, spec())
     heartbeat_all(view, T0 + 21.5)
+    for h in ("h0", "h1", "h2"):  # still stepping (no hang), but no emergency save
+        observe(view, ProgressReported(h, f"inc-{h}", 1, 50, -1), T0 + 21)
     late = decide(draining.state, view, T0 + 21.5, spec())
     assert late.state.phase is Phase.STOPPING and "no emergency checkpoint" in late.reason
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -64,13 +65,20 @@ class Checkpoints:
       `checkpoint_restore_failed`, `checkpoint_restored`).
     on_preempted(step): called after an emergency save (at JAX's preemption
       sync point, the same step on every process) has committed.
+    replica_parallel: split the write of each replicated shard across its
+      replicas (Orbax's `use_replica_parallel`; less I/O per host for large
+      data-parallel states). Off by default: it compiles a slice per array
+      shape on the first save of every process, and an elastic job's every
+      restart is a new process; measured 1.6-1.8 s -> 0.07-0.15 s for a first
+      save of 24 arrays, 4 processes x 2 CPU devices. Process-wide setting.
     Every process of the slice must make the same calls (they are collective).
     """
 
     def __init__(self, directory: str, interval_steps: int = 100, max_to_keep: int = 3,
                  on_commit: Callable[[int], None] | None = None,
                  on_event: Callable[[str, str, dict], None] | None = None,
-                 on_preempted: Callable[[int], None] | None = None) -> None:
+                 on_preempted: Callable[[int], None] | None = None,
+                 replica_parallel: bool = False) -> None:
         if interval_steps < 1 or max_to_keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and max_to_keep "
                              f"({max_to_keep}) must be at least 1")
@@ -80,6 +88,9 @@ class Checkpoints:
         self.on_event = on_event or (lambda kind, reason, fields: None)
         self.on_preempted = on_preempted or (lambda step: None)
         use_coordination_service_barriers()
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel),
+            override=True)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=interval_steps, max_to_keep=max_to_keep, create=True,
             enable_async_checkpointing=True)

@@ -294,6 +294,13 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                        f"{len(state.members)} hosts", progressed=True,
                        failures_without_progress=0)
     if failures:
+        # A member whose connection closed (its agent died: its worker did,
+        # and the peers' collectives abort) is the likelier root cause than a
+        # peer's exit reported in the same instant.
+        failed = {f[1] for f in failures}
+        failures += [(at, host, f"host {host} disconnected (its agent's stream closed)")
+                     for host in state.members
+                     if host not in failed and (at := view.disconnected.get(host)) is not None]
         when, host, why = min(failures)
         return _begin_stop(state, now, spec, actions, "failure", why, (host,), len(view.hosts))
     if done == len(state.members):
@@ -304,10 +311,12 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         actions.append(Finish(0))
         return _enter(state, Phase.SUCCEEDED, now, reason, exit_code=0)
     members = [view.hosts[h] for h in state.members]
-    leaving = [r for r in members if r.preemption]
-    if leaving:
-        return _drain(state, view, now, spec, actions, leaving)
+    # A hang first: a slice draining for a preemption whose worker is stuck
+    # will never write its emergency checkpoint.
     hang = check_hang(members, view, state.phase_since, state.progressed, now, spec)
+    leaving = [r for r in members if r.preemption]
+    if leaving and not hang:
+        return _drain(state, view, now, spec, actions, leaving)
     if hang:
         actions.append(Journal("hang_detected", state.generation, hang.reason,
                                hang.suspects[0] if hang.suspects else None,
