@@ -118,8 +118,12 @@ def main() -> int:
         log.info("%s the train step in %.2f s", "loaded" if hit else "compiled", seconds)
         ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep)
         restored = ckpt.restore_latest(abstract)
-        if restored is None:
-            state = jax.jit(init_state, static_argnums=0, out_shardings=shardings)(args.seed)
+        if restored is None:  # (cached too: a slice that fails before its first commit
+            # starts from scratch again, and compiling init costs seconds on 2 cores)
+            init_fn, _, _ = ctx.compile(jax.jit(init_state, static_argnums=0,
+                                                out_shardings=shardings).lower(args.seed),
+                                        "init_state")
+            state = init_fn()
             start = 0
         else:
             state, start = restored.state, restored.meta["data_position"]
