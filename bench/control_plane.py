@@ -116,8 +116,8 @@ def main() -> int:
                 time.sleep(0.05)
             generation = st.generation
     finally:
-        for p in extra:
-            p.send_signal(signal.SIGTERM)
+        for p in extra:  # stop now (SIGTERM would be a preemption, waiting for a controller)
+            p.send_signal(signal.SIGINT)
         stop_slice(local)
         for p in extra:
             p.wait(15)

@@ -12,19 +12,20 @@ import pytest
 
 from elastic import config
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
-from elastic.worker.prestart import program_imports
+from elastic.worker.prestart import RUNTIME_PRELOAD, preload_names, program_imports
 
 PY = sys.executable
 
 SCRIPT = """
 import json, os, sys
+import jax
 import elastic.worker.prestart as prestart
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps({
         "pid": os.getpid(), "argv": sys.argv, "cwd": os.getcwd(), "name": __name__,
         "path0": sys.path[0], "generation": os.environ.get("ELASTIC_GENERATION"),
         "launched": prestart.launched_at is not None,
-        "jax_loaded": "jax" in sys.modules,
+        "orbax_loaded": "orbax.checkpoint" in sys.modules,
         "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
         }) + "\\n")
 sys.exit(3 if os.environ["ELASTIC_GENERATION"] == "2" else 0)
@@ -66,6 +67,15 @@ def test_program_imports_leave_out_the_programs_own_modules(tmp_path):
                       "from jax import numpy\nfrom . import y\ndef f():\n    import inner\n")
     assert program_imports(str(script)) == ["os", "json", "optax.tree", "jax"]
     assert program_imports(str(tmp_path / "missing.py")) == []
+
+
+def test_jax_runtime_preloaded_only_for_programs_that_import_jax(tmp_path):
+    jax_program, plain = tmp_path / "train.py", tmp_path / "tiny.py"
+    jax_program.write_text("import jax\nimport optax\n")
+    plain.write_text("import json\nfrom elastic.worker import ProgressReporter\n")
+    assert preload_names(str(jax_program)) == [*RUNTIME_PRELOAD, "jax", "optax"]
+    assert preload_names(str(plain)) == ["json", "elastic.worker"]
+    assert preload_names("") == list(RUNTIME_PRELOAD)  # python -m module
 
 
 class _Exits:
@@ -137,7 +147,36 @@ def test_restart_runs_in_the_prestarted_process(tmp_path, proc_env):
     assert warm["argv"] == ["train.py", "--steps", "7"] == cold["argv"]
     assert warm["name"] == "__main__" and warm["cwd"] == str(work) == cold["cwd"]
     assert warm["path0"] == str(work) == cold["path0"]
-    assert warm["generation"] == "2" and warm["launched"] and warm["jax_loaded"]
+    assert warm["generation"] == "2" and warm["launched"] and warm["orbax_loaded"]
     assert warm["policies"] == [os.SCHED_OTHER] == cold["policies"]  # every thread
-    assert not cold["launched"] and not cold["jax_loaded"]
+    assert not cold["launched"] and not cold["orbax_loaded"]
     assert not changed["launched"] and not after_kill["launched"]
+
+
+def test_a_stop_during_a_start_stops_the_worker_it_starts(tmp_path, proc_env):
+    """The stop of generation 2 arrives while its start is handing the launch
+    to the pre-started process: the worker must end, not run on unseen."""
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(60)\n")
+    argv = [PY, "sleep.py"]
+
+    async def scenario():
+        exits, spawned = _Exits(), []
+        sup = WorkerSupervisor(str(tmp_path / "state"), "inc", exits)
+        env = {"ELASTIC_TEST_TAG": proc_env["ELASTIC_TEST_TAG"]}
+        try:
+            await sup.start(1, argv, env, str(tmp_path))
+            await _ready(sup, spawned)
+            await sup.stop(1, 0.0)
+            assert await exits.wait() == (1, 0, 9)
+            start = asyncio.create_task(sup.start(2, argv, env, str(tmp_path)))
+            await asyncio.sleep(0)  # the start is under way
+            await sup.stop(2, 0.0)
+            await start
+            assert await exits.wait() == (2, 0, 9)
+            assert not sup.running
+        finally:
+            sup.kill_now()
+            for proc in spawned:
+                await asyncio.wait_for(proc.wait(), 10)
+
+    asyncio.run(scenario())

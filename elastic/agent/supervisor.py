@@ -120,6 +120,9 @@ class WorkerSupervisor:
         self._stop_requested = False
         self._last_launch: tuple[list[str], dict[str, str], str] | None = None
         self._prestarted: Prestarted | None = None
+        self._start_lock = asyncio.Lock()
+        self._start_done = asyncio.Event()
+        self._start_done.set()
 
     @property
     def running(self) -> bool:
@@ -136,9 +139,19 @@ class WorkerSupervisor:
         in the pre-started process if one is ready for this very command and
         environment, else in a new process. A command that cannot be
         executed is reported as an exit with code 127 and the OS error in the
-        stderr tail."""
+        stderr tail. Starts and stops are serialised: a stop that arrives
+        while a start is under way applies to the worker it starts."""
+        async with self._start_lock:
+            self._start_done.clear()
+            try:
+                await self._start(generation, argv, env, workdir)
+            finally:
+                self._start_done.set()
+
+    async def _start(self, generation: int, argv: list[str], env: Mapping[str, str],
+                     workdir: str) -> None:
         if self.running:
-            await self.stop(self.status.generation, 0.0)
+            await self._stop(self.status.generation, 0.0)
         full_env = self._full_env(env)
         self._tail.clear()
         self._stop_requested = False
@@ -279,7 +292,14 @@ class WorkerSupervisor:
     async def stop(self, generation: int, grace_s: float) -> None:
         """End the worker if it belongs to `generation` or an older one:
         SIGTERM, up to `grace_s` seconds, then SIGKILL to the whole group.
-        Returns once it is reaped (bounded: 5 s after SIGKILL)."""
+        Returns once it is reaped (bounded: 5 s after SIGKILL). A start
+        under way is let finish first, so that its worker is the one stopped
+        (stops themselves do not wait for each other: a SIGKILL overtakes a
+        grace period)."""
+        await self._start_done.wait()
+        await self._stop(generation, grace_s)
+
+    async def _stop(self, generation: int, grace_s: float) -> None:
         proc, watch = self._proc, self._watch
         if proc is None or not self.running or self.status.generation > generation:
             return

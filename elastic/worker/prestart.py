@@ -41,8 +41,11 @@ launched_at: float | None = None
 #: Written to stderr once the preloads are done and the launch may come.
 READY_LINE = b"elastic-prestart: ready"
 
-PRELOAD = ("jax", "jax.numpy", "numpy", "orbax.checkpoint", "elastic.worker.runtime",
-           "elastic.checkpoint.manager")
+#: What `elastic.worker.init()` and `Checkpoints` import, preloaded for a
+#: program that imports JAX (a program that does not gets only its own
+#: imports: preloading JAX for it would make its start slower, not faster).
+RUNTIME_PRELOAD = ("jax", "jax.numpy", "numpy", "orbax.checkpoint", "elastic.worker.runtime",
+                   "elastic.checkpoint.manager")
 
 
 def program_imports(script: str) -> list[str]:
@@ -63,6 +66,16 @@ def program_imports(script: str) -> list[str]:
     local = {p.stem for p in path.parent.glob("*.py")} | \
         {p.name for p in path.parent.iterdir() if (p / "__init__.py").exists()}
     return [n for n in names if n.split(".")[0] not in local]
+
+
+def preload_names(script: str) -> list[str]:
+    """What to import ahead for `script` ("" for `-m module`): its own
+    top-level imports, after RUNTIME_PRELOAD if it imports JAX (or is a
+    module, whose imports are not read)."""
+    names = program_imports(script) if script else []
+    if not script or any(n.split(".")[0] == "jax" for n in names):
+        names = [*RUNTIME_PRELOAD, *names]
+    return names
 
 
 def preload(names) -> None:
@@ -125,9 +138,7 @@ def main() -> None:
     # Only as root, where normal priority can surely be restored: the agent
     # (same user) restores it before it sends the launch, and so do we.
     idle = os.geteuid() == 0 and set_policy("self", os.SCHED_IDLE)
-    preload(PRELOAD)
-    if script:
-        preload(program_imports(script))
+    preload(preload_names(script))
     sys.stderr.buffer.write(READY_LINE + b"\n")
     sys.stderr.flush()
     line = sys.stdin.readline()
