@@ -53,6 +53,9 @@ crash_loop_failures = 1000
 [health]
 heartbeat_interval_s = {heartbeat_interval_s}
 heartbeat_timeout_s = {heartbeat_timeout_s}
+
+[quarantine]
+failures = 1000000  # the same hosts fail again and again on purpose
 """
 
 
@@ -77,8 +80,12 @@ def main() -> int:
     try:
         generation = wait_entry(state, "first_progress")["generation"]
         for trial in range(args.trials):
-            st = fetch_status(local.address)
-            victim = next(h for h in st.hosts if h.host_id == f"host-{trial % args.hosts}")
+            while True:  # pid 0 (not reported yet) would make os.kill hit our own group
+                st = fetch_status(local.address)
+                victim = next(h for h in st.hosts if h.host_id == f"host-{trial % args.hosts}")
+                if victim.worker_pid > 0:
+                    break
+                time.sleep(0.02)
             t0 = time.time()
             os.kill(victim.worker_pid, signal.SIGKILL)
             stopping = wait_entry(state, "slice_stopping", generation=generation)
