@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -29,8 +28,9 @@ import time
 from elastic.config import load_spec
 from elastic.controller.status import fetch_status
 from elastic.local import child_env, start_slice, stop_slice
+from elastic.procs import signal_group, signal_pid
 
-from common import machine, print_table, summarize, wait_entry, write_result
+from common import machine, print_table, reported_host, summarize, wait_entry, write_result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -80,14 +80,9 @@ def main() -> int:
     try:
         generation = wait_entry(state, "first_progress")["generation"]
         for trial in range(args.trials):
-            while True:  # pid 0 (not reported yet) would make os.kill hit our own group
-                st = fetch_status(local.address)
-                victim = next(h for h in st.hosts if h.host_id == f"host-{trial % args.hosts}")
-                if victim.worker_pid > 0:
-                    break
-                time.sleep(0.02)
+            victim = reported_host(local.address, f"host-{trial % args.hosts}")
             t0 = time.time()
-            os.kill(victim.worker_pid, signal.SIGKILL)
+            signal_pid(victim.worker_pid, signal.SIGKILL)
             stopping = wait_entry(state, "slice_stopping", generation=generation)
             started = wait_entry(state, "generation_started", generation=generation + 1)
             first = wait_entry(state, "first_progress", generation=generation + 1)
@@ -100,12 +95,10 @@ def main() -> int:
                   f"{first['ts'] - t0:.3f} s", flush=True)
         for trial in range(args.trials):
             host_id = f"host-{1 + trial % (args.hosts - 1)}"
-            st = fetch_status(local.address)
-            victim = next(h for h in st.hosts if h.host_id == host_id)
+            victim = reported_host(local.address, host_id)
             t0 = time.time()
-            os.kill(victim.agent_pid, signal.SIGKILL)
-            if victim.worker_pid:
-                os.killpg(victim.worker_pid, signal.SIGKILL)
+            signal_pid(victim.agent_pid, signal.SIGKILL)
+            signal_group(victim.worker_pid, signal.SIGKILL)
             lost = wait_entry(state, "host_lost", host=host_id, after_ts=t0)
             rows["agent_kill_to_host_lost"].append(lost["ts"] - t0)
             print(f"agent kill {trial + 1}/{args.trials}: host_lost after {lost['ts'] - t0:.3f} s",

@@ -14,18 +14,19 @@
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import signal
 import sys
 import tempfile
 import time
 
-from common import lm_job, machine, print_table, summarize, wait_entry, write_result
+from common import (lm_job, machine, print_table, reported_host, summarize, wait_entry,
+                    write_result)
 
 from elastic.config import load_spec
 from elastic.controller.status import fetch_status, slice_step
 from elastic.local import restart_agent, start_slice, stop_slice
+from elastic.procs import signal_pid
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -65,10 +66,9 @@ def main() -> int:
     try:
         for trial in range(args.trials):
             generation = wait_running(local.address, args.hosts)
-            st = fetch_status(local.address)
-            victim = next(h for h in st.hosts if h.host_id == f"host-{trial % args.hosts}")
+            victim = reported_host(local.address, f"host-{trial % args.hosts}")
             t0 = time.time()
-            os.kill(victim.worker_pid, signal.SIGSTOP)
+            signal_pid(victim.worker_pid, signal.SIGSTOP)
             hang = wait_entry(state, "hang_detected", generation=generation, timeout_s=120)
             first = wait_entry(state, "first_progress", generation=generation + 1, timeout_s=120)
             add("sigstop_to_hang_detected", hang["ts"] - t0)
@@ -79,10 +79,9 @@ def main() -> int:
         for trial in range(args.trials):
             generation = wait_running(local.address, args.hosts)
             host_id = f"host-{1 + trial % (args.hosts - 1)}"
-            st = fetch_status(local.address)
-            victim = next(h for h in st.hosts if h.host_id == host_id)
+            victim = reported_host(local.address, host_id)
             t0 = time.time()
-            os.kill(victim.agent_pid, signal.SIGTERM)
+            signal_pid(victim.agent_pid, signal.SIGTERM)
             saved = wait_entry(state, "checkpoint_saved", generation=generation, preemption=True,
                                timeout_s=60)
             committed = wait_entry(state, "checkpoint_committed", step=saved["step"])

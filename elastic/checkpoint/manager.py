@@ -52,6 +52,21 @@ def use_coordination_service_barriers() -> None:
         flag.parse(True)
 
 
+def _register_array_handler(replica_parallel: bool) -> None:
+    """Orbax's handler for jax.Array with `use_replica_parallel` as given,
+    without absl's "overriding jax.Array" warning, which otherwise ends up
+    as the last stderr line of every cleanly exiting worker."""
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel),
+            override=True)
+    finally:
+        absl_log.setLevel(level)
+
+
 class Checkpoints:
     """Checkpoints of one job in `directory`.
 
@@ -88,9 +103,7 @@ class Checkpoints:
         self.on_event = on_event or (lambda kind, reason, fields: None)
         self.on_preempted = on_preempted or (lambda step: None)
         use_coordination_service_barriers()
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel),
-            override=True)
+        _register_array_handler(replica_parallel)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=interval_steps, max_to_keep=max_to_keep, create=True,
             enable_async_checkpointing=True)
