@@ -426,6 +426,11 @@ ENV_CACHE_DIR = "ELASTIC_CACHE_DIR"
 ENV_JAX_HEARTBEAT_TIMEOUT_S = "ELASTIC_JAX_HEARTBEAT_TIMEOUT_S"
 ENV_BATCH_MODE = "ELASTIC_BATCH_MODE"
 ENV_LR_SCALING = "ELASTIC_LR_SCALING"
+# The controller run (one per controller process): local snapshots of another
+# run are never restored.
+ENV_RUN_ID = "ELASTIC_RUN_ID"
+# Where this host's worker keeps local snapshots (the agent owns and wipes it).
+ENV_SNAPSHOT_DIR = "ELASTIC_SNAPSHOT_DIR"
 # Marks every process an agent starts, so that a restarted agent can find the
 # leftovers of its previous incarnation (value: the agent's state directory).
 ENV_WORKER_OWNER = "ELASTIC_WORKER_OWNER"
@@ -453,6 +458,8 @@ class WorkerEnv:
     batch: BatchSpec = BatchSpec()
     cache_dir: str | None = None
     jax_heartbeat_timeout_s: int = 100
+    run_id: str | None = None
+    snapshot_dir: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -483,6 +490,8 @@ class WorkerEnv:
             batch=BatchSpec(env.get(ENV_BATCH_MODE, "global"), env.get(ENV_LR_SCALING, "linear")),
             cache_dir=env.get(ENV_CACHE_DIR) or None,
             jax_heartbeat_timeout_s=int(env.get(ENV_JAX_HEARTBEAT_TIMEOUT_S, "100")),
+            run_id=env.get(ENV_RUN_ID) or None,
+            snapshot_dir=env.get(ENV_SNAPSHOT_DIR) or None,
         )
 
 

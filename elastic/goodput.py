@@ -13,8 +13,9 @@ rest (badput) is split by cause:
   start, distributed init, compile);
 - restore: the restore time the workers report;
 - lost work: training thrown away: from the save of the step the next
-  generation resumed from (or from the generation's first step, if it kept
-  none of it) to the failure moment; training after that moment is already
+  generation resumed from (a checkpoint save, or the copy of a local
+  snapshot; from the generation's first step, if it kept none of it) to the
+  failure moment; training after that moment is already
   counted as detection;
 - checkpoint save: the time training was blocked starting checkpoint saves
   (the device-to-host copy and Orbax's barriers; the write itself runs in
@@ -87,6 +88,8 @@ class _Generation:
     first_step: int = -1
     restore_s: float = 0.0
     restored_step: int | None = None
+    # when the restored state was captured, if the workers said (local snapshots)
+    restored_saved_at: float | None = None
     stop: float | None = None
     stop_entry: dict | None = None
     stopped: float | None = None
@@ -114,6 +117,7 @@ def _generations(entries: list[dict]) -> list[_Generation]:
             gen.last_step = max(gen.last_step, gen.first_step)
         elif kind == "checkpoint_restored":
             gen.restore_s, gen.restored_step = e.get("restore_s", 0.0), e.get("step")
+            gen.restored_saved_at = e.get("saved_at")
         elif kind in ("slice_stopping", "job_succeeded", "job_failed") and gen.stop is None:
             gen.stop, gen.stop_entry = e["ts"], e
             if kind != "slice_stopping":
@@ -196,7 +200,9 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
         useful_until = min(at, stop) if cause == "failure" else stop
         lost = 0.0
         if lost_steps:
-            kept_until = min(useful_until, gen.saved_at.get(resumed, first))
+            saved = nxt.restored_saved_at if nxt.restored_saved_at is not None else \
+                gen.saved_at.get(resumed, first)
+            kept_until = min(useful_until, max(first, saved))
             lost = min(max(0.0, training - detection), useful_until - kept_until)
             useful_until = kept_until
         saving = min(max(0.0, training - detection - lost),

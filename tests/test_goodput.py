@@ -110,3 +110,21 @@ def test_training_during_detection_is_not_counted_twice():
     # the save at 24 started within the lost span: lost work, not checkpoint time
     assert g.badput_s["checkpoint_save"] == pytest.approx(0.05 + 0.05)
     assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
+
+
+def test_lost_work_after_a_local_snapshot_restore_counts_from_the_snapshot():
+    # generation 2 resumed from a local snapshot of step 148, copied at 19.9
+    # (the fault came at 20): 0.1 s of training lost, not the 5 s since the
+    # last persistent save
+    journal = JOURNAL[:11] + [
+        e(20.3, "generation_started", 2, hosts=["a", "b"]),
+        e(20.5, "checkpoint_restored", 2, "a", step=148, restore_s=0.05, source="snapshot",
+          saved_at=1000.0 + 19.9),
+        e(21, "first_progress", 2, step=149),
+        e(40, "job_succeeded", 2, step=299),
+    ]
+    g = account(journal)
+    assert g.badput_s["lost_work"] == pytest.approx(0.1)
+    assert g.incidents[0].lost_steps == 1
+    assert g.badput_s["restore"] == pytest.approx(0.05)
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
@@ -38,7 +39,10 @@ class AgentSettings:
     rpc_timeout_s: deadline of each unary call; metadata_url: GCE metadata
     base URL to watch for preemption notices (None: do not watch);
     preemption_grace_s: after a preemption notice, how long the agent waits
-    for the controller to stop its worker before it stops it hard."""
+    for the controller to stop its worker before it stops it hard;
+    snapshot_dir: the worker's local snapshots (default STATE_DIR/snapshots),
+    wiped when the agent starts or stops and when a new controller run
+    starts a worker here."""
 
     controller: str
     host_id: str
@@ -51,6 +55,7 @@ class AgentSettings:
     rpc_timeout_s: float = 5.0
     metadata_url: str | None = None
     preemption_grace_s: float = 25.0
+    snapshot_dir: str | None = None
 
 
 class Agent:
@@ -73,6 +78,14 @@ class Agent:
         self._hard_stop = False
         self._seq = 0
         self._tasks: set[asyncio.Task] = set()
+        self.snapshot_dir = os.path.abspath(settings.snapshot_dir or
+                                            os.path.join(settings.state_dir, "snapshots"))
+        self._snapshot_run = ""  # the controller run the snapshots belong to
+
+    def _wipe_snapshots(self) -> None:
+        """Delete the local snapshots (a new agent, run or shutdown: a host
+        that restarts keeps no state of the last one)."""
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
     # --- messages up -------------------------------------------------------
 
@@ -178,9 +191,14 @@ class Agent:
                config.ENV_HOST_ID: self.settings.host_id,
                config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
                config.ENV_PROGRESS_SOCKET: self.progress_address,
+               config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
                config.ENV_CACHE_DIR: os.path.join(os.path.abspath(self.settings.state_dir),
                                                   "compile-cache"),
                "PYTHONUNBUFFERED": "1"}
+        run = start.env.get(config.ENV_RUN_ID, "")
+        if run != self._snapshot_run:  # (a file an old worker still writes has the old
+            self._wipe_snapshots()     # run id: never restored, deleted at the next restore)
+            self._snapshot_run = run
         self._prestart_next = start.prestart_next
         if not start.prestart_next:
             self.supervisor.discard_prestarted()
@@ -277,6 +295,7 @@ class Agent:
         if killed:
             log.warning("killed %d leftover process(es) of a previous agent: %s",
                         len(killed), killed)
+        self._wipe_snapshots()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         loop.add_signal_handler(signal.SIGINT, self.shutdown)
@@ -301,6 +320,7 @@ class Agent:
             await self.supervisor.stop(self.supervisor.status.generation, grace)
         finally:
             await self.supervisor.close()
+            self._wipe_snapshots()
             connection.cancel()
             for task in list(self._tasks):
                 task.cancel()

@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
                         help="hosts sharing a failure domain fail together (default: host id)")
     parser.add_argument("--state-dir", default="/var/lib/elastic-agent",
                         help="directory of this agent's state (default %(default)s)")
+    parser.add_argument("--snapshot-dir", default=None,
+                        help="where the worker keeps local snapshots of its last steps (a "
+                             "tmpfs such as /dev/shm/elastic keeps them in memory; wiped when "
+                             "the agent starts and stops; default STATE_DIR/snapshots)")
     parser.add_argument("--job-id", default="", help="refuse a controller of another job")
     parser.add_argument("--stop-grace-s", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL of the worker when the "
@@ -49,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         devices=args.devices or discover_devices(), address=args.address or default_address(),
         failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir,
         job_id=args.job_id, stop_grace_s=args.stop_grace_s, metadata_url=args.gce_metadata,
-        preemption_grace_s=args.preemption_grace_s)
+        preemption_grace_s=args.preemption_grace_s, snapshot_dir=args.snapshot_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

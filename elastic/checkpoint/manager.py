@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from elastic.checkpoint import storage
+from elastic.checkpoint.snapshot import LocalSnapshots, to_state
 
 log = logging.getLogger("elastic.checkpoint")
 
@@ -86,6 +87,8 @@ class Checkpoints:
       shape on the first save of every process, and an elastic job's every
       restart is a new process; measured 1.6-1.8 s -> 0.07-0.15 s for a first
       save of 24 arrays, 4 processes x 2 CPU devices. Process-wide setting.
+    snapshots: local snapshots (elastic.checkpoint.snapshot) taken by `save`
+      and preferred by `restore_latest` when the slice can use them.
     Every process of the slice must make the same calls (they are collective).
     """
 
@@ -93,7 +96,7 @@ class Checkpoints:
                  on_commit: Callable[[int], None] | None = None,
                  on_event: Callable[[str, str, dict], None] | None = None,
                  on_preempted: Callable[[int], None] | None = None,
-                 replica_parallel: bool = False) -> None:
+                 replica_parallel: bool = False, snapshots: LocalSnapshots | None = None) -> None:
         if interval_steps < 1 or max_to_keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and max_to_keep "
                              f"({max_to_keep}) must be at least 1")
@@ -102,6 +105,7 @@ class Checkpoints:
         self.on_commit = on_commit or (lambda step: None)
         self.on_event = on_event or (lambda kind, reason, fields: None)
         self.on_preempted = on_preempted or (lambda step: None)
+        self.snapshots = snapshots
         use_coordination_service_barriers()
         _register_array_handler(replica_parallel)
         options = ocp.CheckpointManagerOptions(
@@ -132,6 +136,8 @@ class Checkpoints:
         only for the device-to-host copy (and the previous save if it is still
         running)."""
         self.poll()
+        if self.snapshots is not None:
+            self.snapshots.save(step, state, meta)
         if step == self._last_started:
             return False
         preempted = self.manager.reached_preemption(step)
@@ -165,13 +171,29 @@ class Checkpoints:
         """Restore the newest committed step into `abstract_state`'s shapes and
         shardings; None when there is no checkpoint.
 
-        If a step fails to restore on any process, every process moves on to the
+        Local snapshots, if any, come first: when every process holds one of
+        the same step, at least as new as the newest committed one, and can
+        rebuild its shards of the current mesh from it, that step is restored
+        (the event says `source: snapshot`). Otherwise, if a committed step
+        fails to restore on any process, every process moves on to the
         previous step together (agreed through an all-gather) and the failure
         is reported through `on_event`. Raises RuntimeError when every
         committed step fails."""
         from jax.experimental import multihost_utils
 
         steps = self.committed_steps()
+        if self.snapshots is not None:
+            t0 = time.perf_counter()
+            snap = self.snapshots.restore(abstract_state, steps[-1] if steps else None)
+            if snap is not None:
+                state = to_state(snap, abstract_state)
+                seconds = time.perf_counter() - t0
+                self.on_event("checkpoint_restored", f"restored step {snap.step} from local "
+                              f"snapshots in {seconds:.2f} s (newest committed checkpoint: "
+                              f"{steps[-1] if steps else 'none'})",
+                              {"step": snap.step, "restore_s": round(seconds, 3),
+                               "source": "snapshot", "saved_at": snap.saved_at})
+                return Restored(snap.step, state, dict(snap.meta))
         for step in reversed(steps):
             t0 = time.perf_counter()
             error = ""
@@ -203,4 +225,6 @@ class Checkpoints:
 
     def close(self) -> None:
         self.wait()
+        if self.snapshots is not None:
+            self.snapshots.wait()
         self.manager.close()

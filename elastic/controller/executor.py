@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 
 from elastic import config
 from elastic.clock import Clock
@@ -43,9 +44,12 @@ class Session:
 
 
 class Executor:
-    """Applies actions. `sessions` maps host id to its open stream."""
+    """Applies actions. `sessions` maps host id to its open stream; `run_id`
+    names this controller run to the workers (local snapshots of another run
+    are never restored)."""
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock) -> None:
+        self.run_id = uuid.uuid4().hex[:16]
         self.spec = spec
         self.journal = journal
         self.clock = clock
@@ -55,6 +59,7 @@ class Executor:
         """Job-level variables every worker gets (hosts add their own)."""
         return {**self.spec.env,
                 config.ENV_JOB_ID: self.spec.job_id,
+                config.ENV_RUN_ID: self.run_id,
                 config.ENV_MESH: self.spec.mesh.to_text(),
                 config.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or "",
                 config.ENV_JAX_HEARTBEAT_TIMEOUT_S: str(config.jax_heartbeat_timeout_s(self.spec)),

@@ -80,12 +80,17 @@ class WorkerContext:
     _step_times: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=50))
 
-    def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3):
+    def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
+                    snapshot_every: int = 1):
         """The job's `Checkpoints` (one per process; create it once).
 
         Commits are reported to the controller (journal `checkpoint_committed`)
-        and restores or restore failures journaled."""
+        and restores or restore failures journaled. snapshot_every: steps
+        between local snapshots (elastic.checkpoint.snapshot; 0: none), kept
+        where the agent says (ELASTIC_SNAPSHOT_DIR) for this controller run
+        (ELASTIC_RUN_ID); without a run id there are none."""
         from elastic.checkpoint.manager import Checkpoints
+        from elastic.checkpoint.snapshot import LocalSnapshots, coordination_service_agree
 
         def on_commit(step: int) -> None:
             if self.process_index == 0:
@@ -100,8 +105,13 @@ class WorkerContext:
             if self.process_index == 0:
                 self.progress.event(kind, reason, **fields)
 
+        snapshots = None
+        if snapshot_every > 0 and self.env.run_id:  # the same on every process: all vote
+            snapshots = LocalSnapshots(self.env.snapshot_dir, self.env.run_id, snapshot_every,
+                                       agree=coordination_service_agree("restore"))
         self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
-                                        on_commit, on_event, self._preempted)
+                                        on_commit, on_event, self._preempted,
+                                        snapshots=snapshots)
         return self._checkpoints
 
     def _preempted(self, step: int, wait_s: float = 120.0) -> None:

@@ -1,6 +1,7 @@
 """One process of a multi-process JAX checkpoint test (run by tests/test_checkpoint.py).
 
     ckpt_worker.py save DIR STEP OUT.json [--kill-after-save]
+    ckpt_worker.py train DIR STEPS INTERVAL OUT.json   (steps 0..STEPS-1, a save call each)
     ckpt_worker.py restore DIR OUT.json
 
 The process environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS).
@@ -50,7 +51,9 @@ def main() -> int:
     ctx = elastic.worker.init()
     mesh = ctx.mesh
     events = []
-    ckpt = elastic.worker.runtime.WorkerContext.checkpoints(ctx, interval_steps=1, max_to_keep=5)
+    interval = int(sys.argv[4]) if mode == "train" else 1
+    ckpt = elastic.worker.runtime.WorkerContext.checkpoints(ctx, interval_steps=interval,
+                                                            max_to_keep=5)
     ckpt.on_event = lambda kind, reason, fields: events.append({"kind": kind, **fields})
     shardings = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
     if mode == "save":
@@ -64,6 +67,13 @@ def main() -> int:
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
         ckpt.wait()
+        result = {"checksums": checksums(state), "committed": ckpt.committed_steps()}
+    elif mode == "train":
+        steps, out = int(sys.argv[3]), sys.argv[5]
+        for step in range(steps):
+            state = jax.jit(lambda step=step: make_state(step, False), out_shardings=shardings)()
+            ckpt.save(step, state, {"data_position": step + 1})
+        ckpt.close()
         result = {"checksums": checksums(state), "committed": ckpt.committed_steps()}
     else:
         out = sys.argv[3]

@@ -1,0 +1,343 @@
+"""Local snapshots: each host keeps the training state of its last few steps
+next to it (a file in the agent's snapshot directory), so that a restart after
+a crash resumes from the step the slice had reached instead of from the last
+persistent checkpoint, tens of steps back.
+
+The idea is in-memory checkpointing: GEMINI (Wang et al., SOSP 2023) keeps
+every step's state in host memory, and Orbax's emergency checkpointing keeps
+frequent local checkpoints on every host beside the rare persistent ones.
+Here a snapshot is what a process holds: its addressable shards (each region
+once), copied to host memory after the step and written by a background
+thread; atomic by rename, so a snapshot is whole or absent.
+
+A restart can use snapshots of step S only when every process of the new
+slice holds S and every shard it needs under the new mesh lies inside one
+that it holds itself (no transfer between hosts): always on the hosts of the
+same slice; after a host is lost too, when each host held a full copy of the
+state (e.g. a mesh whose model axis is within a host). The processes agree
+through the JAX coordination service; otherwise the persistent checkpoint is
+restored. A snapshot is never a committed checkpoint: it is used only by the
+same controller run (run id), and the agent wipes its directory when it
+starts, stops or sees a new run, so a host that was really restarted (or
+simulated as such) has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("elastic.checkpoint")
+
+MAGIC = b"ELSNAP1\n"
+SUFFIX = ".snap"
+# (start, stop) per dimension: the part of a global array a shard holds
+Region = tuple[tuple[int, int], ...]
+
+
+class SnapshotError(Exception):
+    """A snapshot file that cannot be used (truncated, malformed, another run)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One process's snapshot of one step, read back.
+
+    saved_at: Unix seconds when the step's state was copied; leaves: by tree
+    path (jax.tree_util.keystr), the global shape, dtype name and the shards
+    (region, array) held."""
+
+    step: int
+    saved_at: float
+    run_id: str
+    meta: dict
+    leaves: dict[str, tuple[tuple[int, ...], str, list[tuple[Region, np.ndarray]]]]
+
+
+def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
+    """A shard's index (a tuple of slices, as JAX gives it) as (start, stop) pairs."""
+    return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape)) \
+        + tuple((0, dim) for dim in shape[len(index):])
+
+
+def _inside(inner: Region, outer: Region) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))
+
+
+def host_shards(state: Any) -> dict[str, tuple[tuple[int, ...], str, list[tuple[Region, np.ndarray]]]]:
+    """This process's shards of every leaf of `state` (a pytree of jax.Array),
+    each distinct region once, copied to host memory (so that the next step
+    may donate the device buffers). Raises TypeError for a leaf that is not a
+    jax.Array."""
+    import jax
+
+    leaves = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(leaf, jax.Array):
+            raise TypeError(f"snapshot: leaf {jax.tree_util.keystr(path)} is a "
+                            f"{type(leaf).__name__}, not a jax.Array")
+        shards: dict[Region, np.ndarray] = {}
+        for shard in leaf.addressable_shards:
+            region = region_of(shard.index, leaf.shape)
+            if region not in shards:
+                shards[region] = np.array(shard.data, copy=True)
+        leaves[jax.tree_util.keystr(path)] = (tuple(leaf.shape), str(leaf.dtype),
+                                              list(shards.items()))
+    return leaves
+
+
+def write(path: pathlib.Path, step: int, saved_at: float, run_id: str, meta: dict,
+          leaves: dict) -> int:
+    """Write one snapshot file atomically (a temporary name, then rename).
+    Layout: MAGIC, 8-byte little-endian header length, JSON header, then every
+    shard's bytes in header order. Returns the bytes written; raises OSError."""
+    header: dict = {"step": step, "saved_at": saved_at, "run_id": run_id, "meta": meta,
+                    "leaves": []}
+    offset = 0
+    arrays = []
+    for name, (shape, dtype, shards) in leaves.items():
+        entry = {"path": name, "shape": list(shape), "dtype": dtype, "shards": []}
+        for region, data in shards:
+            data = np.asarray(data, order="C")  # (ascontiguousarray makes 0-d 1-d)
+            entry["shards"].append({"region": [list(r) for r in region], "offset": offset,
+                                    "nbytes": data.nbytes, "shape": list(data.shape)})
+            offset += data.nbytes
+            arrays.append(data)
+        header["leaves"].append(entry)
+    header["data_bytes"] = offset
+    head = json.dumps(header).encode()
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+        for data in arrays:
+            f.write(memoryview(data.reshape(-1)).cast("B"))
+    os.replace(tmp, path)
+    return len(MAGIC) + 8 + len(head) + offset
+
+
+def read(path: pathlib.Path) -> Snapshot:
+    """Read a snapshot file; raises SnapshotError if it is not a whole one."""
+    import jax.numpy as jnp
+
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SnapshotError(f"{path}: {e}") from None
+    if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
+        raise SnapshotError(f"{path}: not a snapshot file")
+    (head_len,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])
+    start = len(MAGIC) + 8 + head_len
+    try:
+        header = json.loads(raw[len(MAGIC) + 8:start])
+        if len(raw) != start + header["data_bytes"]:
+            raise SnapshotError(f"{path}: {len(raw)} bytes, header says "
+                                f"{start + header['data_bytes']}")
+        leaves = {}
+        for entry in header["leaves"]:
+            dtype = jnp.dtype(entry["dtype"])
+            shards = []
+            for s in entry["shards"]:
+                buf = raw[start + s["offset"]:start + s["offset"] + s["nbytes"]]
+                data = np.frombuffer(buf, dtype=dtype).reshape(s["shape"])
+                shards.append((tuple(tuple(r) for r in s["region"]), data))
+            leaves[entry["path"]] = (tuple(entry["shape"]), entry["dtype"], shards)
+        return Snapshot(int(header["step"]), float(header["saved_at"]), header["run_id"],
+                        header.get("meta") or {}, leaves)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SnapshotError(f"{path}: malformed header: {e}") from None
+
+
+def needed_regions(abstract_state: Any) -> dict[str, tuple[tuple[int, ...], str, list[Region]]]:
+    """Per leaf of `abstract_state` (jax.ShapeDtypeStructs with shardings):
+    global shape, dtype name and the regions this process's devices hold."""
+    import jax
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        regions = {region_of(index, leaf.shape)
+                   for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values()}
+        out[jax.tree_util.keystr(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)),
+                                           sorted(regions))
+    return out
+
+
+def covers(snapshot: Snapshot, needed: dict) -> bool:
+    """Whether `snapshot` alone gives every region in `needed` (from
+    `needed_regions`): the same leaves, shapes and dtypes, and each needed
+    region inside one held shard."""
+    if set(snapshot.leaves) != set(needed):
+        return False
+    for name, (shape, dtype, regions) in needed.items():
+        held_shape, held_dtype, shards = snapshot.leaves[name]
+        if held_shape != shape or held_dtype != dtype:
+            return False
+        if not all(any(_inside(r, held) for held, _ in shards) for r in regions):
+            return False
+    return True
+
+
+def choose_step(votes: Sequence[Sequence[int]], committed_step: int | None) -> int | None:
+    """The step every process can restore from its own snapshot, if there is
+    one at least as new as the newest committed checkpoint (a snapshot of the
+    same step restores faster, from memory): the newest step in every vote.
+    None when a process voted for nothing the others hold. Pure."""
+    if not votes:
+        return None
+    common = set(votes[0]).intersection(*map(set, votes[1:]))
+    best = max(common, default=None)
+    if best is None or (committed_step is not None and best < committed_step):
+        return None
+    return best
+
+
+def coordination_service_agree(tag: str, timeout_s: float = 60.0) -> Callable[[list[int]], list[list[int]]]:
+    """An all-gather of each process's vote through the JAX coordination
+    service's key-value store (no compiled collective). `tag` must be new for
+    every agreement within one distributed runtime."""
+
+    def agree(own: list[int]) -> list[list[int]]:
+        import jax
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        prefix = f"elastic/snapshot-vote/{tag}/"
+        client.key_value_set(prefix + str(jax.process_index()), json.dumps(own))
+        client.wait_at_barrier(f"elastic-snapshot-vote-{tag}", int(timeout_s * 1000))
+        return [json.loads(value) for _, value in client.key_value_dir_get(prefix)]
+
+    return agree
+
+
+class LocalSnapshots:
+    """One process's local snapshots in `directory` (None: this host keeps
+    none, but still votes, so that the slice agrees).
+
+    every_steps: snapshot every this many steps (the copy blocks the training
+      loop: ~1 ms per 4 MiB on this machine; the write runs in a thread).
+    keep: snapshots kept (>= 2, so that processes one step apart on a crash
+      still share one).
+    run_id: the controller run they belong to; others are never restored.
+    agree(own_steps) -> every process's steps: defaults to the coordination
+      service; tests pass their own.
+    """
+
+    def __init__(self, directory: str | None, run_id: str, every_steps: int = 1, keep: int = 2,
+                 agree: Callable[[list[int]], list[list[int]]] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if every_steps < 1 or keep < 2:
+            raise ValueError(f"every_steps ({every_steps}) must be >= 1 and keep ({keep}) >= 2")
+        self.directory = pathlib.Path(directory) if directory else None
+        self.run_id, self.every_steps, self.keep = run_id, every_steps, keep
+        self.agree = agree or coordination_service_agree("restore")
+        self.clock = clock
+        self._last_saved: int | None = None
+        self._writer: threading.Thread | None = None
+        self._disabled = self.directory is None
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, step: int) -> pathlib.Path:
+        return self.directory / f"step-{step:010d}{SUFFIX}"
+
+    def steps(self) -> list[int]:
+        """Steps with a whole snapshot file here, oldest first."""
+        if self.directory is None:
+            return []
+        return sorted(int(p.name[5:-len(SUFFIX)]) for p in self.directory.glob(f"step-*{SUFFIX}"))
+
+    def save(self, step: int, state: Any, meta: dict | None = None) -> bool:
+        """Snapshot `state` after `step` if the interval says so. Blocks for the
+        copy to host memory (and a previous write still running); the file is
+        written in a thread. Write errors are logged, never raised; a state
+        that is not all jax.Arrays turns snapshots off (logged). Returns
+        whether a snapshot started."""
+        if self._disabled or step % self.every_steps or \
+                (self._last_saved is not None and step <= self._last_saved):
+            return False
+        try:
+            leaves = host_shards(state)
+        except TypeError as e:
+            log.warning("%s; local snapshots off", e)
+            self._disabled = True
+            return False
+        saved_at = self.clock()
+        self.wait()
+        self._last_saved = step
+        self._writer = threading.Thread(target=self._write, args=(step, saved_at, meta or {}, leaves),
+                                        name="elastic-snapshot", daemon=True)
+        self._writer.start()
+        return True
+
+    def _write(self, step: int, saved_at: float, meta: dict, leaves: dict) -> None:
+        try:
+            write(self._path(step), step, saved_at, self.run_id, meta, leaves)
+        except OSError as e:
+            log.warning("local snapshot of step %d not written: %s", step, e)
+            return
+        for old in self.steps()[:-self.keep]:
+            self._path(old).unlink(missing_ok=True)
+
+    def wait(self) -> None:
+        """Block until the write in flight is done."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def restore(self, abstract_state: Any, committed_step: int | None) -> Snapshot | None:
+        """Agree with every other process on a step all can restore from their
+        own snapshots (collective: every process calls it once per restore),
+        if one is at least as new as `committed_step`; return this process's
+        snapshot of it (leaves still host arrays: see `to_state`), or None
+        (then restore the persistent checkpoint). Snapshots of other steps
+        are deleted either way: they belong to a line of training that the
+        slice is not resuming."""
+        usable: dict[int, Snapshot] = {}
+        if self.directory is not None:
+            needed = needed_regions(abstract_state)
+            for step in self.steps():
+                try:
+                    snap = read(self._path(step))
+                except SnapshotError as e:
+                    log.warning("local snapshot ignored: %s", e)
+                    continue
+                if snap.run_id == self.run_id and snap.step == step and covers(snap, needed):
+                    usable[step] = snap
+        chosen = choose_step(self.agree(sorted(usable)), committed_step)
+        for step in self.steps():
+            if step != chosen:
+                self._path(step).unlink(missing_ok=True)
+        if chosen is None:
+            return None
+        self._last_saved = chosen
+        return usable[chosen]
+
+
+def to_state(snapshot: Snapshot, abstract_state: Any) -> Any:
+    """The pytree of jax.Arrays that `snapshot` holds, in `abstract_state`'s
+    shardings (each device's shard cut from a held shard that contains it;
+    `covers` must be true)."""
+    import jax
+
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    arrays = []
+    for path, leaf in paths:
+        _, _, shards = snapshot.leaves[jax.tree_util.keystr(path)]
+
+        def piece(index, shards=shards, shape=leaf.shape):
+            want = region_of(index, shape)
+            held, data = next((r, d) for r, d in shards if _inside(want, r))
+            return np.asarray(data[tuple(slice(w0 - h0, w1 - h0)
+                                         for (w0, w1), (h0, _) in zip(want, held))])
+
+        arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, piece))
+    return jax.tree_util.tree_unflatten(treedef, arrays)
