@@ -163,6 +163,10 @@ class HangSpec:
       (process start, distributed init, restore, first compile).
     checkpoint_allowance_s: added to the timeout while a checkpoint save is
       in flight.
+    suspended_timeout_s: a worker its agent reports stopped (state T or t in
+      /proc: SIGSTOP, SIGTSTP, a debugger) for this long is hung at once,
+      without waiting for the step timeout: a stopped process cannot step.
+      0 turns this off (e.g. to debug a worker with gdb).
     """
 
     timeout_s: float = 0.0
@@ -170,6 +174,7 @@ class HangSpec:
     step_time_factor: float = 10.0
     startup_timeout_s: float = 300.0
     checkpoint_allowance_s: float = 60.0
+    suspended_timeout_s: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +370,7 @@ def validate(spec: JobSpec) -> None:
          f"restart.grow is {r.grow!r}; expected one of {', '.join(GROW_POLICIES)}"),
         (spec.hang.timeout_s >= 0, "hang.timeout_s must be >= 0 (0 learns it)"),
         (spec.hang.min_timeout_s > 0, "hang.min_timeout_s must be > 0"),
+        (spec.hang.suspended_timeout_s >= 0, "hang.suspended_timeout_s must be >= 0"),
         (spec.hang.step_time_factor >= 1, "hang.step_time_factor must be >= 1"),
         (spec.hang.startup_timeout_s > 0, "hang.startup_timeout_s must be > 0"),
         (spec.hang.checkpoint_allowance_s >= 0, "hang.checkpoint_allowance_s must be >= 0"),

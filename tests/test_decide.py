@@ -474,6 +474,33 @@ def test_hang_detection(silent_s, suspended, saving, hung, first_suspect):
         assert {a.grace_s for a in decision.actions if isinstance(a, d.StopWorker)} == {0.0}
 
 
+@pytest.mark.parametrize("reports,now,limit,hung", [
+    # (time, suspended) reports of h1's worker after every host's step 5 at T0
+    ([(2.0, True), (3.0, True)], 4.5, 2.0, True),     # stopped 2.5 s: hung, long before 10 s
+    ([(2.0, True), (3.0, True)], 3.5, 2.0, False),    # stopped 1.5 s: not yet
+    ([(2.0, True), (3.0, False), (4.0, True)], 5.5, 2.0, False),  # resumed in between: 1.5 s
+    ([(2.0, True), (3.0, True)], 4.5, 0.0, False),    # turned off: the step timeout decides
+])
+def test_a_stopped_worker_is_hung_after_the_suspended_timeout(reports, now, limit, hung):
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    inc = view.hosts["h1"].incarnation
+    for at, suspended in reports:
+        observe(view, HeartbeatReceived("h1", inc, WorkerObs(
+            generation=1, state=WorkerState.RUNNING, pid=42, step=5, suspended=suspended), 0),
+            T0 + at)
+    s = dataclasses.replace(spec(), hang=HangSpec(suspended_timeout_s=limit))
+    decision = decide(state, view, T0 + now, s)
+    assert ("hang_detected" in kinds(decision)) is hung
+    if hung:
+        entry = next(a for a in decision.actions if isinstance(a, d.Journal)
+                     and a.kind == "hang_detected")
+        assert entry.fields["suspects"] == ["h1"] and "stopped" in entry.reason
+        assert entry.fields["silent_s"] == pytest.approx(now)  # since the last step
+
+
 def test_startup_allowance():
     view = ClusterView()
     register(view, "h0")

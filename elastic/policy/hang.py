@@ -1,7 +1,8 @@
 """Hang detection: a running generation that stops making step progress.
 
-Pure: (members' observed records, now, spec) -> a Hang or None. The default
-timeout is learned from the step times the workers report:
+Pure: (members' observed records, now, spec) -> a Hang or None. A worker its
+agent reports stopped (SIGSTOP) for `hang.suspended_timeout_s` is hung at
+once. Otherwise the default timeout is learned from the step times the workers report:
 max(hang.min_timeout_s, hang.step_time_factor x median step time), with a
 separate allowance for startup (process start, distributed init, restore,
 first compile) and extra time while a checkpoint save is in flight.
@@ -73,6 +74,15 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
         return None
     # (a member with no step yet counts from when the generation's first step came)
     progress_at = min(max(r.step_at, started_at) for r in active)
+    stop_limit = spec.hang.suspended_timeout_s
+    stopped = [r for r in active if stop_limit > 0 and r.worker.suspended and r.suspended_at
+               and now - r.suspended_at >= stop_limit]
+    if stopped:
+        longest = now - min(r.suspended_at for r in stopped)
+        return Hang(f"worker stopped (SIGSTOP) for {longest:.1f} s (hang.suspended_timeout_s = "
+                    f"{stop_limit:g}); suspects: {', '.join(r.host_id for r in stopped)} "
+                    f"(suspended)", tuple(r.host_id for r in stopped), now - progress_at,
+                    stop_limit)
     step_time = members[0].worker.metrics.get("step_time_s")
     limit = hang_timeout(spec, step_time)
     saving = view.save_started_at > view.committed_at

@@ -80,6 +80,8 @@ class HostRecord:
     first_step_at: float = 0.0
     # When the worker's step last went up (0: no step in this generation yet).
     step_at: float = 0.0
+    # Since when its agent reports the worker stopped (SIGSTOP; 0: it is not).
+    suspended_at: float = 0.0
     # Why the host is being taken away ("" if it is not), and since when.
     preemption: str = ""
     preempted_at: float = 0.0
@@ -231,6 +233,10 @@ def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
     elif reported.step > old.step:
         record.step_at = now
     changed |= old.suspended != reported.suspended
+    if reported.suspended and (not old.suspended or not record.suspended_at):
+        record.suspended_at = now
+    elif not reported.suspended:
+        record.suspended_at = 0.0
     record.worker = reported
     return changed
 
