@@ -72,15 +72,16 @@ def print_table(results: dict[str, dict]) -> None:
 
 
 def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 25,
-           extra: str = "") -> pathlib.Path:
+           extra: str = "", worker_args: tuple[str, ...] = ()) -> pathlib.Path:
     """Write a job spec running workers/lm (endless, mesh data=-1 x model=2,
     restart budget and crash loop out of the way, as benchmarks hit the same
-    hosts again and again) into `work`; returns its path. `extra`: more TOML."""
+    hosts again and again) into `work`; returns its path. `extra`: more TOML;
+    `worker_args`: more arguments for train.py."""
     import sys
 
     repo = pathlib.Path(__file__).resolve().parent.parent
     argv = [sys.executable, str(repo / "workers/lm/train.py"), "--steps", "100000000",
-            "--checkpoint-every", str(checkpoint_every), "--eval-every", "100000000"]
+            "--checkpoint-every", str(checkpoint_every), "--eval-every", "100000000", *worker_args]
     path = work / "job.toml"
     path.write_text(f"""
 [job]

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import time
 
 import grpc
 
+from elastic.agent.agent import default_snapshot_dir
 from elastic.config import JobSpec
 from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
 from elastic.controller.server import ADDRESS_FILE
@@ -177,6 +179,9 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    # a host killed by a fault and not started again left its snapshots in memory
+    for host_dir in (local.state_dir / "agents").glob("*"):
+        shutil.rmtree(default_snapshot_dir(str(host_dir)), ignore_errors=True)
 
 
 def format_entry(entry: dict, t0: float) -> str:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 
+from elastic.agent.agent import default_snapshot_dir
+from elastic.goodput import account
 from tests.conftest import REPO
 
 
@@ -26,3 +29,14 @@ def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
     done = journal[-1]
     assert done["kind"] == "job_succeeded" and done["step"] == 199
     assert done["metrics"]["loss"] < 1e-3, done
+    # the restart resumed from a local snapshot (every 10 steps), at least as
+    # new as the newest committed checkpoint (every 20)
+    restored = next(e for e in journal if e["kind"] == "checkpoint_restored")
+    committed = max(e["step"] for e in journal if e["kind"] == "checkpoint_committed"
+                    and e["ts"] < restored["ts"])
+    assert restored["source"] == "snapshot" and restored["step"] >= committed, restored
+    [incident] = account(journal).incidents
+    assert incident.lost_steps < 10, incident
+    # and the agents took their snapshots with them when they stopped
+    for host in ("host-0", "host-1"):
+        assert not os.path.exists(default_snapshot_dir(str(job.state_dir / "agents" / host)))

@@ -73,3 +73,14 @@ def test_write_read_round_trip_and_torn_files(tmp_path):
         path.write_bytes(torn)
         with pytest.raises(SnapshotError):
             read(path)
+
+
+def test_agents_keep_snapshots_in_memory_when_they_can(tmp_path):
+    from elastic.agent.agent import default_snapshot_dir
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    a, b = (default_snapshot_dir(str(tmp_path / h), shm=str(shm)) for h in ("h0", "h1"))
+    assert a.startswith(str(shm)) and b.startswith(str(shm)) and a != b
+    assert default_snapshot_dir(str(tmp_path / "h0"), shm=str(tmp_path / "none")) == \
+        str(tmp_path / "h0" / "snapshots")

@@ -32,9 +32,9 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
     parser.add_argument("--state-dir", default="/var/lib/elastic-agent",
                         help="directory of this agent's state (default %(default)s)")
     parser.add_argument("--snapshot-dir", default=None,
-                        help="where the worker keeps local snapshots of its last steps (a "
-                             "tmpfs such as /dev/shm/elastic keeps them in memory; wiped when "
-                             "the agent starts and stops; default STATE_DIR/snapshots)")
+                        help="where the worker keeps local snapshots of its last steps; wiped "
+                             "when the agent starts and stops (default: a directory in "
+                             "/dev/shm, i.e. host memory, else STATE_DIR/snapshots)")
     parser.add_argument("--job-id", default="", help="refuse a controller of another job")
     parser.add_argument("--stop-grace-s", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL of the worker when the "

@@ -225,6 +225,4 @@ class Checkpoints:
 
     def close(self) -> None:
         self.wait()
-        if self.snapshots is not None:
-            self.snapshots.wait()
         self.manager.close()

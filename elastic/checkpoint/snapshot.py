@@ -7,8 +7,9 @@ The idea is in-memory checkpointing: GEMINI (Wang et al., SOSP 2023) keeps
 every step's state in host memory, and Orbax's emergency checkpointing keeps
 frequent local checkpoints on every host beside the rare persistent ones.
 Here a snapshot is what a process holds: its addressable shards (each region
-once), copied to host memory after the step and written by a background
-thread; atomic by rename, so a snapshot is whole or absent.
+once), written after the step into a file (atomic by rename, so a snapshot is
+whole or absent) in the agent's snapshot directory, by default on tmpfs
+(/dev/shm), i.e. in host memory.
 
 A restart can use snapshots of step S only when every process of the new
 slice holds S and every shard it needs under the new mesh lies inside one
@@ -24,13 +25,14 @@ simulated as such) has none.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
 import os
 import pathlib
+import shutil
 import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,11 +76,12 @@ def _inside(inner: Region, outer: Region) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))
 
 
-def host_shards(state: Any) -> dict[str, tuple[tuple[int, ...], str, list[tuple[Region, np.ndarray]]]]:
+def host_shards(state: Any, copy: bool = False) -> dict[str, tuple[tuple[int, ...], str, list[tuple[Region, np.ndarray]]]]:
     """This process's shards of every leaf of `state` (a pytree of jax.Array),
-    each distinct region once, copied to host memory (so that the next step
-    may donate the device buffers). Raises TypeError for a leaf that is not a
-    jax.Array."""
+    each distinct region once, as host arrays: views of the device buffers
+    where the platform allows it (CPU), so use them before the next step
+    may donate those buffers, or copies with `copy=True`. Raises TypeError
+    for a leaf that is not a jax.Array."""
     import jax
 
     leaves = {}
@@ -90,7 +93,7 @@ def host_shards(state: Any) -> dict[str, tuple[tuple[int, ...], str, list[tuple[
         for shard in leaf.addressable_shards:
             region = region_of(shard.index, leaf.shape)
             if region not in shards:
-                shards[region] = np.array(shard.data, copy=True)
+                shards[region] = np.array(shard.data, copy=True) if copy else np.asarray(shard.data)
         leaves[jax.tree_util.keystr(path)] = (tuple(leaf.shape), str(leaf.dtype),
                                               list(shards.items()))
     return leaves
@@ -222,8 +225,13 @@ class LocalSnapshots:
     """One process's local snapshots in `directory` (None: this host keeps
     none, but still votes, so that the slice agrees).
 
-    every_steps: snapshot every this many steps (the copy blocks the training
-      loop: ~1 ms per 4 MiB on this machine; the write runs in a thread).
+    every_steps: snapshot every this many steps (the same on every process).
+      A snapshot is written in the training loop, before the next step can
+      donate the buffers: ~2 ms for a 7 MB state to tmpfs on this project's
+      machine in isolation (~6 ms to a disk-backed directory, which is why
+      agents default to /dev/shm), ~11 ms with 4 processes sharing its 2
+      cores; `seconds` keeps the recent ones. bench/snapshot_overhead.py
+      measures what it costs a step.
     keep: snapshots kept (>= 2, so that processes one step apart on a crash
       still share one).
     run_id: the controller run they belong to; others are never restored.
@@ -231,7 +239,7 @@ class LocalSnapshots:
       service; tests pass their own.
     """
 
-    def __init__(self, directory: str | None, run_id: str, every_steps: int = 1, keep: int = 2,
+    def __init__(self, directory: str | None, run_id: str, every_steps: int = 10, keep: int = 2,
                  agree: Callable[[list[int]], list[list[int]]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if every_steps < 1 or keep < 2:
@@ -241,8 +249,10 @@ class LocalSnapshots:
         self.agree = agree or coordination_service_agree("restore")
         self.clock = clock
         self._last_saved: int | None = None
-        self._writer: threading.Thread | None = None
+        # seconds each of the recent snapshots blocked the training loop
+        self.seconds: collections.deque = collections.deque(maxlen=50)
         self._disabled = self.directory is None
+        self._warned_room = False
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -256,42 +266,42 @@ class LocalSnapshots:
         return sorted(int(p.name[5:-len(SUFFIX)]) for p in self.directory.glob(f"step-*{SUFFIX}"))
 
     def save(self, step: int, state: Any, meta: dict | None = None) -> bool:
-        """Snapshot `state` after `step` if the interval says so. Blocks for the
-        copy to host memory (and a previous write still running); the file is
-        written in a thread. Write errors are logged, never raised; a state
-        that is not all jax.Arrays turns snapshots off (logged). Returns
-        whether a snapshot started."""
+        """Snapshot `state` after `step` if the interval says so; returns
+        whether one was written. Never raises for the snapshot's sake: a
+        write error or a directory without room for it (a small tmpfs) skips
+        it with a warning; a state that is not all jax.Arrays turns snapshots
+        off (logged)."""
         if self._disabled or step % self.every_steps or \
                 (self._last_saved is not None and step <= self._last_saved):
             return False
+        t0 = time.perf_counter()
         try:
             leaves = host_shards(state)
         except TypeError as e:
             log.warning("%s; local snapshots off", e)
             self._disabled = True
             return False
-        saved_at = self.clock()
-        self.wait()
-        self._last_saved = step
-        self._writer = threading.Thread(target=self._write, args=(step, saved_at, meta or {}, leaves),
-                                        name="elastic-snapshot", daemon=True)
-        self._writer.start()
-        return True
-
-    def _write(self, step: int, saved_at: float, meta: dict, leaves: dict) -> None:
+        path = self._path(step)
         try:
-            write(self._path(step), step, saved_at, self.run_id, meta, leaves)
+            room = shutil.disk_usage(self.directory).free
+            need = sum(d.nbytes for _, _, shards in leaves.values() for _, d in shards)
+            if room < need + (1 << 20):
+                if not self._warned_room:
+                    log.warning("no room for local snapshots in %s (%d MiB free, %d MiB needed "
+                                "per step): skipping them", self.directory, room >> 20,
+                                need >> 20)
+                    self._warned_room = True
+                return False
+            write(path, step, self.clock(), self.run_id, meta or {}, leaves)
         except OSError as e:
             log.warning("local snapshot of step %d not written: %s", step, e)
-            return
+            path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
+            return False
+        self._last_saved = step
         for old in self.steps()[:-self.keep]:
             self._path(old).unlink(missing_ok=True)
-
-    def wait(self) -> None:
-        """Block until the write in flight is done."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        self.seconds.append(time.perf_counter() - t0)
+        return True
 
     def restore(self, abstract_state: Any, committed_step: int | None) -> Snapshot | None:
         """Agree with every other process on a step all can restore from their

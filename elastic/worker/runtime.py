@@ -81,7 +81,7 @@ class WorkerContext:
         default_factory=lambda: collections.deque(maxlen=50))
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
-                    snapshot_every: int = 1):
+                    snapshot_every: int = 10):
         """The job's `Checkpoints` (one per process; create it once).
 
         Commits are reported to the controller (journal `checkpoint_committed`)
@@ -102,6 +102,8 @@ class WorkerContext:
                 self._started = time.perf_counter()
             if kind == "checkpoint_saved" and self._step_times:
                 fields = dict(fields, step_time_s=round(statistics.median(self._step_times), 4))
+            if kind == "checkpoint_saved" and snapshots is not None and snapshots.seconds:
+                fields = dict(fields, snapshot_s=round(statistics.median(snapshots.seconds), 5))
             if self.process_index == 0:
                 self.progress.event(kind, reason, **fields)
 

@@ -53,7 +53,7 @@ def main() -> int:
     events = []
     interval = int(sys.argv[4]) if mode == "train" else 1
     ckpt = elastic.worker.runtime.WorkerContext.checkpoints(ctx, interval_steps=interval,
-                                                            max_to_keep=5)
+                                                            max_to_keep=5, snapshot_every=1)
     ckpt.on_event = lambda kind, reason, fields: events.append({"kind": kind, **fields})
     shardings = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
     if mode == "save":

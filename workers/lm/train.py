@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=25)
     p.add_argument("--max-to-keep", type=int, default=3)
+    p.add_argument("--snapshot-every", type=int, default=10,
+                   help="steps between local snapshots (restarts resume from them; 0: none)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
@@ -116,7 +118,8 @@ def main() -> int:
                              (batch_sharding, batch_sharding, weight_sharding))]
         step_fn, hit, seconds = ctx.compile(step_fn.lower(abstract, *rows_abstract), "train_step")
         log.info("%s the train step in %.2f s", "loaded" if hit else "compiled", seconds)
-        ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep)
+        ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep,
+                               snapshot_every=args.snapshot_every)
         restored = ckpt.restore_latest(abstract)
         if restored is None:  # (cached too: a slice that fails before its first commit
             # starts from scratch again, and compiling init costs seconds on 2 cores)

@@ -1,0 +1,89 @@
+"""Benchmark: what local snapshots cost the training loop (workers/lm, 4 local
+hosts x 2 CPU devices): the median step time with a snapshot every `--every`
+steps against none, in alternating runs (this machine is shared: the ratio
+of medians is the figure, not one run), and how long a snapshot blocks the
+training loop (process 0's median).
+
+    .venv/bin/python bench/snapshot_overhead.py --rounds 3 --every 1 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+from common import lm_job, machine, write_result
+
+from elastic.config import load_spec
+from elastic.controller.journal import read_journal
+from elastic.controller.status import fetch_status, slice_step
+from elastic.local import start_slice, stop_slice
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(every: int, hosts: int, steps: int) -> tuple[list[float], list[float]]:
+    """One job with `--snapshot-every every`; the median step times and
+    snapshot times (s, over the last 50 steps) process 0 reported with its
+    saves after step 50."""
+    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-snapbench-"))
+    spec_path = lm_job(work, "snapbench", hosts, 25, worker_args=("--snapshot-every", str(every)))
+    state = work / "state"
+    local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
+    try:
+        deadline = time.monotonic() + 600
+        while slice_step(fetch_status(local.address)) < steps:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not reach step {steps}")
+            time.sleep(0.5)
+    finally:
+        stop_slice(local)
+    saves = [e for e in read_journal(state)
+             if e["kind"] == "checkpoint_saved" and e.get("step_time_s") and e["step"] >= 50]
+    return [e["step_time_s"] for e in saves], [e["snapshot_s"] for e in saves if "snapshot_s" in e]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--every", type=int, nargs="+", default=[1, 10],
+                        help="snapshot intervals (steps) to compare with none")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "snapshot_overhead.json"))
+    args = parser.parse_args()
+    settings = [0, *args.every]
+    times: dict[int, list[float]] = {e: [] for e in settings}
+    blocking: dict[int, list[float]] = {e: [] for e in settings}
+    for r in range(args.rounds):
+        for every in settings:
+            steps, snaps = run(every, args.hosts, args.steps)
+            times[every] += steps
+            blocking[every] += snaps
+            print(f"round {r + 1}: snapshot every {every or '-'}: median step "
+                  f"{statistics.median(steps):.4f} s ({len(steps)} saves)"
+                  + (f", a snapshot blocks {1000 * statistics.median(snaps):.1f} ms"
+                     if snaps else ""), flush=True)
+    base = statistics.median(times[0])
+    print(f"\nmedian step time without snapshots: {base:.4f} s")
+    rows = {}
+    for every in args.every:
+        med = statistics.median(times[every])
+        block = statistics.median(blocking[every]) if blocking[every] else None
+        rows[str(every)] = {"median_step_s": med, "ratio": med / base, "snapshot_blocking_s": block}
+        print(f"a snapshot every {every:>3} steps: median step {med:.4f} s -> x{med / base:.3f} "
+              f"({100 * (med / base - 1):+.1f} %); a snapshot blocks "
+              f"{1000 * (block or 0):.1f} ms ({100 * (block or 0) / (every * base):.2f} % of "
+              f"{every} steps)")
+    write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+                            "hosts": args.hosts, "rounds": args.rounds,
+                            "median_step_s_without": base, "every": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
