@@ -45,17 +45,19 @@ MAGIC = b"ELSNAP1\n"
 SUFFIX = ".snap"
 # (start, stop) per dimension: the part of a global array a shard holds
 Region = tuple[tuple[int, int], ...]
+# by tree path (jax.tree_util.keystr): global shape, dtype name, shards held
+Leaves = dict[str, tuple[tuple[int, ...], str, list[tuple[Region, np.ndarray]]]]
 
 
 class SnapshotError(Exception):
-    """A snapshot file that cannot be used (truncated, malformed, another run)."""
+    """A snapshot file that cannot be read back whole (truncated, malformed)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """One process's snapshot of one step, read back.
 
-    saved_at: Unix seconds when the step's state was copied; leaves: by tree
+    saved_at: Unix seconds when the step's state was written; leaves: by tree
     path (jax.tree_util.keystr), the global shape, dtype name and the shards
     (region, array) held."""
 
@@ -63,7 +65,7 @@ class Snapshot:
     saved_at: float
     run_id: str
     meta: dict
-    leaves: dict[str, tuple[tuple[int, ...], str, list[tuple[Region, np.ndarray]]]]
+    leaves: Leaves
 
 
 def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
@@ -76,12 +78,12 @@ def _inside(inner: Region, outer: Region) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))
 
 
-def host_shards(state: Any, copy: bool = False) -> dict[str, tuple[tuple[int, ...], str, list[tuple[Region, np.ndarray]]]]:
+def host_shards(state: Any) -> Leaves:
     """This process's shards of every leaf of `state` (a pytree of jax.Array),
     each distinct region once, as host arrays: views of the device buffers
     where the platform allows it (CPU), so use them before the next step
-    may donate those buffers, or copies with `copy=True`. Raises TypeError
-    for a leaf that is not a jax.Array."""
+    may donate those buffers. Raises TypeError for a leaf that is not a
+    jax.Array."""
     import jax
 
     leaves = {}
@@ -93,14 +95,14 @@ def host_shards(state: Any, copy: bool = False) -> dict[str, tuple[tuple[int, ..
         for shard in leaf.addressable_shards:
             region = region_of(shard.index, leaf.shape)
             if region not in shards:
-                shards[region] = np.array(shard.data, copy=True) if copy else np.asarray(shard.data)
+                shards[region] = np.asarray(shard.data)
         leaves[jax.tree_util.keystr(path)] = (tuple(leaf.shape), str(leaf.dtype),
                                               list(shards.items()))
     return leaves
 
 
 def write(path: pathlib.Path, step: int, saved_at: float, run_id: str, meta: dict,
-          leaves: dict) -> int:
+          leaves: Leaves) -> int:
     """Write one snapshot file atomically (a temporary name, then rename).
     Layout: MAGIC, 8-byte little-endian header length, JSON header, then every
     shard's bytes in header order. Returns the bytes written; raises OSError."""
@@ -232,8 +234,8 @@ class LocalSnapshots:
       agents default to /dev/shm), ~11 ms with 4 processes sharing its 2
       cores; `seconds` keeps the recent ones. bench/snapshot_overhead.py
       measures what it costs a step.
-    keep: snapshots kept (>= 2, so that processes one step apart on a crash
-      still share one).
+    keep: snapshots kept (>= 2, so that processes one snapshot apart on a
+      crash still share one).
     run_id: the controller run they belong to; others are never restored.
     agree(own_steps) -> every process's steps: defaults to the coordination
       service; tests pass their own.
@@ -334,8 +336,9 @@ class LocalSnapshots:
 
 def to_state(snapshot: Snapshot, abstract_state: Any) -> Any:
     """The pytree of jax.Arrays that `snapshot` holds, in `abstract_state`'s
-    shardings (each device's shard cut from a held shard that contains it;
-    `covers` must be true)."""
+    shardings (each device's shard cut from a held shard that contains it).
+    Raises ValueError for a region no held shard contains (`covers` was
+    false)."""
     import jax
 
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
@@ -345,7 +348,10 @@ def to_state(snapshot: Snapshot, abstract_state: Any) -> Any:
 
         def piece(index, shards=shards, shape=leaf.shape):
             want = region_of(index, shape)
-            held, data = next((r, d) for r, d in shards if _inside(want, r))
+            held, data = next(((r, d) for r, d in shards if _inside(want, r)), (None, None))
+            if held is None:
+                raise ValueError(f"snapshot of step {snapshot.step} holds no shard with "
+                                 f"{want} of {jax.tree_util.keystr(path)}")
             return np.asarray(data[tuple(slice(w0 - h0, w1 - h0)
                                          for (w0, w1), (h0, _) in zip(want, held))])
 

@@ -75,8 +75,8 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     # (a member with no step yet counts from when the generation's first step came)
     progress_at = min(max(r.step_at, started_at) for r in active)
     stop_limit = spec.hang.suspended_timeout_s
-    stopped = [r for r in active if stop_limit > 0 and r.worker.suspended and r.suspended_at
-               and now - r.suspended_at >= stop_limit]
+    stopped = [r for r in active if r.worker.suspended and r.suspended_at
+               and now - r.suspended_at >= stop_limit] if stop_limit > 0 else []
     if stopped:
         longest = now - min(r.suspended_at for r in stopped)
         return Hang(f"worker stopped (SIGSTOP) for {longest:.1f} s (hang.suspended_timeout_s = "

@@ -233,10 +233,7 @@ def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
     elif reported.step > old.step:
         record.step_at = now
     changed |= old.suspended != reported.suspended
-    if reported.suspended and (not old.suspended or not record.suspended_at):
-        record.suspended_at = now
-    elif not reported.suspended:
-        record.suspended_at = 0.0
+    record.suspended_at = (record.suspended_at or now) if reported.suspended else 0.0
     record.worker = reported
     return changed
 

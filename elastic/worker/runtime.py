@@ -90,7 +90,7 @@ class WorkerContext:
         where the agent says (ELASTIC_SNAPSHOT_DIR) for this controller run
         (ELASTIC_RUN_ID); without a run id there are none."""
         from elastic.checkpoint.manager import Checkpoints
-        from elastic.checkpoint.snapshot import LocalSnapshots, coordination_service_agree
+        from elastic.checkpoint.snapshot import LocalSnapshots
 
         def on_commit(step: int) -> None:
             if self.process_index == 0:
@@ -109,8 +109,7 @@ class WorkerContext:
 
         snapshots = None
         if snapshot_every > 0 and self.env.run_id:  # the same on every process: all vote
-            snapshots = LocalSnapshots(self.env.snapshot_dir, self.env.run_id, snapshot_every,
-                                       agree=coordination_service_agree("restore"))
+            snapshots = LocalSnapshots(self.env.snapshot_dir, self.env.run_id, snapshot_every)
         self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
                                         on_commit, on_event, self._preempted,
                                         snapshots=snapshots)
