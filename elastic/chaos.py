@@ -10,7 +10,8 @@ Fault kinds (each journaled as `fault_injected`):
 - kill-host: SIGKILL its agent and worker; the host comes back (a new agent)
   after heartbeat_timeout_s + 2 s, as a rebooted machine would;
 - stop-worker: SIGSTOP the worker (a hang: the controller must SIGKILL it);
-- stop-agent: SIGSTOP the agent, SIGCONT after heartbeat_timeout_s + 2 s;
+- stop-agent: SIGSTOP the agent, SIGCONT after heartbeat_timeout_s + 2 s (its
+  worker trains on; see health.carry_silent_hosts);
 - preempt: SIGTERM to the agent (emergency checkpoint, the host leaves); the
   host comes back after its agent exits;
 - kill-during-save: SIGKILL a worker right after a checkpoint save starts

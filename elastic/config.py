@@ -116,6 +116,13 @@ class HealthSpec:
       before dropping a host that does not answer (> stop_grace_s).
     rendezvous_settle_s: once `min_hosts` are ready but fewer than
       `max_hosts`, wait this long after the last registration for more.
+    carry_silent_hosts: a member of the running slice whose agent has been
+      silent for heartbeat_timeout_s stays in the slice while the other
+      members' steps prove its worker still takes part (see
+      elastic.policy.silence): a frozen agent costs no restart. Sound for
+      programs whose processes step in lockstep (every step has a collective
+      across all processes: any multi-host JAX training step); set false for
+      one whose processes step independently.
     """
 
     heartbeat_interval_s: float = 1.0
@@ -124,6 +131,7 @@ class HealthSpec:
     stop_grace_s: float = 3.0
     stop_timeout_s: float = 10.0
     rendezvous_settle_s: float = 1.0
+    carry_silent_hosts: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

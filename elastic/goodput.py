@@ -43,7 +43,11 @@ class Incident:
 
     detected_after_s: failure moment -> slice_stopping; recovered_after_s:
     failure moment -> first step of the next generation (None if none came);
-    lost_steps: steps computed again after the restore.
+    lost_steps: steps computed again after the restore. restarted: False for
+    a silent agent the slice rode out (`agent_silent`: its worker trained
+    on, no restart, nothing lost): then detected_after_s runs to
+    `agent_silent` and recovered_after_s to `agent_heard` (None if its
+    heartbeats had not resumed when the generation ended).
     """
 
     kind: str
@@ -54,6 +58,7 @@ class Incident:
     recovered_after_s: float | None
     lost_steps: int
     reason: str
+    restarted: bool = True
 
 
 @dataclasses.dataclass
@@ -100,6 +105,10 @@ class _Generation:
     saved_at: dict[int, float] = dataclasses.field(default_factory=dict)
     # (when, kind, host, reason, injected): what may have ended this generation
     signs: list[tuple[float, str, str | None, str, bool]] = dataclasses.field(default_factory=list)
+    # agent_silent entries, and (when, host) of agent_heard / host_lost entries
+    silences: list[dict] = dataclasses.field(default_factory=list)
+    heard: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+    lost: list[tuple[float, str]] = dataclasses.field(default_factory=list)
 
 
 def _generations(entries: list[dict]) -> list[_Generation]:
@@ -132,6 +141,10 @@ def _generations(entries: list[dict]) -> list[_Generation]:
                 gen.save_blocking.append((e["ts"], e["blocking_s"]))
             if kind == "checkpoint_saved" and e.get("step") is not None:
                 gen.saved_at[e["step"]] = e["ts"] - e.get("blocking_s", 0.0)
+        if kind == "agent_silent":
+            gen.silences.append(e)
+        elif kind in ("agent_heard", "host_lost"):
+            (gen.heard if kind == "agent_heard" else gen.lost).append((e["ts"], e.get("host")))
         # signs of the failure that ends this generation, with the moment it happened
         if kind == "fault_injected":
             gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
@@ -144,6 +157,29 @@ def _generations(entries: list[dict]) -> list[_Generation]:
                 (e.get("exit_code") or e.get("signal")):
             gen.signs.append((e["ts"], "worker_exited", e.get("host"), e["reason"], False))
     return [gens[k] for k in sorted(gens)]
+
+
+def _ridden_out(gen: _Generation) -> list[Incident]:
+    """Incidents of silent agents the generation kept (no restart), each with
+    the injected fault that explains it, which is then no longer a candidate
+    cause of the generation's end (removed from `gen.signs`)."""
+    incidents = []
+    for e in gen.silences:
+        ts, host = e["ts"], e.get("host")
+        if any(at >= ts and h == host for at, h in gen.lost):
+            continue  # carried, then lost: the generation's end tells it
+        went_silent = ts - e.get("silent_s", 0.0)
+        faults = [s for s in gen.signs if s[4] and s[2] == host and went_silent - 2.0 <= s[0] <= ts]
+        at, kind = went_silent, "agent_silent"
+        if faults:
+            fault = max(faults)
+            gen.signs.remove(fault)
+            at, kind = fault[0], fault[1]
+        heard = min((t for t, h in gen.heard if h == host and t >= ts), default=None)
+        incidents.append(Incident(kind, host, gen.number, at, max(0.0, ts - at),
+                                  None if heard is None else heard - at, 0, e["reason"],
+                                  restarted=False))
+    return incidents
 
 
 def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
@@ -162,6 +198,7 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
     incidents: list[Incident] = []
     covered_until = t0
     for i, gen in enumerate(gens):
+        incidents += _ridden_out(gen)
         bad["waiting"] += max(0.0, gen.start - covered_until)
         stop = gen.stop if gen.stop is not None else t_end
         stopped = gen.stopped if gen.stopped is not None else t_end
@@ -212,6 +249,7 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
         bad["checkpoint_save"] += saving
         productive += max(0.0, training - detection - lost - saving)
     bad["waiting"] += max(0.0, t_end - covered_until)
+    incidents.sort(key=lambda inc: inc.at)
     wall = max(1e-9, t_end - t0)
     steps = max((g.last_step for g in gens), default=-1) + 1
     return Goodput(wall, productive, bad, productive / wall, steps, len(gens), incidents)
@@ -231,5 +269,6 @@ def format_report(g: Goodput) -> str:
         for i in g.incidents:
             recovered = f"{i.recovered_after_s:.2f} s" if i.recovered_after_s is not None else "-"
             lines.append(f"  {i.generation:>4}  {i.kind:16} {i.host or '-':8} "
-                         f"{i.detected_after_s:12.2f} s {recovered:>15} {i.lost_steps:>10}")
+                         f"{i.detected_after_s:12.2f} s {recovered:>15} {i.lost_steps:>10}"
+                         + ("" if i.restarted else "  no restart: the slice kept stepping"))
     return "\n".join(lines)

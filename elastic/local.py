@@ -222,9 +222,11 @@ def progress_line(address: str) -> str:
         st = fetch_status(address, timeout_s=2.0)
     except grpc.RpcError as e:
         return f"[progress] controller unreachable: {e.code().name}"
-    members = [h for h in st.hosts if h.state == "member"]
+    members = [h for h in st.hosts if h.state in ("member", "silent")]
+    silent = sum(h.state == "silent" for h in members)
     loss = next((h.metrics["loss"] for h in members if h.rank == 0 and "loss" in h.metrics), None)
-    return (f"[progress] {st.phase}, generation {st.generation}, {len(members)} hosts, "
+    return (f"[progress] {st.phase}, generation {st.generation}, {len(members)} hosts"
+            + (f" ({silent} silent)" if silent else "") + ", "
             f"step {slice_step(st)}" + (f", loss {loss:.4f}" if loss is not None else "")
             + f", committed step {st.committed_step}, ETTR {100 * st.ettr:.1f} %")
 

@@ -170,6 +170,103 @@ def test_lost_host_after_heartbeat_timeout(silent_s, lost):
         assert decision.state.lost == {"h1"}
 
 
+def silent_member_setup(peer_step: int, peer_step_at: float, carry: bool = True):
+    """h0, h1, h2 at step 5 at T0; then only h0 and h2 are heard from, at
+    `peer_step` (reached at T0 + `peer_step_at`), heartbeating every second."""
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    for h in ("h0", "h2"):
+        observe(view, ProgressReported(h, f"inc-{h}", 1, peer_step, -1), T0 + peer_step_at)
+    s = spec()
+    s = dataclasses.replace(s, health=dataclasses.replace(s.health, carry_silent_hosts=carry))
+    return state, view, s
+
+
+def beat_peers(view: ClusterView, now: float) -> None:
+    for h in ("h0", "h2"):
+        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), now)
+
+
+@pytest.mark.parametrize("peer_step,peer_step_at,now,carry,outcome", [
+    (20, 4.0, 4.9, True, None),         # not silent for heartbeat_timeout_s (5 s) yet
+    (8, 4.0, 5.1, True, "carried"),     # the slice went 3 steps past h1's last report
+    (7, 4.0, 5.1, True, "lost"),        # 2 steps: h1 may have died inside step 7
+    (20, 0.05, 5.1, True, "lost"),      # far ahead, but no step for 5 s: the slice stalled
+    (20, 4.0, 5.1, False, "lost"),      # health.carry_silent_hosts = false
+])
+def test_a_silent_member_is_carried_while_the_slice_steps_past_it(peer_step, peer_step_at, now,
+                                                                  carry, outcome):
+    state, view, s = silent_member_setup(peer_step, peer_step_at, carry)
+    beat_peers(view, T0 + now)
+    decision = decide(state, view, T0 + now, s)
+    if outcome is None:
+        assert kinds(decision) == [] and decision.state == state
+    elif outcome == "carried":
+        assert kinds(decision) == ["agent_silent"]
+        entry = decision.actions[0]
+        assert entry.host == "h1" and entry.fields["lead_steps"] == 3
+        assert decision.state.phase is Phase.RUNNING and not decision.state.lost
+        assert decision.state.carried == {"h1": T0}
+    else:
+        assert "host_lost" in kinds(decision) and decision.state.lost == {"h1"}
+        assert decision.state.phase is Phase.STOPPING and not decision.state.carried
+
+
+def carried_member(until: int):
+    """h1 carried from T0 + 5.1; h0 and h2 step once a second up to T0 + `until`."""
+    state, view, s = silent_member_setup(10, 4.0)
+    beat_peers(view, T0 + 5.1)
+    carried = decide(state, view, T0 + 5.1, s).state
+    for at in range(6, until + 1):
+        observe(view, ProgressReported("h0", "inc-h0", 1, 10 + at, -1), T0 + at)
+        observe(view, ProgressReported("h2", "inc-h2", 1, 10 + at, -1), T0 + at)
+        later = decide(carried, view, T0 + at, s)
+        # journaled once; its frozen step does not make the slice hung (10 s)
+        assert kinds(later) == [] and later.state.carried == {"h1": T0}
+    return carried, view, s
+
+
+def test_a_carried_member_is_heard_again_once_its_reports_catch_up():
+    carried, view, s = carried_member(13)
+    # heartbeats resume, first with the step it had when it went silent: still
+    # carried (not hung), until its step reports catch up: heard again, once
+    observe(view, HeartbeatReceived("h1", "inc-h1", view.hosts["h1"].worker, 0), T0 + 13.5)
+    behind = decide(carried, view, T0 + 13.5, s)
+    assert kinds(behind) == [] and behind.state == carried
+    observe(view, ProgressReported("h1", "inc-h1", 1, 23, -1), T0 + 13.6)
+    heard = decide(carried, view, T0 + 13.6, s)
+    assert kinds(heard) == ["agent_heard"] and heard.state.carried == {}
+    assert heard.actions[0].fields["silent_s"] == pytest.approx(13.6)
+    assert heard.state.phase is Phase.RUNNING
+    assert kinds(decide(heard.state, view, T0 + 13.7, s)) == []
+
+
+def test_a_carried_member_is_lost_when_the_slice_stops_stepping():
+    carried, view, s = carried_member(13)
+    # its worker died (or froze): the others cannot step; lost once their
+    # last step is heartbeat_timeout_s (5 s) old
+    beat_peers(view, T0 + 17.9)
+    assert kinds(decide(carried, view, T0 + 17.9, s)) == []
+    beat_peers(view, T0 + 18.1)
+    lost = decide(carried, view, T0 + 18.1, s)
+    assert kinds(lost)[0] == "host_lost" and "carried" in lost.actions[0].reason
+    assert lost.state.lost == {"h1"} and not lost.state.carried
+
+
+def test_a_carried_member_is_lost_once_the_slice_stops_for_another_reason():
+    state, view, s = silent_member_setup(10, 4.0)
+    beat_peers(view, T0 + 5.1)
+    carried = decide(state, view, T0 + 5.1, s).state
+    worker(view, "h2", T0 + 5.5, 1, WorkerState.EXITED, sig=9)
+    stopping = decide(carried, view, T0 + 5.5, s)
+    assert stopping.state.phase is Phase.STOPPING
+    # it cannot be told to stop: not waited for, and not in the next generation
+    after = decide(stopping.state, view, T0 + 5.6, s)
+    assert "host_lost" in kinds(after) and "h1" in after.state.lost
+
+
 @pytest.mark.parametrize("closed_for_s,reconnects,lost", [
     (0.9, False, False),  # within reconnect_grace_s (1 s): wait for it
     (1.1, False, True),   # gone: lost long before heartbeat_timeout_s (5 s)

@@ -128,3 +128,36 @@ def test_lost_work_after_a_local_snapshot_restore_counts_from_the_snapshot():
     assert g.incidents[0].lost_steps == 1
     assert g.badput_s["restore"] == pytest.approx(0.05)
     assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
+
+
+def test_a_silent_agent_the_slice_rode_out_is_an_incident_without_a_restart():
+    # generation 1: a stopped agent at 8 (carried from 9.5, heard at 15), then a
+    # worker kill at 20 that does end it
+    journal = JOURNAL[:5] + [
+        e(8, "fault_injected", 1, "b", fault="stop-agent", step=30),
+        e(9.5, "agent_silent", 1, "b", silent_s=1.6, lead_steps=3),
+        e(15, "agent_heard", 1, "b", silent_s=7.0),
+    ] + JOURNAL[5:]
+    g = account(journal)
+    ridden, killed = g.incidents
+    assert (ridden.kind, ridden.host, ridden.restarted) == ("stop-agent", "b", False)
+    assert ridden.detected_after_s == pytest.approx(1.5)
+    assert ridden.recovered_after_s == pytest.approx(7.0) and ridden.lost_steps == 0
+    # the generation's end is still blamed on the kill, and nothing else changed
+    assert (killed.kind, killed.restarted) == ("kill-worker", True)
+    assert killed.detected_after_s == pytest.approx(0.1)
+    assert g.productive_s == pytest.approx(account(JOURNAL).productive_s)
+    assert "no restart" in format_report(g)
+
+
+def test_a_carried_agent_that_is_then_lost_is_one_incident():
+    journal = JOURNAL[:5] + [
+        e(8, "fault_injected", 1, "b", fault="stop-agent", step=30),
+        e(9.5, "agent_silent", 1, "b", silent_s=1.6, lead_steps=3),
+        e(12, "host_lost", 1, "b", silent_s=4.1),
+        e(12, "slice_stopping", 1, "b", cause="failure"),
+        e(12.1, "slice_stopped", 1),
+    ]
+    [incident] = account(journal, now=1000.0 + 20).incidents
+    assert (incident.kind, incident.restarted) == ("stop-agent", True)
+    assert incident.detected_after_s == pytest.approx(4.0)

@@ -2,10 +2,11 @@
 
 Every decision and incident is one line with at least `ts` (Unix seconds,
 float), `kind`, `generation`, `host` (null where none applies) and `reason`.
-Kinds: host_registered, host_lost, host_returned, host_dropped, worker_exited,
-waiting_for_hosts, generation_started, first_progress, checkpoint_committed,
-slice_stopping, slice_stopped, stray_worker_stopping, stale_message_rejected,
-job_succeeded, job_failed, controller_started, controller_stopped.
+Kinds: host_registered, host_lost, host_returned, agent_silent, agent_heard,
+host_dropped, worker_exited, waiting_for_hosts, generation_started,
+first_progress, checkpoint_committed, slice_stopping, slice_stopped,
+stray_worker_stopping, stale_message_rejected, job_succeeded, job_failed,
+controller_started, controller_stopped.
 """
 
 from __future__ import annotations

@@ -34,6 +34,10 @@ def job_status(controller) -> pb.JobStatus:
             host_state, note = "quarantined", state.quarantined[record.host_id][1]
         elif record.preemption:
             host_state, note = "leaving", record.preemption
+        elif record.host_id in state.carried:
+            host_state = "silent"
+            note = (f"agent silent for {now - record.last_heartbeat_at:.1f} s; its worker "
+                    f"still trains with the slice (health.carry_silent_hosts)")
         elif record.host_id in ranks:
             host_state = "stopping" if state.phase.value == "stopping" else "member"
         else:

@@ -18,7 +18,7 @@ import enum
 from collections.abc import Mapping
 
 from elastic.config import JobSpec
-from elastic.policy import quarantine
+from elastic.policy import quarantine, silence
 from elastic.policy.hang import check_hang
 from elastic.policy.mesh import Candidate, plan_mesh
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
@@ -95,6 +95,9 @@ class SliceState:
     failure_restarts: times of failure restarts (for the restart budget).
     failures_without_progress: failures in a row with no step in between.
     lost: hosts currently considered lost (journaled once).
+    carried: members silent past heartbeat_timeout_s whose worker the others'
+      steps show still training (host -> its last heartbeat; see
+      elastic.policy.silence); journaled once, not lost.
     stop_requested: host -> time a stop was last sent to a non-member worker.
     grow_ready_since: when a bigger slice first became possible.
     draining_since: when a member's preemption notice was first seen (the
@@ -119,6 +122,7 @@ class SliceState:
     restarts: int = 0
     failures_without_progress: int = 0
     lost: frozenset[str] = frozenset()
+    carried: Mapping[str, float] = dataclasses.field(default_factory=dict)
     stop_requested: Mapping[str, float] = dataclasses.field(default_factory=dict)
     grow_ready_since: float | None = None
     draining_since: float | None = None
@@ -169,16 +173,32 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     timeout = spec.health.heartbeat_timeout_s
     cutoff = now - timeout
     lost = set(state.lost)
+    carried = dict(state.carried)
 
     def lose(host: str, reason: str, fields: dict) -> None:
         lost.add(host)
+        carried.pop(host, None)
         actions.append(Journal("host_lost", state.generation, reason, host, fields))
 
     for record in view.silent(cutoff):
-        if record.host_id not in lost:
-            lose(record.host_id, f"no heartbeat for {now - record.last_heartbeat_at:.1f} s "
-                 f"(heartbeat_timeout_s = {timeout:g})",
-                 {"silent_s": round(now - record.last_heartbeat_at, 3)})
+        host = record.host_id
+        if host in lost:
+            continue
+        silent_s = round(now - record.last_heartbeat_at, 3)
+        lead = _peer_lead(state, view, record, now, spec)
+        if lead >= silence.CARRY_LEAD_STEPS:
+            if host not in carried:
+                carried[host] = record.last_heartbeat_at
+                actions.append(Journal(
+                    "agent_silent", state.generation,
+                    f"no heartbeat for {silent_s:.1f} s, but the slice went {lead} steps past "
+                    f"its worker's last report (step {record.worker.step}): its worker still "
+                    f"trains; kept in the slice", host,
+                    {"silent_s": silent_s, "lead_steps": lead, "step": record.worker.step}))
+            continue
+        was = " (carried until the slice stopped stepping)" if host in carried else ""
+        lose(host, f"no heartbeat for {silent_s:.1f} s (heartbeat_timeout_s = {timeout:g}){was}",
+             {"silent_s": silent_s})
     grace = spec.health.reconnect_grace_s
     for host, at in view.disconnected.items():
         if host not in lost and now - at >= grace:
@@ -191,9 +211,33 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             lost.discard(host)
             actions.append(Journal("host_returned", state.generation,
                                    "heartbeats resumed", host))
-    if lost == state.lost:
+    for host, since in state.carried.items():
+        record = view.get(host)
+        # heard again, and its step reports caught up (its agent's first
+        # heartbeat may still carry the step it had when it went silent)
+        if host in carried and record is not None and record.last_heartbeat_at >= cutoff and \
+                _peer_lead(state, view, record, now, spec) < silence.CARRY_LEAD_STEPS:
+            del carried[host]
+            silent_s = round(record.last_heartbeat_at - since, 3)
+            actions.append(Journal("agent_heard", state.generation,
+                                   f"heartbeats resumed after {silent_s:.1f} s; its worker "
+                                   f"trained on meanwhile", host, {"silent_s": silent_s}))
+    if lost == state.lost and carried == state.carried:
         return state
-    return dataclasses.replace(state, lost=frozenset(lost))
+    return dataclasses.replace(state, lost=frozenset(lost), carried=carried)
+
+
+def _peer_lead(state: SliceState, view: ClusterView, record: HostRecord, now: float,
+               spec: JobSpec) -> int:
+    """Steps the other members of the running generation are ahead of a
+    silent member (0 when carrying does not apply: not a member, not running,
+    or `health.carry_silent_hosts` off)."""
+    if not spec.health.carry_silent_hosts or state.phase is not Phase.RUNNING or \
+            record.host_id not in state.members:
+        return 0
+    peers = (view.hosts[h] for h in state.members if h != record.host_id and h in view.hosts)
+    return silence.peer_lead(record, peers, state.generation, now,
+                             spec.health.heartbeat_timeout_s)
 
 
 def _usable(record: HostRecord, state: SliceState) -> bool:
@@ -312,8 +356,10 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         return _enter(state, Phase.SUCCEEDED, now, reason, exit_code=0)
     members = [view.hosts[h] for h in state.members]
     # A hang first: a slice draining for a preemption whose worker is stuck
-    # will never write its emergency checkpoint.
-    hang = check_hang(members, view, state.phase_since, state.progressed, now, spec)
+    # will never write its emergency checkpoint. (A carried member's step
+    # reports stopped with its agent; the others' steps time the slice.)
+    hang = check_hang([r for r in members if r.host_id not in state.carried], view,
+                      state.phase_since, state.progressed, now, spec)
     leaving = [r for r in members if r.preemption]
     if leaving and not hang:
         return _drain(state, view, now, spec, actions, leaving)

@@ -1,0 +1,43 @@
+"""Is a silent host's worker still training? Read it off its peers' steps.
+
+A host's heartbeats come from its agent; its worker trains without it. An
+agent that stops (SIGSTOP, a stuck process, a control-network fault) goes
+silent while its worker keeps stepping with the others, and restarting the
+slice for it would throw away a healthy run. In lockstep SPMD training every
+step has a collective across all processes, so no process can finish step
+k + 1 before every other one has reached step k + 1: a peer that reports
+step `s + CARRY_LEAD_STEPS` proves the silent host's worker went past its
+last reported step `s`. The lead is 3 and not 2 because the silent worker may
+have finished a step whose report its stopped agent never sent, and may have
+taken part in all of the next step's collectives before it died.
+
+The same idea as Kubernetes' node lifecycle: a node that stops reporting
+becomes NotReady, but its pods keep running until the taint's
+`tolerationSeconds` (300 s by default) ends; a silent control plane is not
+proof of a dead data plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from elastic.policy.view import HostRecord
+
+#: Steps the other members must be ahead of a silent member's last report.
+CARRY_LEAD_STEPS = 3
+
+
+def peer_lead(silent: HostRecord, peers: Iterable[HostRecord], generation: int, now: float,
+              window_s: float) -> int:
+    """Steps the furthest peer is ahead of `silent`'s last reported step,
+    counting only peers in `generation` whose step went up within the last
+    `window_s` seconds (`now` and the records' times: controller-monotonic
+    seconds). 0 if no such peer is ahead, or if `silent` is not running in
+    `generation` (a worker that never reported a step is carried by no one)."""
+    w = silent.worker
+    if w.generation != generation or not w.running or w.step < 0 or w.suspended:
+        return 0
+    recent = [p.worker.step for p in peers if p.worker.generation == generation
+              and p.worker.step >= 0 and now - p.step_at <= window_s]
+    return max(0, max(recent, default=-1) - w.step)
+
