@@ -71,7 +71,7 @@ def print_table(results: dict[str, dict]) -> None:
               f"{s['max_s']:8.3f}")
 
 
-def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 25,
+def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 100,
            extra: str = "", worker_args: tuple[str, ...] = ()) -> pathlib.Path:
     """Write a job spec running workers/lm (endless, mesh data=-1 x model=2,
     restart budget and crash loop out of the way, as benchmarks hit the same

@@ -34,6 +34,8 @@ from elastic.local import restart_agent, start_slice, stop_slice
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ["kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt", "kill-during-save"]
+#: the reference job's checkpoint interval (steps)
+INTERVAL = 100
 PHASES = ("process_start", "distributed_init", "restore", "first_step")
 
 
@@ -66,7 +68,7 @@ def main() -> int:
     args = parser.parse_args()
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-recovery-"))
-    spec_path = lm_job(work, "recovery", args.hosts, 25,
+    spec_path = lm_job(work, "recovery", args.hosts, INTERVAL,
                        extra='grow = "immediately"\n[quarantine]\nfailures = 10000')
     spec = load_spec(spec_path)
     state = work / "state"
@@ -99,7 +101,7 @@ def main() -> int:
     for incident in incidents:
         worker = next((e for e in journal if e["kind"] == "worker_phases"
                        and e["generation"] == incident.generation + 1), None)
-        if worker:
+        if worker and incident.restarted:
             for name in PHASES:
                 phases.setdefault(incident.kind, {}).setdefault(name, []).append(
                     worker.get(f"{name}_s", 0.0))
@@ -121,7 +123,7 @@ def main() -> int:
              and not e.get("preemption")]
     blocking = [e["blocking_s"] for e in saves[1:]]
     step_time = statistics.median(e["step_time_s"] for e in saves)
-    share = statistics.median(blocking) / (25 * step_time)
+    share = statistics.median(blocking) / (INTERVAL * step_time)
     print(f"\n{'fault':18} {'n':>3} {'detect p50':>10} {'p95':>7} {'first step p50':>14} "
           f"{'p95':>7}  startup phases p50 (process, dist init, restore, first step)")
     for kind, r in results.items():
@@ -135,12 +137,12 @@ def main() -> int:
                  f"is agent_silent, first step is agent_heard)"
                  if r["restarts"] < r["faults"] else ""))
     print(f"\ncheckpoint saves: median blocking {statistics.median(blocking):.3f} s per save "
-          f"every 25 steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
+          f"every {INTERVAL} steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "hosts": args.hosts, "trials": args.trials, "faults": results,
                             "checkpoint": {"median_blocking_s": statistics.median(blocking),
                                            "median_step_time_s": step_time,
-                                           "interval_steps": 25, "blocking_share": share}})
+                                           "interval_steps": INTERVAL, "blocking_share": share}})
     return 0
 
 

@@ -31,7 +31,7 @@ def run(every: int, hosts: int, steps: int) -> tuple[list[float], list[float]]:
     snapshot times (s, over the last 50 steps) process 0 reported with its
     saves after step 50."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-snapbench-"))
-    spec_path = lm_job(work, "snapbench", hosts, 25, worker_args=("--snapshot-every", str(every)))
+    spec_path = lm_job(work, "snapbench", hosts, worker_args=("--snapshot-every", str(every)))
     state = work / "state"
     local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
     try:

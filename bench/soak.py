@@ -35,10 +35,12 @@ def main() -> int:
                         help="keep the default quarantine policy (off by default: faults "
                              "picked uniformly at random are not a bad host, and setting "
                              "hosts aside would shrink the slice the soak measures)")
+    parser.add_argument("--checkpoint-every", type=int, default=100,
+                        help="the reference job's persistent checkpoint interval, in steps")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-soak-"))
-    spec_path = lm_job(work, "soak", args.hosts, 25,
+    spec_path = lm_job(work, "soak", args.hosts, args.checkpoint_every,
                        "" if args.quarantine else "[quarantine]\nfailures = 1000000")
     spec = load_spec(spec_path)
     state = work / "state"

@@ -347,6 +347,39 @@ def test_stop_then_restart_on_survivors():
     assert [a.process_id for a in starts] == [0, 1]
 
 
+@pytest.mark.parametrize("grow,mesh,restarted_on", [
+    # a newcomer has no local snapshot: with it, everyone would roll back to
+    # the persistent checkpoint, which "after_checkpoint" promises not to do
+    ("after_checkpoint", None, ["h0", "h1", "h2"]),
+    ("immediately", None, ["h0", "h1", "h2", "h3"]),
+    ("never", None, ["h0", "h1", "h2"] + ["h3"]),
+    # without the newcomer the mesh (model=4, 2 devices a host) fits 2 hosts, with it 4
+    ("after_checkpoint", (("data", -1), ("model", 4)), ["h0", "h1", "h2", "h3"]),
+])
+def test_a_failure_restart_leaves_a_newcomer_for_the_next_grow(grow, mesh, restarted_on):
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    register(view, "h3", now=T0 + 1)
+    worker(view, "h1", T0 + 2, 1, WorkerState.EXITED, sig=9)
+    s = spec(restart={"grow": grow})
+    if mesh:
+        s = dataclasses.replace(s, mesh=MeshSpec(mesh))
+    stopped = stop_and_settle(state, view, T0 + 2, s)
+    restart = decide(stopped.state, view, T0 + 2.3, s)
+    assert sorted(a.host for a in restart.actions if isinstance(a, d.StartWorker)) == restarted_on
+    if len(restarted_on) == 3 and grow == "after_checkpoint":
+        # and it grows after the next commit, as the policy says
+        for h in restarted_on:
+            worker(view, h, T0 + 3, 2, WorkerState.RUNNING, step=25)
+        running = dataclasses.replace(restart.state, phase=Phase.RUNNING, progressed=True)
+        waiting = decide(running, view, T0 + 3, s)
+        assert waiting.state.phase is Phase.RUNNING
+        observe(view, ProgressReported("h0", "inc-h0", 2, 30, 30), T0 + 4)
+        assert "grow" in decide(waiting.state, view, T0 + 4, s).reason
+
+
 def test_unacknowledged_stop_drops_host_after_timeout():
     view = ClusterView()
     for h in ("h0", "h1"):

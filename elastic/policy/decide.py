@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from elastic.config import JobSpec
 from elastic.policy import quarantine, silence
 from elastic.policy.hang import check_hang
-from elastic.policy.mesh import Candidate, plan_mesh
+from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
 
@@ -272,8 +272,11 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             return dataclasses.replace(state, reason=plan.reason, waiting_journaled_at=now)
         return dataclasses.replace(state, reason=plan.reason) \
             if plan.reason != state.reason else state
+    survivors = _survivors_plan(state, spec, candidates, plan.hosts)
+    if survivors is not None:
+        plan = survivors  # newcomers join at the next grow; no settling for them
     settle_left = view.last_registration_at + spec.health.rendezvous_settle_s - now
-    if len(plan.hosts) < spec.max_hosts and settle_left > 0:
+    if survivors is None and len(plan.hosts) < spec.max_hosts and settle_left > 0:
         return dataclasses.replace(
             state, reason=f"{len(plan.hosts)} hosts ready, waiting {settle_left:.1f} s "
                           f"more for up to {spec.max_hosts}")
@@ -296,6 +299,25 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                                          for h in plan.hosts),
                   progressed=False, grow_ready_since=None,
                   waiting_journaled_at=float("-inf"))
+
+
+def _survivors_plan(state: SliceState, spec: JobSpec, candidates: list[Candidate],
+                    full: tuple[str, ...]) -> MeshPlan | None:
+    """The restart after a failure under restart.grow = "after_checkpoint":
+    the failed generation's usable members only, if leaving the newcomers
+    out costs no member (a mesh that only fits fewer hosts). A newcomer holds
+    no local snapshot, so restarting with it would roll everyone back to the
+    persistent checkpoint, which the grow policy promised not to do; it joins
+    at the next grow, after the next commit. None: plan with everyone."""
+    if spec.restart.grow != "after_checkpoint" or state.stop_kind != "failure" or \
+            not state.members:
+        return None
+    previous = set(state.members)
+    newcomers = sum(h not in previous for h in full)
+    if not newcomers:
+        return None
+    plan = plan_mesh(spec, [c for c in candidates if c.host_id in previous])
+    return plan if plan.hosts and len(plan.hosts) >= len(full) - newcomers else None
 
 
 def _member_failure(state: SliceState, view: ClusterView, host: str,

@@ -41,7 +41,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--ema-decay", type=float, default=0.99)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=25)
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="steps between persistent checkpoints (restarts mostly resume from "
+                        "the local snapshots, every --snapshot-every steps)")
     p.add_argument("--max-to-keep", type=int, default=3)
     p.add_argument("--snapshot-every", type=int, default=10,
                    help="steps between local snapshots (restarts resume from them; 0: none)")
