@@ -180,12 +180,16 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         carried.pop(host, None)
         actions.append(Journal("host_lost", state.generation, reason, host, fields))
 
+    front: int | None = None
+    front_known = False  # the front is computed at the first silent host (O(members))
     for record in view.silent(cutoff):
         host = record.host_id
         if host in lost:
             continue
+        if not front_known:
+            front, front_known = _carry_front(state, view, now, spec), True
         silent_s = round(now - record.last_heartbeat_at, 3)
-        lead = _peer_lead(state, view, record, now, spec)
+        lead = _lead(state, record, front)
         if lead >= silence.CARRY_LEAD_STEPS:
             if host not in carried:
                 carried[host] = record.last_heartbeat_at
@@ -211,12 +215,14 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             lost.discard(host)
             actions.append(Journal("host_returned", state.generation,
                                    "heartbeats resumed", host))
+    if state.carried and not front_known:
+        front = _carry_front(state, view, now, spec)
     for host, since in state.carried.items():
         record = view.get(host)
         # heard again, and its step reports caught up (its agent's first
         # heartbeat may still carry the step it had when it went silent)
         if host in carried and record is not None and record.last_heartbeat_at >= cutoff and \
-                _peer_lead(state, view, record, now, spec) < silence.CARRY_LEAD_STEPS:
+                _lead(state, record, front) < silence.CARRY_LEAD_STEPS:
             del carried[host]
             silent_s = round(record.last_heartbeat_at - since, 3)
             actions.append(Journal("agent_heard", state.generation,
@@ -227,17 +233,21 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     return dataclasses.replace(state, lost=frozenset(lost), carried=carried)
 
 
-def _peer_lead(state: SliceState, view: ClusterView, record: HostRecord, now: float,
-               spec: JobSpec) -> int:
-    """Steps the other members of the running generation are ahead of a
-    silent member (0 when carrying does not apply: not a member, not running,
-    or `health.carry_silent_hosts` off)."""
-    if not spec.health.carry_silent_hosts or state.phase is not Phase.RUNNING or \
-            record.host_id not in state.members:
+def _carry_front(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> int | None:
+    """The step the running generation's members reached recently (see
+    elastic.policy.silence), or None when carrying does not apply (not
+    running, or `health.carry_silent_hosts` off)."""
+    if not spec.health.carry_silent_hosts or state.phase is not Phase.RUNNING:
+        return None
+    return silence.slice_front((view.hosts[h] for h in state.members if h in view.hosts),
+                               state.generation, now, spec.health.heartbeat_timeout_s)
+
+
+def _lead(state: SliceState, record: HostRecord, front: int | None) -> int:
+    """Steps the slice is ahead of a member's last report (0: not carried)."""
+    if front is None or record.host_id not in state.members:
         return 0
-    peers = (view.hosts[h] for h in state.members if h != record.host_id and h in view.hosts)
-    return silence.peer_lead(record, peers, state.generation, now,
-                             spec.health.heartbeat_timeout_s)
+    return silence.peer_lead(record, front, state.generation)
 
 
 def _usable(record: HostRecord, state: SliceState) -> bool:

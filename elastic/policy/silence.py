@@ -27,17 +27,22 @@ from elastic.policy.view import HostRecord
 CARRY_LEAD_STEPS = 3
 
 
-def peer_lead(silent: HostRecord, peers: Iterable[HostRecord], generation: int, now: float,
-              window_s: float) -> int:
-    """Steps the furthest peer is ahead of `silent`'s last reported step,
-    counting only peers in `generation` whose step went up within the last
-    `window_s` seconds (`now` and the records' times: controller-monotonic
-    seconds). 0 if no such peer is ahead, or if `silent` is not running in
-    `generation` (a worker that never reported a step is carried by no one)."""
+def slice_front(members: Iterable[HostRecord], generation: int, now: float,
+                window_s: float) -> int:
+    """The highest step any of `members` reported in `generation` whose step
+    went up within the last `window_s` seconds (`now` and the records' times:
+    controller-monotonic seconds); -1 if none. A silent member's own step is
+    never recent (a step report is also a sign of life), so the front of all
+    members is the front of its peers. O(members): computed once per pass."""
+    return max((r.worker.step for r in members if r.worker.generation == generation
+                and r.worker.step >= 0 and now - r.step_at <= window_s), default=-1)
+
+
+def peer_lead(silent: HostRecord, front: int, generation: int) -> int:
+    """Steps the slice's `front` (see slice_front) is ahead of `silent`'s last
+    reported step; 0 if `silent` is not running in `generation` or stopped (a
+    worker that never reported a step is carried by no one)."""
     w = silent.worker
     if w.generation != generation or not w.running or w.step < 0 or w.suspended:
         return 0
-    recent = [p.worker.step for p in peers if p.worker.generation == generation
-              and p.worker.step >= 0 and now - p.step_at <= window_s]
-    return max(0, max(recent, default=-1) - w.step)
-
+    return max(0, front - w.step)
