@@ -1,4 +1,5 @@
-"""Table-driven tests of the pure decisions, with a fake clock."""
+"""Table-driven tests of the pure decisions, with a fake clock (builders in
+policy_tables.py; silent members and hangs in test_liveness.py)."""
 
 from __future__ import annotations
 
@@ -6,57 +7,13 @@ import dataclasses
 
 import pytest
 
-from elastic.config import HealthSpec, JobSpec, MeshSpec, RestartSpec
+from elastic.config import MeshSpec, QuarantineSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import (ClusterView, Disconnected, HeartbeatReceived, ProgressReported,
-                                 Registered, WorkerExited, WorkerObs, WorkerState, observe)
-
-T0 = 1000.0
-
-
-def spec(**kw) -> JobSpec:
-    health = HealthSpec(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, stop_grace_s=2.0,
-                        stop_timeout_s=10.0, rendezvous_settle_s=1.0)
-    restart = RestartSpec(**kw.pop("restart", {}))
-    return JobSpec(command=("w",), min_hosts=kw.pop("min_hosts", 1),
-                   max_hosts=kw.pop("max_hosts", 4), health=health, restart=restart, **kw)
-
-
-def register(view: ClusterView, host: str, now: float = T0, domain: str | None = None,
-             devices: int = 2, incarnation: str | None = None) -> None:
-    observe(view, Registered(host, incarnation or f"inc-{host}", devices, "10.0.0.1",
-                             domain or host, 100, 5000 + int(host[-1]), WorkerObs()), now)
-
-
-def worker(view: ClusterView, host: str, now: float, generation: int, state: WorkerState,
-           step: int = -1, exit_code: int = 0, sig: int = 0) -> None:
-    inc = view.hosts[host].incarnation
-    obs = WorkerObs(generation=generation, state=state, pid=42, exit_code=exit_code, signal=sig,
-                    step=step)
-    event = (WorkerExited(host, inc, obs) if state is WorkerState.EXITED
-             else HeartbeatReceived(host, inc, obs, 0))
-    observe(view, event, now)
-
-
-def heartbeat_all(view: ClusterView, now: float) -> None:
-    for record in list(view.hosts.values()):
-        observe(view, HeartbeatReceived(record.host_id, record.incarnation, record.worker, 0), now)
-
-
-def kinds(decision: d.Decision) -> list[str]:
-    return [a.kind for a in decision.actions if isinstance(a, d.Journal)]
-
-
-def running_slice(view: ClusterView, hosts: list[str], now: float = T0,
-                  generation: int = 1, progressed: bool = True, **kw) -> SliceState:
-    for h in hosts:
-        worker(view, h, now, generation, WorkerState.RUNNING, step=5 if progressed else -1)
-    return SliceState(phase=Phase.RUNNING if progressed else Phase.STARTING,
-                      generation=generation, phase_since=now, members=tuple(hosts),
-                      incarnations=tuple(view.hosts[h].incarnation for h in hosts),
-                      progressed=progressed, **kw)
-
+                                 WorkerObs, WorkerState, observe)
+from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
+                                 stop_and_settle, worker)
 
 # --- waiting and starting ----------------------------------------------------------------
 
@@ -170,103 +127,6 @@ def test_lost_host_after_heartbeat_timeout(silent_s, lost):
         assert decision.state.lost == {"h1"}
 
 
-def silent_member_setup(peer_step: int, peer_step_at: float, carry: bool = True):
-    """h0, h1, h2 at step 5 at T0; then only h0 and h2 are heard from, at
-    `peer_step` (reached at T0 + `peer_step_at`), heartbeating every second."""
-    view = ClusterView()
-    for h in ("h0", "h1", "h2"):
-        register(view, h)
-    state = running_slice(view, ["h0", "h1", "h2"])
-    for h in ("h0", "h2"):
-        observe(view, ProgressReported(h, f"inc-{h}", 1, peer_step, -1), T0 + peer_step_at)
-    s = spec()
-    s = dataclasses.replace(s, health=dataclasses.replace(s.health, carry_silent_hosts=carry))
-    return state, view, s
-
-
-def beat_peers(view: ClusterView, now: float) -> None:
-    for h in ("h0", "h2"):
-        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), now)
-
-
-@pytest.mark.parametrize("peer_step,peer_step_at,now,carry,outcome", [
-    (20, 4.0, 4.9, True, None),         # not silent for heartbeat_timeout_s (5 s) yet
-    (8, 4.0, 5.1, True, "carried"),     # the slice went 3 steps past h1's last report
-    (7, 4.0, 5.1, True, "lost"),        # 2 steps: h1 may have died inside step 7
-    (20, 0.05, 5.1, True, "lost"),      # far ahead, but no step for 5 s: the slice stalled
-    (20, 4.0, 5.1, False, "lost"),      # health.carry_silent_hosts = false
-])
-def test_a_silent_member_is_carried_while_the_slice_steps_past_it(peer_step, peer_step_at, now,
-                                                                  carry, outcome):
-    state, view, s = silent_member_setup(peer_step, peer_step_at, carry)
-    beat_peers(view, T0 + now)
-    decision = decide(state, view, T0 + now, s)
-    if outcome is None:
-        assert kinds(decision) == [] and decision.state == state
-    elif outcome == "carried":
-        assert kinds(decision) == ["agent_silent"]
-        entry = decision.actions[0]
-        assert entry.host == "h1" and entry.fields["lead_steps"] == 3
-        assert decision.state.phase is Phase.RUNNING and not decision.state.lost
-        assert decision.state.carried == {"h1": T0}
-    else:
-        assert "host_lost" in kinds(decision) and decision.state.lost == {"h1"}
-        assert decision.state.phase is Phase.STOPPING and not decision.state.carried
-
-
-def carried_member(until: int):
-    """h1 carried from T0 + 5.1; h0 and h2 step once a second up to T0 + `until`."""
-    state, view, s = silent_member_setup(10, 4.0)
-    beat_peers(view, T0 + 5.1)
-    carried = decide(state, view, T0 + 5.1, s).state
-    for at in range(6, until + 1):
-        observe(view, ProgressReported("h0", "inc-h0", 1, 10 + at, -1), T0 + at)
-        observe(view, ProgressReported("h2", "inc-h2", 1, 10 + at, -1), T0 + at)
-        later = decide(carried, view, T0 + at, s)
-        # journaled once; its frozen step does not make the slice hung (10 s)
-        assert kinds(later) == [] and later.state.carried == {"h1": T0}
-    return carried, view, s
-
-
-def test_a_carried_member_is_heard_again_once_its_reports_catch_up():
-    carried, view, s = carried_member(13)
-    # heartbeats resume, first with the step it had when it went silent: still
-    # carried (not hung), until its step reports catch up: heard again, once
-    observe(view, HeartbeatReceived("h1", "inc-h1", view.hosts["h1"].worker, 0), T0 + 13.5)
-    behind = decide(carried, view, T0 + 13.5, s)
-    assert kinds(behind) == [] and behind.state == carried
-    observe(view, ProgressReported("h1", "inc-h1", 1, 23, -1), T0 + 13.6)
-    heard = decide(carried, view, T0 + 13.6, s)
-    assert kinds(heard) == ["agent_heard"] and heard.state.carried == {}
-    assert heard.actions[0].fields["silent_s"] == pytest.approx(13.6)
-    assert heard.state.phase is Phase.RUNNING
-    assert kinds(decide(heard.state, view, T0 + 13.7, s)) == []
-
-
-def test_a_carried_member_is_lost_when_the_slice_stops_stepping():
-    carried, view, s = carried_member(13)
-    # its worker died (or froze): the others cannot step; lost once their
-    # last step is heartbeat_timeout_s (5 s) old
-    beat_peers(view, T0 + 17.9)
-    assert kinds(decide(carried, view, T0 + 17.9, s)) == []
-    beat_peers(view, T0 + 18.1)
-    lost = decide(carried, view, T0 + 18.1, s)
-    assert kinds(lost)[0] == "host_lost" and "carried" in lost.actions[0].reason
-    assert lost.state.lost == {"h1"} and not lost.state.carried
-
-
-def test_a_carried_member_is_lost_once_the_slice_stops_for_another_reason():
-    state, view, s = silent_member_setup(10, 4.0)
-    beat_peers(view, T0 + 5.1)
-    carried = decide(state, view, T0 + 5.1, s).state
-    worker(view, "h2", T0 + 5.5, 1, WorkerState.EXITED, sig=9)
-    stopping = decide(carried, view, T0 + 5.5, s)
-    assert stopping.state.phase is Phase.STOPPING
-    # it cannot be told to stop: not waited for, and not in the next generation
-    after = decide(stopping.state, view, T0 + 5.6, s)
-    assert "host_lost" in kinds(after) and "h1" in after.state.lost
-
-
 @pytest.mark.parametrize("closed_for_s,reconnects,lost", [
     (0.9, False, False),  # within reconnect_grace_s (1 s): wait for it
     (1.1, False, True),   # gone: lost long before heartbeat_timeout_s (5 s)
@@ -316,16 +176,6 @@ def test_agent_restart_is_member_failure():
     register(view, "h1", now=T0 + 1, incarnation="new")
     decision = decide(state, view, T0 + 1, spec())
     assert decision.state.phase is Phase.STOPPING and "restarted" in decision.reason
-
-
-def stop_and_settle(state, view, now, s):
-    """From a failure to the decision after all stop acknowledgements."""
-    decision = decide(state, view, now, s)
-    assert decision.state.phase is Phase.STOPPING
-    for h in decision.state.members:
-        if view.hosts[h].worker.running and h not in decision.state.lost:
-            worker(view, h, now + 0.1, decision.state.generation, WorkerState.EXITED, sig=9)
-    return decide(decision.state, view, now + 0.2, s)
 
 
 def test_stop_then_restart_on_survivors():
@@ -550,97 +400,6 @@ def test_terminal_state_is_final():
 def test_mesh_spec_is_kept_in_order():
     assert MeshSpec.from_text("data=-1,model=2").axes == (("data", -1), ("model", 2))
     assert dataclasses.replace(spec(), mesh=MeshSpec((("x", 4),))).mesh.to_text() == "x=4"
-
-
-# --- hangs ------------------------------------------------------------------------------
-
-from elastic.config import HangSpec, QuarantineSpec  # noqa: E402
-from elastic.policy.hang import hang_timeout  # noqa: E402
-
-
-@pytest.mark.parametrize("fixed,step_time,expected", [
-    (0.0, None, 10.0),   # nothing learned yet: the minimum
-    (0.0, 0.5, 10.0),    # 10 x 0.5 s is below the minimum
-    (0.0, 2.0, 20.0),    # learned: 10 x the median step
-    (7.0, 2.0, 7.0),     # set in the job spec
-])
-def test_hang_timeout_table(fixed, step_time, expected):
-    s = dataclasses.replace(spec(), hang=HangSpec(timeout_s=fixed))
-    assert hang_timeout(s, step_time) == expected
-
-
-def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = False):
-    view = ClusterView()
-    hosts = ["h0", "h1", "h2"]
-    for h in hosts:
-        register(view, h)
-    state = running_slice(view, hosts)  # all at step 5 at T0
-    for h in ("h0", "h2"):  # h1 stopped at step 5, the others reached step 6
-        worker(view, h, T0 + 1, 1, WorkerState.RUNNING, step=6)
-    if suspended:
-        view.hosts[suspended].worker.suspended = True
-    if saving:
-        view.save_started_at = T0 + 1
-    heartbeat_all(view, T0 + silent_s)
-    return state, view
-
-
-@pytest.mark.parametrize("silent_s,suspended,saving,hung,first_suspect", [
-    (9.0, None, False, False, None),
-    (10.5, None, False, True, "h1"),      # h1 advanced least recently
-    (10.5, "h2", False, True, "h2"),      # a suspended worker is the prime suspect
-    (30.0, None, True, False, None),      # a save in flight: +60 s allowance
-    (71.0, None, True, True, "h1"),
-])
-def test_hang_detection(silent_s, suspended, saving, hung, first_suspect):
-    state, view = hang_setup(silent_s, suspended, saving)
-    decision = decide(state, view, T0 + silent_s, spec())
-    assert ("hang_detected" in kinds(decision)) is hung
-    if hung:
-        entry = next(a for a in decision.actions if isinstance(a, d.Journal)
-                     and a.kind == "hang_detected")
-        assert entry.fields["suspects"][0] == first_suspect
-        assert decision.state.phase is Phase.STOPPING
-        assert {a.grace_s for a in decision.actions if isinstance(a, d.StopWorker)} == {0.0}
-
-
-@pytest.mark.parametrize("reports,now,limit,hung", [
-    # (time, suspended) reports of h1's worker after every host's step 5 at T0
-    ([(2.0, True), (3.0, True)], 4.5, 2.0, True),     # stopped 2.5 s: hung, long before 10 s
-    ([(2.0, True), (3.0, True)], 3.5, 2.0, False),    # stopped 1.5 s: not yet
-    ([(2.0, True), (3.0, False), (4.0, True)], 5.5, 2.0, False),  # resumed in between: 1.5 s
-    ([(2.0, True), (3.0, True)], 4.5, 0.0, False),    # turned off: the step timeout decides
-])
-def test_a_stopped_worker_is_hung_after_the_suspended_timeout(reports, now, limit, hung):
-    view = ClusterView()
-    for h in ("h0", "h1"):
-        register(view, h)
-    state = running_slice(view, ["h0", "h1"])
-    inc = view.hosts["h1"].incarnation
-    for at, suspended in reports:
-        observe(view, HeartbeatReceived("h1", inc, WorkerObs(
-            generation=1, state=WorkerState.RUNNING, pid=42, step=5, suspended=suspended), 0),
-            T0 + at)
-    s = dataclasses.replace(spec(), hang=HangSpec(suspended_timeout_s=limit))
-    decision = decide(state, view, T0 + now, s)
-    assert ("hang_detected" in kinds(decision)) is hung
-    if hung:
-        entry = next(a for a in decision.actions if isinstance(a, d.Journal)
-                     and a.kind == "hang_detected")
-        assert entry.fields["suspects"] == ["h1"] and "stopped" in entry.reason
-        assert entry.fields["silent_s"] == pytest.approx(now)  # since the last step
-
-
-def test_startup_allowance():
-    view = ClusterView()
-    register(view, "h0")
-    state = running_slice(view, ["h0"], progressed=False)
-    s = dataclasses.replace(spec(), hang=HangSpec(startup_timeout_s=60))
-    heartbeat_all(view, T0 + 59)
-    assert decide(state, view, T0 + 59, s).state.phase is Phase.STARTING
-    heartbeat_all(view, T0 + 61)
-    late = decide(state, view, T0 + 61, s)
-    assert "hang_detected" in kinds(late) and "no first step" in late.reason
 
 
 # --- quarantine -----------------------------------------------------------------------------
