@@ -63,7 +63,8 @@ def test_each_fault_kind(tmp_path, local_job, kind):
     assert incident.recovered_after_s is not None
     # a stopped agent whose worker steps on with the others costs no restart
     restarts = [e for e in journal if e["kind"] == "generation_started"][1:]
-    assert incident.restarted is (kind != "stop-agent") is bool(restarts), restarts
+    assert incident.restarted is (kind != "stop-agent"), incident
+    assert bool(restarts) is incident.restarted, restarts
     assert 0.0 < goodput.ettr <= 1.0
     # the CLI report says the same
     out = subprocess.run([sys.executable, "-m", "elastic.cli", "report", "--json",

@@ -9,36 +9,18 @@ import http.server
 import json
 import os
 import signal
-import sys
 import threading
 import time
 
 import pytest
 
-from tests.conftest import REPO, wait_until, write_spec
+from tests.conftest import lm_spec, wait_until
 
-TRAIN = REPO / "workers" / "lm" / "train.py"
-
-
-def lm_spec(tmp_path):
-    argv = [sys.executable, str(TRAIN), "--steps", "100000", "--checkpoint-every", "100000",
-            "--eval-every", "100000", "--d-model", "64", "--seq-len", "64",
-            "--sample-log", str(tmp_path / "samples.jsonl")]
-    return write_spec(tmp_path / "job.toml", f"""
-        [job]
-        id = "preempt-test"
-        command = {json.dumps(argv)}
-        min_hosts = 1
-        max_hosts = 3
-
-        [mesh]
-        data = -1
-        model = 2
-
-        [health]
-        heartbeat_interval_s = 0.5
-        heartbeat_timeout_s = 3.0
-        """)
+def spec(tmp_path):
+    return lm_spec(tmp_path / "job.toml", "preempt-test",
+                   ["--steps", "100000", "--checkpoint-every", "100000", "--eval-every", "100000",
+                    "--sample-log", str(tmp_path / "samples.jsonl")],
+                   min_hosts=1, max_hosts=3, heartbeat_timeout_s=3.0)
 
 
 def check_resumed_without_loss(job, tmp_path, leaving: str) -> dict:
@@ -68,7 +50,7 @@ def check_resumed_without_loss(job, tmp_path, leaving: str) -> dict:
 @pytest.fixture
 def lm_job(tmp_path, local_job):
     def start(**kw):
-        job = local_job(lm_spec(tmp_path), hosts=3, devices=2, **kw)
+        job = local_job(spec(tmp_path), hosts=3, devices=2, **kw)
         job.wait_for("first_progress", generation=1, timeout_s=120)
         return job
     return start

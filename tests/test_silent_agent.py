@@ -7,39 +7,19 @@ step ahead of another)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 
-from tests.conftest import REPO, wait_until, write_spec
+from tests.conftest import lm_spec, wait_until
 
-TRAIN = REPO / "workers" / "lm" / "train.py"
 HEARTBEAT_TIMEOUT_S = 2.0
 
 
-def lm_spec(tmp_path):
-    argv = [sys.executable, str(TRAIN), "--steps", "100000", "--checkpoint-every", "50",
-            "--eval-every", "100000", "--d-model", "64", "--seq-len", "64"]
-    return write_spec(tmp_path / "job.toml", f"""
-        [job]
-        id = "silent-agent"
-        command = {json.dumps(argv)}
-        min_hosts = 2
-        max_hosts = 3
-        checkpoint_dir = "{tmp_path / 'ckpt'}"
-
-        [mesh]
-        data = -1
-        model = 2
-
-        [health]
-        heartbeat_interval_s = 0.5
-        heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}
-
-        [restart]
-        grow = "never"
-        """)
+def spec(tmp_path):
+    return lm_spec(tmp_path / "job.toml", "silent-agent",
+                   ["--steps", "100000", "--checkpoint-every", "50", "--eval-every", "100000"],
+                   min_hosts=2, max_hosts=3, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                   job_extra=f'checkpoint_dir = "{tmp_path / "ckpt"}"', grow="never")
 
 
 def slice_step(job) -> int:
@@ -47,7 +27,7 @@ def slice_step(job) -> int:
 
 
 def test_a_silent_agent_is_carried_and_a_frozen_host_is_lost(tmp_path, local_job):
-    job = local_job(lm_spec(tmp_path), hosts=3, devices=2)
+    job = local_job(spec(tmp_path), hosts=3, devices=2)
     job.wait_for("first_progress", generation=1, timeout_s=120)
 
     # 1. host-1's agent stops; its worker trains on with the others

@@ -15,37 +15,18 @@ wrong restored state, moves the loss by 1e-2 nats or more).
 from __future__ import annotations
 
 import json
-import sys
 
-from tests.conftest import REPO, write_spec
+from tests.conftest import lm_spec
 
-TRAIN = REPO / "workers" / "lm" / "train.py"
 TOLERANCE_NATS = 1e-3
 
 
-def lm_spec(tmp_path, name: str):
-    argv = [sys.executable, str(TRAIN), "--steps", "40", "--checkpoint-every", "10",
-            "--eval-every", "1000", "--d-model", "64", "--seq-len", "64",
-            "--sample-log", str(tmp_path / f"{name}-samples.jsonl")]
-    return write_spec(tmp_path / f"{name}.toml", f"""
-        [job]
-        id = "lm-test"
-        command = {json.dumps(argv)}
-        min_hosts = 2
-        max_hosts = 4
-        checkpoint_dir = "{tmp_path / (name + '-ckpt')}"
-
-        [mesh]
-        data = -1
-        model = 2
-
-        [health]
-        heartbeat_interval_s = 0.5
-        heartbeat_timeout_s = 2.0
-
-        [restart]
-        grow = "never"
-        """)
+def spec(tmp_path, name: str):
+    return lm_spec(tmp_path / f"{name}.toml", "lm-test",
+                   ["--steps", "40", "--checkpoint-every", "10", "--eval-every", "1000",
+                    "--sample-log", str(tmp_path / f"{name}-samples.jsonl")],
+                   min_hosts=2, max_hosts=4, heartbeat_timeout_s=2.0,
+                   job_extra=f'checkpoint_dir = "{tmp_path / (name + "-ckpt")}"', grow="never")
 
 
 def samples(path) -> list[dict]:
@@ -53,9 +34,9 @@ def samples(path) -> list[dict]:
 
 
 def test_training_through_a_lost_host_matches_undisturbed_run(tmp_path, local_job):
-    reference = local_job(lm_spec(tmp_path, "ref"), hosts=4, devices=2, name="ref")
+    reference = local_job(spec(tmp_path, "ref"), hosts=4, devices=2, name="ref")
     assert reference.wait(240) == 0, reference.output()
-    faulty = local_job(lm_spec(tmp_path, "fault"), hosts=4, devices=2, name="fault",
+    faulty = local_job(spec(tmp_path, "fault"), hosts=4, devices=2, name="fault",
                        faults=("kill-host:host-1@step=25",))
     assert faulty.wait(240) == 0, faulty.output()
 

@@ -180,14 +180,11 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         carried.pop(host, None)
         actions.append(Journal("host_lost", state.generation, reason, host, fields))
 
-    front: int | None = None
-    front_known = False  # the front is computed at the first silent host (O(members))
-    for record in view.silent(cutoff):
+    silent = [r for r in view.silent(cutoff) if r.host_id not in lost]
+    # the slice's front step, O(members): only read when someone is silent
+    front = _carry_front(state, view, now, spec) if silent or state.carried else None
+    for record in silent:
         host = record.host_id
-        if host in lost:
-            continue
-        if not front_known:
-            front, front_known = _carry_front(state, view, now, spec), True
         silent_s = round(now - record.last_heartbeat_at, 3)
         lead = _lead(state, record, front)
         if lead >= silence.CARRY_LEAD_STEPS:
@@ -215,8 +212,6 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             lost.discard(host)
             actions.append(Journal("host_returned", state.generation,
                                    "heartbeats resumed", host))
-    if state.carried and not front_known:
-        front = _carry_front(state, view, now, spec)
     for host, since in state.carried.items():
         record = view.get(host)
         # heard again, and its step reports caught up (its agent's first
