@@ -74,6 +74,10 @@ def test_lost_host_then_rejoin(tmp_path, local_job, proc_env):
     assert sorted(again["hosts"]) == ["host-0", "host-1", "host-2", "host-3"]
     assert len([e for e in job.journal() if e["kind"] == "host_registered"]) == len(registered) + 1
     job.wait_for("first_progress", generation=3)
+    # it pre-started a process when it registered: its first worker started warm
+    log_text = (tmp_path / "host-1-again.log").read_text()
+    assert "pre-started pid" in log_text, log_text
+    assert "worker of generation 3 started in its pre-started process" in log_text, log_text
 
 
 def test_crash_loop_fails_job_with_reason(tmp_path, local_job):

@@ -192,22 +192,27 @@ class Agent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _worker_env(self, start: pb.StartWorker) -> dict[str, str]:
+        """The environment the agent gives the worker `start` describes:
+        the job's variables, the generation's and this host's."""
+        return {**start.env,
+                config.ENV_COORDINATOR: start.coordinator_address,
+                config.ENV_PROCESS_ID: str(start.process_id),
+                config.ENV_NUM_PROCESSES: str(start.num_processes),
+                config.ENV_GENERATION: str(start.generation),
+                config.ENV_HOST_ID: self.settings.host_id,
+                config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
+                config.ENV_PROGRESS_SOCKET: self.progress_address,
+                config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
+                config.ENV_CACHE_DIR: os.path.join(os.path.abspath(self.settings.state_dir),
+                                                   "compile-cache"),
+                "PYTHONUNBUFFERED": "1"}
+
     async def _start(self, start: pb.StartWorker) -> None:
         host, _, port = start.coordinator_address.rpartition(":")
         if start.process_id == 0 and port.isdigit():
             self.ports.used(int(port))
-        env = {**start.env,
-               config.ENV_COORDINATOR: start.coordinator_address,
-               config.ENV_PROCESS_ID: str(start.process_id),
-               config.ENV_NUM_PROCESSES: str(start.num_processes),
-               config.ENV_GENERATION: str(start.generation),
-               config.ENV_HOST_ID: self.settings.host_id,
-               config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
-               config.ENV_PROGRESS_SOCKET: self.progress_address,
-               config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
-               config.ENV_CACHE_DIR: os.path.join(os.path.abspath(self.settings.state_dir),
-                                                  "compile-cache"),
-               "PYTHONUNBUFFERED": "1"}
+        env = self._worker_env(start)
         run = start.env.get(config.ENV_RUN_ID, "")
         if run != self._snapshot_run:  # (a file an old worker still writes has the old
             self._wipe_snapshots()     # run id: never restored, deleted at the next restore)
@@ -258,6 +263,13 @@ class Agent:
         log.info("registered with %s as %s (incarnation %s), job %s, generation %d",
                  self.settings.controller, self.settings.host_id, self.incarnation,
                  reply.job_id, reply.generation)
+        if reply.HasField("launch") and not self.supervisor.running and not self.preemption:
+            # A host without a worker (new, restarted, left out of the slice):
+            # a process ready for its first start, as after any start. Awaited
+            # (spawning takes milliseconds) so it exists before a start can come.
+            self._prestart_next = True
+            await self.supervisor.prestart_next(
+                (list(reply.launch.argv), self._worker_env(reply.launch), reply.launch.workdir))
         call = stub.Connect()
         self._outbox = outbox = asyncio.Queue()
         self._heartbeat()

@@ -181,15 +181,18 @@ class WorkerSupervisor:
 
     # --- the pre-started process ----------------------------------------------
 
-    async def prestart_next(self) -> None:
+    async def prestart_next(self, launch: tuple[list[str], dict[str, str], str] | None = None
+                            ) -> None:
         """Pre-start a process for the next worker, with the command,
-        environment and directory of the last start (per-generation variables
-        left out). No-op if one is already up for them, or if the command is
+        environment and directory of `launch` (argv, env, workdir), by default
+        those of the last start (per-generation variables left out). No-op if
+        one is already up for them, if there is neither, or if the command is
         not `python script.py ...` / `python -m module ...`. Never raises: a
         pre-start that fails only means the next start is cold."""
-        if self._last_launch is None:
+        launch = launch or self._last_launch
+        if launch is None:
             return
-        argv, env, workdir = self._last_launch
+        argv, env, workdir = launch
         full_env = self._full_env(env)
         key = launch_key(argv, full_env, workdir)
         if key is None:

@@ -66,6 +66,14 @@ class Executor:
                 config.ENV_BATCH_MODE: self.spec.batch.mode,
                 config.ENV_LR_SCALING: self.spec.batch.lr_scaling}
 
+    def launch(self) -> pb.StartWorker:
+        """The job's worker command — argv, job-level env, workdir and
+        whether agents pre-start the next process — without generation or
+        rank (a start fills those in; registration sends it as is)."""
+        return pb.StartWorker(argv=list(self.spec.command), env=self.worker_env(),
+                              workdir=self.spec.workdir,
+                              prestart_next=self.spec.restart.prestart_workers)
+
     def record(self, kind: str, generation: int, reason: str, host: str | None = None,
                fields: dict | None = None) -> None:
         """Journal one entry (timestamped with the injected clock) and log it."""
@@ -96,15 +104,12 @@ class Executor:
                 self.record(action.kind, action.generation, action.reason, action.host,
                             dict(action.fields))
             elif isinstance(action, d.StartWorker):
+                start = self.launch()
+                start.generation, start.process_id = action.generation, action.process_id
+                start.num_processes = action.num_processes
+                start.coordinator_address = action.coordinator_address
                 self.send(action.host, pb.ControllerMessage(
-                    job_id=self.spec.job_id, generation=action.generation,
-                    start=pb.StartWorker(
-                        generation=action.generation, process_id=action.process_id,
-                        num_processes=action.num_processes,
-                        coordinator_address=action.coordinator_address,
-                        argv=list(self.spec.command), env=self.worker_env(),
-                        workdir=self.spec.workdir,
-                        prestart_next=self.spec.restart.prestart_workers)))
+                    job_id=self.spec.job_id, generation=action.generation, start=start))
             elif isinstance(action, d.StopWorker):
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation,

@@ -85,9 +85,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             agent_pid=request.agent_pid, free_port=request.free_port,
             worker=worker_obs(request.worker)))
         health = c.spec.health
-        return pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
-                                   heartbeat_interval_s=health.heartbeat_interval_s,
-                                   heartbeat_timeout_s=health.heartbeat_timeout_s)
+        reply = pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
+                                    heartbeat_interval_s=health.heartbeat_interval_s,
+                                    heartbeat_timeout_s=health.heartbeat_timeout_s)
+        if c.spec.restart.prestart_workers:
+            reply.launch.CopyFrom(c.executor.launch())
+        return reply
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.JobStatus:
         return job_status(self.controller)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65lastic/v1/control.proto\x12\nelastic.v1\"R\n\x06Header\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\xcc\x02\n\x0cWorkerStatus\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.elastic.v1.WorkerState\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0e\n\x06signal\x18\x05 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\x06 \x01(\t\x12\x1a\n\x12stopped_on_request\x18\x07 \x01(\x08\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x16\n\x0e\x63ommitted_step\x18\t \x01(\x03\x12\x36\n\x07metrics\x18\n \x03(\x0b\x32%.elastic.v1.WorkerStatus.MetricsEntry\x12\x11\n\tsuspended\x18\x0b \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbf\x01\n\x0fRegisterRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.elastic.v1.Header\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x04 \x01(\t\x12\x11\n\tagent_pid\x18\x05 \x01(\x05\x12(\n\x06worker\x18\x06 \x01(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x11\n\tfree_port\x18\x07 \x01(\x05\"q\n\x10RegisterResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x04 \x01(\x01\"z\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12(\n\x06worker\x18\x02 \x01(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x11\n\tfree_port\x18\x03 \x01(\x05\x12\x12\n\npreemption\x18\x04 \x01(\t\x12\x0f\n\x07sent_at\x18\x05 \x01(\x01\"\x94\x01\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x32\n\x07metrics\x18\x03 \x03(\x0b\x32!.elastic.v1.Progress.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"@\n\x0bWorkerEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x03 \x01(\t\"\xf4\x01\n\x0c\x41gentMessage\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.elastic.v1.Header\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.elastic.v1.HeartbeatH\x00\x12\x31\n\rworker_exited\x18\x03 \x01(\x0b\x32\x18.elastic.v1.WorkerStatusH\x00\x12(\n\x08progress\x18\x04 \x01(\x0b\x32\x14.elastic.v1.ProgressH\x00\x12/\n\x0cworker_event\x18\x05 \x01(\x0b\x32\x17.elastic.v1.WorkerEventH\x00\x42\x06\n\x04\x62ody\"\xfa\x01\n\x0bStartWorker\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x12\n\nprocess_id\x18\x02 \x01(\x05\x12\x15\n\rnum_processes\x18\x03 \x01(\x05\x12\x1b\n\x13\x63oordinator_address\x18\x04 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x05 \x03(\t\x12-\n\x03\x65nv\x18\x06 \x03(\x0b\x32 .elastic.v1.StartWorker.EnvEntry\x12\x0f\n\x07workdir\x18\x07 \x01(\t\x12\x15\n\rprestart_next\x18\x08 \x01(\x08\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\nStopWorker\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"6\n\x08Rejected\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1a\n\x12\x63urrent_generation\x18\x02 \x01(\x03\"\xbb\x01\n\x11\x43ontrollerMessage\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12(\n\x05start\x18\x03 \x01(\x0b\x32\x17.elastic.v1.StartWorkerH\x00\x12&\n\x04stop\x18\x04 \x01(\x0b\x32\x16.elastic.v1.StopWorkerH\x00\x12(\n\x08rejected\x18\x05 \x01(\x0b\x32\x14.elastic.v1.RejectedH\x00\x42\x06\n\x04\x62ody\"\x0f\n\rStatusRequest\"\xe1\x02\n\nHostStatus\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\x05\x12\x11\n\tagent_pid\x18\x04 \x01(\x05\x12\x12\n\nworker_pid\x18\x05 \x01(\x05\x12\x17\n\x0fheartbeat_age_s\x18\x06 \x01(\x01\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x0c\n\x04rank\x18\x08 \x01(\x05\x12\x16\n\x0e\x66\x61ilure_domain\x18\t \x01(\t\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12\x14\n\x0cworker_state\x18\x0b \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0c \x01(\t\x12\x34\n\x07metrics\x18\r \x03(\x0b\x32#.elastic.v1.HostStatus.MetricsEntry\x12\x0c\n\x04note\x18\x0e \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x84\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x10\n\x08restarts\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12%\n\x05hosts\x18\x06 \x03(\x0b\x32\x16.elastic.v1.HostStatus\x12\x16\n\x0e\x63ommitted_step\x18\x07 \x01(\x03\x12\x13\n\x0bphase_age_s\x18\x08 \x01(\x01\x12\x0c\n\x04\x65ttr\x18\t \x01(\x01\x12\x1f\n\x17heartbeat_latency_p50_s\x18\n \x01(\x01\x12\x1f\n\x17heartbeat_latency_p99_s\x18\x0b \x01(\x01*c\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bWORKER_IDLE\x10\x01\x12\x12\n\x0eWORKER_RUNNING\x10\x02\x12\x11\n\rWORKER_EXITED\x10\x03\x32\xda\x01\n\nController\x12\x45\n\x08Register\x12\x1b.elastic.v1.RegisterRequest\x1a\x1c.elastic.v1.RegisterResponse\x12\x46\n\x07\x43onnect\x12\x18.elastic.v1.AgentMessage\x1a\x1d.elastic.v1.ControllerMessage(\x01\x30\x01\x12=\n\tGetStatus\x12\x19.elastic.v1.StatusRequest\x1a\x15.elastic.v1.JobStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65lastic/v1/control.proto\x12\nelastic.v1\"R\n\x06Header\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\xcc\x02\n\x0cWorkerStatus\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.elastic.v1.WorkerState\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0e\n\x06signal\x18\x05 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\x06 \x01(\t\x12\x1a\n\x12stopped_on_request\x18\x07 \x01(\x08\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x16\n\x0e\x63ommitted_step\x18\t \x01(\x03\x12\x36\n\x07metrics\x18\n \x03(\x0b\x32%.elastic.v1.WorkerStatus.MetricsEntry\x12\x11\n\tsuspended\x18\x0b \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbf\x01\n\x0fRegisterRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.elastic.v1.Header\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x04 \x01(\t\x12\x11\n\tagent_pid\x18\x05 \x01(\x05\x12(\n\x06worker\x18\x06 \x01(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x11\n\tfree_port\x18\x07 \x01(\x05\"\x9a\x01\n\x10RegisterResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x04 \x01(\x01\x12\'\n\x06launch\x18\x05 \x01(\x0b\x32\x17.elastic.v1.StartWorker\"z\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12(\n\x06worker\x18\x02 \x01(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x11\n\tfree_port\x18\x03 \x01(\x05\x12\x12\n\npreemption\x18\x04 \x01(\t\x12\x0f\n\x07sent_at\x18\x05 \x01(\x01\"\x94\x01\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0e\x63ommitted_step\x18\x02 \x01(\x03\x12\x32\n\x07metrics\x18\x03 \x03(\x0b\x32!.elastic.v1.Progress.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"@\n\x0bWorkerEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x03 \x01(\t\"\xf4\x01\n\x0c\x41gentMessage\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.elastic.v1.Header\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.elastic.v1.HeartbeatH\x00\x12\x31\n\rworker_exited\x18\x03 \x01(\x0b\x32\x18.elastic.v1.WorkerStatusH\x00\x12(\n\x08progress\x18\x04 \x01(\x0b\x32\x14.elastic.v1.ProgressH\x00\x12/\n\x0cworker_event\x18\x05 \x01(\x0b\x32\x17.elastic.v1.WorkerEventH\x00\x42\x06\n\x04\x62ody\"\xfa\x01\n\x0bStartWorker\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x12\n\nprocess_id\x18\x02 \x01(\x05\x12\x15\n\rnum_processes\x18\x03 \x01(\x05\x12\x1b\n\x13\x63oordinator_address\x18\x04 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x05 \x03(\t\x12-\n\x03\x65nv\x18\x06 \x03(\x0b\x32 .elastic.v1.StartWorker.EnvEntry\x12\x0f\n\x07workdir\x18\x07 \x01(\t\x12\x15\n\rprestart_next\x18\x08 \x01(\x08\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\nStopWorker\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"6\n\x08Rejected\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1a\n\x12\x63urrent_generation\x18\x02 \x01(\x03\"\xbb\x01\n\x11\x43ontrollerMessage\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12(\n\x05start\x18\x03 \x01(\x0b\x32\x17.elastic.v1.StartWorkerH\x00\x12&\n\x04stop\x18\x04 \x01(\x0b\x32\x16.elastic.v1.StopWorkerH\x00\x12(\n\x08rejected\x18\x05 \x01(\x0b\x32\x14.elastic.v1.RejectedH\x00\x42\x06\n\x04\x62ody\"\x0f\n\rStatusRequest\"\xe1\x02\n\nHostStatus\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\x05\x12\x11\n\tagent_pid\x18\x04 \x01(\x05\x12\x12\n\nworker_pid\x18\x05 \x01(\x05\x12\x17\n\x0fheartbeat_age_s\x18\x06 \x01(\x01\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x0c\n\x04rank\x18\x08 \x01(\x05\x12\x16\n\x0e\x66\x61ilure_domain\x18\t \x01(\t\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12\x14\n\x0cworker_state\x18\x0b \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0c \x01(\t\x12\x34\n\x07metrics\x18\r \x03(\x0b\x32#.elastic.v1.HostStatus.MetricsEntry\x12\x0c\n\x04note\x18\x0e \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x84\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x10\n\x08restarts\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12%\n\x05hosts\x18\x06 \x03(\x0b\x32\x16.elastic.v1.HostStatus\x12\x16\n\x0e\x63ommitted_step\x18\x07 \x01(\x03\x12\x13\n\x0bphase_age_s\x18\x08 \x01(\x01\x12\x0c\n\x04\x65ttr\x18\t \x01(\x01\x12\x1f\n\x17heartbeat_latency_p50_s\x18\n \x01(\x01\x12\x1f\n\x17heartbeat_latency_p99_s\x18\x0b \x01(\x01*c\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bWORKER_IDLE\x10\x01\x12\x12\n\x0eWORKER_RUNNING\x10\x02\x12\x11\n\rWORKER_EXITED\x10\x03\x32\xda\x01\n\nController\x12\x45\n\x08Register\x12\x1b.elastic.v1.RegisterRequest\x1a\x1c.elastic.v1.RegisterResponse\x12\x46\n\x07\x43onnect\x12\x18.elastic.v1.AgentMessage\x1a\x1d.elastic.v1.ControllerMessage(\x01\x30\x01\x12=\n\tGetStatus\x12\x19.elastic.v1.StatusRequest\x1a\x15.elastic.v1.JobStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTWORKER_ENVENTRY']._serialized_options = b'8\001'
   _globals['_HOSTSTATUS_METRICSENTRY']._loaded_options = None
   _globals['_HOSTSTATUS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERSTATE']._serialized_start=2558
-  _globals['_WORKERSTATE']._serialized_end=2657
+  _globals['_WORKERSTATE']._serialized_start=2600
+  _globals['_WORKERSTATE']._serialized_end=2699
   _globals['_HEADER']._serialized_start=40
   _globals['_HEADER']._serialized_end=122
   _globals['_WORKERSTATUS']._serialized_start=125
@@ -49,36 +49,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATUS_METRICSENTRY']._serialized_end=457
   _globals['_REGISTERREQUEST']._serialized_start=460
   _globals['_REGISTERREQUEST']._serialized_end=651
-  _globals['_REGISTERRESPONSE']._serialized_start=653
-  _globals['_REGISTERRESPONSE']._serialized_end=766
-  _globals['_HEARTBEAT']._serialized_start=768
-  _globals['_HEARTBEAT']._serialized_end=890
-  _globals['_PROGRESS']._serialized_start=893
-  _globals['_PROGRESS']._serialized_end=1041
+  _globals['_REGISTERRESPONSE']._serialized_start=654
+  _globals['_REGISTERRESPONSE']._serialized_end=808
+  _globals['_HEARTBEAT']._serialized_start=810
+  _globals['_HEARTBEAT']._serialized_end=932
+  _globals['_PROGRESS']._serialized_start=935
+  _globals['_PROGRESS']._serialized_end=1083
   _globals['_PROGRESS_METRICSENTRY']._serialized_start=411
   _globals['_PROGRESS_METRICSENTRY']._serialized_end=457
-  _globals['_WORKEREVENT']._serialized_start=1043
-  _globals['_WORKEREVENT']._serialized_end=1107
-  _globals['_AGENTMESSAGE']._serialized_start=1110
-  _globals['_AGENTMESSAGE']._serialized_end=1354
-  _globals['_STARTWORKER']._serialized_start=1357
-  _globals['_STARTWORKER']._serialized_end=1607
-  _globals['_STARTWORKER_ENVENTRY']._serialized_start=1565
-  _globals['_STARTWORKER_ENVENTRY']._serialized_end=1607
-  _globals['_STOPWORKER']._serialized_start=1609
-  _globals['_STOPWORKER']._serialized_end=1674
-  _globals['_REJECTED']._serialized_start=1676
-  _globals['_REJECTED']._serialized_end=1730
-  _globals['_CONTROLLERMESSAGE']._serialized_start=1733
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1920
-  _globals['_STATUSREQUEST']._serialized_start=1922
-  _globals['_STATUSREQUEST']._serialized_end=1937
-  _globals['_HOSTSTATUS']._serialized_start=1940
-  _globals['_HOSTSTATUS']._serialized_end=2293
+  _globals['_WORKEREVENT']._serialized_start=1085
+  _globals['_WORKEREVENT']._serialized_end=1149
+  _globals['_AGENTMESSAGE']._serialized_start=1152
+  _globals['_AGENTMESSAGE']._serialized_end=1396
+  _globals['_STARTWORKER']._serialized_start=1399
+  _globals['_STARTWORKER']._serialized_end=1649
+  _globals['_STARTWORKER_ENVENTRY']._serialized_start=1607
+  _globals['_STARTWORKER_ENVENTRY']._serialized_end=1649
+  _globals['_STOPWORKER']._serialized_start=1651
+  _globals['_STOPWORKER']._serialized_end=1716
+  _globals['_REJECTED']._serialized_start=1718
+  _globals['_REJECTED']._serialized_end=1772
+  _globals['_CONTROLLERMESSAGE']._serialized_start=1775
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1962
+  _globals['_STATUSREQUEST']._serialized_start=1964
+  _globals['_STATUSREQUEST']._serialized_end=1979
+  _globals['_HOSTSTATUS']._serialized_start=1982
+  _globals['_HOSTSTATUS']._serialized_end=2335
   _globals['_HOSTSTATUS_METRICSENTRY']._serialized_start=411
   _globals['_HOSTSTATUS_METRICSENTRY']._serialized_end=457
-  _globals['_JOBSTATUS']._serialized_start=2296
-  _globals['_JOBSTATUS']._serialized_end=2556
-  _globals['_CONTROLLER']._serialized_start=2660
-  _globals['_CONTROLLER']._serialized_end=2878
+  _globals['_JOBSTATUS']._serialized_start=2338
+  _globals['_JOBSTATUS']._serialized_end=2598
+  _globals['_CONTROLLER']._serialized_start=2702
+  _globals['_CONTROLLER']._serialized_end=2920
 # @@protoc_insertion_point(module_scope)

@@ -82,16 +82,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    launch: StartWorker
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "worker", "free_port", "preemption", "sent_at")
