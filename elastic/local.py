@@ -58,7 +58,10 @@ def agent_argv(address: str, host_id: str, devices: int, failure_domain: str,
     argv = [sys.executable, "-m", "elastic.agent.main", "--controller", address,
             "--host-id", host_id, "--devices", str(devices), "--address", "127.0.0.1",
             "--failure-domain", failure_domain, "--job-id", job_id,
-            "--state-dir", str(state_dir / "agents" / host_id)]
+            "--state-dir", str(state_dir / "agents" / host_id),
+            # one machine: its simulated hosts share one executable cache, as
+            # the hosts of a cluster may share one on a common filesystem
+            "--compile-cache-dir", str(state_dir / "compile-cache")]
     if metadata_url:
         argv += ["--gce-metadata", metadata_url.replace("{host}", host_id)]
     return argv

@@ -55,7 +55,9 @@ class AgentSettings:
     for the controller to stop its worker before it stops it hard;
     snapshot_dir: the worker's local snapshots (default: `default_snapshot_dir`),
     wiped when the agent starts or stops and when a new controller run
-    starts a worker here."""
+    starts a worker here; compile_cache_dir: the worker's executable cache
+    (elastic.worker.compile_cache; default STATE_DIR/compile-cache), which
+    hosts of one machine type may share."""
 
     controller: str
     host_id: str
@@ -69,6 +71,7 @@ class AgentSettings:
     metadata_url: str | None = None
     preemption_grace_s: float = 25.0
     snapshot_dir: str | None = None
+    compile_cache_dir: str | None = None
 
 
 class Agent:
@@ -204,8 +207,9 @@ class Agent:
                 config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
                 config.ENV_PROGRESS_SOCKET: self.progress_address,
                 config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
-                config.ENV_CACHE_DIR: os.path.join(os.path.abspath(self.settings.state_dir),
-                                                   "compile-cache"),
+                config.ENV_CACHE_DIR: os.path.abspath(
+                    self.settings.compile_cache_dir or
+                    os.path.join(self.settings.state_dir, "compile-cache")),
                 "PYTHONUNBUFFERED": "1"}
 
     async def _start(self, start: pb.StartWorker) -> None:

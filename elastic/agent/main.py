@@ -35,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
                         help="where the worker keeps local snapshots of its last steps; wiped "
                              "when the agent starts and stops (default: a directory in "
                              "/dev/shm, i.e. host memory, else STATE_DIR/snapshots)")
+    parser.add_argument("--compile-cache-dir", default=None,
+                        help="where workers keep compiled executables across restarts; hosts "
+                             "of one machine type (same CPU, same software) may share one "
+                             "directory, and only ones that trust each other: loading an "
+                             "entry runs its code (default: STATE_DIR/compile-cache)")
     parser.add_argument("--job-id", default="", help="refuse a controller of another job")
     parser.add_argument("--stop-grace-s", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL of the worker when the "
@@ -53,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         devices=args.devices or discover_devices(), address=args.address or default_address(),
         failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir,
         job_id=args.job_id, stop_grace_s=args.stop_grace_s, metadata_url=args.gce_metadata,
-        preemption_grace_s=args.preemption_grace_s, snapshot_dir=args.snapshot_dir)
+        preemption_grace_s=args.preemption_grace_s, snapshot_dir=args.snapshot_dir,
+        compile_cache_dir=args.compile_cache_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

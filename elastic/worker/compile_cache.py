@@ -11,9 +11,14 @@ process when all compile at once; loading it takes a fraction of a second.
 
 The key covers the lowered program text, the JAX/jaxlib versions and this
 process's place in the slice (index, count, device ids), so an entry is only
-reused by the same process rank of the same slice shape. Entries are written
-atomically (temporary file, then rename). Only load entries this host wrote:
-deserialising an executable can run arbitrary code.
+reused by the same process rank of the same slice shape — on whichever host
+that rank runs, when hosts share the directory (`elastic-agent
+--compile-cache-dir`; `elasticd local` gives its simulated hosts one, as they
+are one machine). Entries are written atomically (temporary file, then
+rename). Share a directory only between hosts of one machine type (an
+executable compiled for the CPU backend targets the compiling CPU's
+features) that trust each other: deserialising an executable can run
+arbitrary code.
 """
 
 from __future__ import annotations
