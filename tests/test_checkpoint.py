@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -24,8 +25,9 @@ def free_port() -> int:
 
 
 def run_processes(n: int, args: list[str], env: dict, ckpt_dir, expect_kill: bool = False,
-                  timeout_s: float = 120, snapshots=None, run_id: str = "run-1") -> None:
-    """Run the helper as an n-process JAX slice (2 CPU devices each); with
+                  timeout_s: float = 120, snapshots=None, run_id: str = "run-1",
+                  helper: pathlib.Path = HELPER) -> None:
+    """Run `helper` as an n-process JAX slice (2 CPU devices each); with
     `snapshots` (a directory), process i keeps local snapshots in
     snapshots/h{i} for controller run `run_id`."""
     port = free_port()
@@ -38,7 +40,7 @@ def run_processes(n: int, args: list[str], env: dict, ckpt_dir, expect_kill: boo
                         ELASTIC_JOB_ID="test", ELASTIC_HOST_ID=f"h{i}",
                         ELASTIC_MESH="data=-1,model=2", ELASTIC_CHECKPOINT_DIR=str(ckpt_dir),
                         ELASTIC_DEVICES_PER_HOST="2")
-        procs.append(subprocess.Popen([sys.executable, str(HELPER), *args], env=proc_env,
+        procs.append(subprocess.Popen([sys.executable, str(helper), *args], env=proc_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = []
     try:

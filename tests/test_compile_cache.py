@@ -4,6 +4,8 @@ compiled train step instead of compiling it, whichever host compiled it."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import sys
 
 import jax
@@ -11,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from elastic.worker.compile_cache import compile_cached
-from tests.conftest import write_spec
+from tests.conftest import REPO, write_spec
+from tests.test_checkpoint import run_processes
 
 
 def _lowered(scale: float):
@@ -64,3 +67,33 @@ def test_simulated_hosts_share_one_cache_directory(tmp_path, local_job):
     seen = {p.stem: json.loads(p.read_text())["cache_dir"] for p in records.glob("*.json")}
     assert sorted(seen) == ["host-0", "host-1", "host-2"]
     assert set(seen.values()) == {str(tmp_path / "state" / "compile-cache")}
+
+
+COMPILE_WORKER = REPO / "tests" / "helpers" / "compile_worker.py"
+
+
+def _slice_compiles(tmp_path, cache: pathlib.Path, tag: str, *args: str) -> list[dict]:
+    """Run compile_worker.py as a 2-process slice; each process's record."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ELASTIC_CACHE_DIR=str(cache))
+    run_processes(2, [str(tmp_path / tag), *args], env, tmp_path / "ckpt",
+                  helper=COMPILE_WORKER, timeout_s=90)
+    records = [json.loads((tmp_path / f"{tag}.{i}.json").read_text()) for i in range(2)]
+    for r in records:
+        assert abs(r["result"] - r["expected"]) < 1e-4, r
+    return records
+
+
+def test_a_shared_directory_compiles_once_per_slice(tmp_path):
+    cache = tmp_path / "cache"
+    first = _slice_compiles(tmp_path, cache, "first")
+    # process 0 compiled; process 1 waited for its entry and ran it
+    assert [r["hit"] for r in first] == [False, True]
+    assert len(list(cache.glob("f-*.xla"))) == 1 and not list(cache.glob("*.claim"))
+    assert [r["hit"] for r in _slice_compiles(tmp_path, cache, "again")] == [True, True]
+
+
+def test_processes_that_share_no_directory_each_compile(tmp_path):
+    cache = tmp_path / "cache"
+    records = _slice_compiles(tmp_path, cache, "own", "--own-dir")
+    assert [r["hit"] for r in records] == [False, False]
+    assert len(list(cache.glob("h*/f-*.xla"))) == 2

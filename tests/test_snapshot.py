@@ -84,3 +84,34 @@ def test_agents_keep_snapshots_in_memory_when_they_can(tmp_path):
     assert a.startswith(str(shm)) and b.startswith(str(shm)) and a != b
     assert default_snapshot_dir(str(tmp_path / "h0"), shm=str(tmp_path / "none")) == \
         str(tmp_path / "h0" / "snapshots")
+
+
+def test_snapshots_outlive_donated_buffers_and_keep_the_last_two(tmp_path):
+    """Single-process JAX: the training loop hands the state to a step that
+    donates its buffers right after the snapshot; the background write must
+    hold the values of the step it snapshot, not whatever reuses the memory."""
+    import jax
+    import jax.numpy as jnp
+
+    from elastic.checkpoint.snapshot import LocalSnapshots, to_state
+
+    snaps = LocalSnapshots(str(tmp_path), "run-1", every_steps=2, agree=lambda own: [own])
+    step_fn = jax.jit(lambda s: {"w": s["w"] + 1.0, "n": s["n"] + 1}, donate_argnums=0)
+    state = {"w": jnp.zeros((256, 64), jnp.float32), "n": jnp.zeros((), jnp.int32)}
+    for step in range(7):
+        state = step_fn(state)  # after step k, w == n == k + 1
+        assert snaps.save(step, state, {"data_position": step + 1}) is (step % 2 == 0)
+    assert not snaps.save(6, state)  # the same step twice: once
+    snaps.flush()
+    assert snaps.steps() == [4, 6]  # keep=2
+    assert len(snaps.seconds) == 4 and snaps.blocked_s >= sum(snaps.seconds) > 0
+    (tmp_path / ".step-0000000008.snap.tmp").write_bytes(b"a killed writer's")
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            state)
+    snap = snaps.restore(abstract, committed_step=None)
+    assert snap.step == 6 and snap.meta == {"data_position": 7}
+    restored = to_state(snap, abstract)
+    np.testing.assert_array_equal(restored["w"], np.full((256, 64), 7.0, np.float32))
+    assert int(restored["n"]) == 7
+    assert not list(tmp_path.glob(".*tmp"))
+    assert snaps.steps() == [6]  # snapshots of other steps go at a restore
