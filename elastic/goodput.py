@@ -19,7 +19,8 @@ rest (badput) is split by cause:
   counted as detection;
 - checkpoint save: the time training was blocked starting checkpoint saves
   (the device-to-host copy and Orbax's barriers; the write itself runs in
-  the background), as process 0 reports it.
+  the background) and writing local snapshots, as process 0 reports it
+  (snapshots: summed at each checkpoint save).
 
 Productive time is each generation's time from its first step to its stop,
 less its detection time, lost work and checkpoint save time. Pure: journal entries in, numbers out.
@@ -137,8 +138,9 @@ def _generations(entries: list[dict]) -> list[_Generation]:
         elif kind in ("worker_exited", "checkpoint_committed", "checkpoint_saved"):
             if gen.first is not None or kind == "worker_exited":
                 gen.last_step = max(gen.last_step, e.get("step", -1) or -1)
-            if kind == "checkpoint_saved" and e.get("blocking_s"):
-                gen.save_blocking.append((e["ts"], e["blocking_s"]))
+            if kind == "checkpoint_saved" and (e.get("blocking_s") or e.get("snapshots_s")):
+                gen.save_blocking.append((e["ts"], e.get("blocking_s", 0.0) +
+                                          e.get("snapshots_s", 0.0)))
             if kind == "checkpoint_saved" and e.get("step") is not None:
                 gen.saved_at[e["step"]] = e["ts"] - e.get("blocking_s", 0.0)
         if kind == "agent_silent":

@@ -27,7 +27,8 @@ JOURNAL = [
     e(20.3, "generation_started", 2, hosts=["a", "b"]),
     e(21, "checkpoint_restored", 2, "a", step=100, restore_s=0.5),
     e(24, "first_progress", 2, step=101),
-    e(30, "checkpoint_saved", 2, "a", step=200, step_time_s=0.1, blocking_s=0.2),
+    # with the local snapshots taken since the previous save (0.03 s blocked)
+    e(30, "checkpoint_saved", 2, "a", step=200, step_time_s=0.1, blocking_s=0.2, snapshots_s=0.03),
     e(40, "job_succeeded", 2, step=299),
 ]
 
@@ -36,14 +37,14 @@ def test_every_second_is_accounted():
     g = account(JOURNAL)
     assert g.wall_s == pytest.approx(40.0)
     expected = {"waiting": 1.0, "startup": 4.0 + 3.2, "restore": 0.5, "teardown": 0.2,
-                "detection": 0.1, "lost_work": 20 - 14.95, "checkpoint_save": 0.05 + 0.05 + 0.2}
+                "detection": 0.1, "lost_work": 20 - 14.95, "checkpoint_save": 0.05 + 0.05 + 0.2 + 0.03}
     for cause in CAUSES:
         assert g.badput_s[cause] == pytest.approx(expected[cause], abs=1e-6), cause
     # generation 1: 15.1 s of training, 0.1 s detection, from the save of step
     # 100 (started at 14.95) to the fault lost, 0.1 s blocked in saves
-    assert g.productive_s == pytest.approx(15.1 - 0.1 - 5.05 - 0.1 + 16.0 - 0.2)
+    assert g.productive_s == pytest.approx(15.1 - 0.1 - 5.05 - 0.1 + 16.0 - 0.2 - 0.03)
     assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
-    assert g.ettr == pytest.approx(25.65 / 40)
+    assert g.ettr == pytest.approx(25.62 / 40)
     assert g.steps == 300 and g.generations == 2
 
 

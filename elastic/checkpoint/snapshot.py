@@ -232,8 +232,8 @@ class LocalSnapshots:
       donate the buffers: ~2 ms for a 7 MB state to tmpfs on this project's
       machine in isolation (~6 ms to a disk-backed directory, which is why
       agents default to /dev/shm), ~11 ms with 4 processes sharing its 2
-      cores; `seconds` keeps the recent ones. bench/snapshot_overhead.py
-      measures what it costs a step.
+      cores; `seconds` keeps the recent ones, `blocked_s` sums them all.
+      bench/snapshot_overhead.py measures what it costs a step.
     keep: snapshots kept (>= 2, so that processes one snapshot apart on a
       crash still share one).
     run_id: the controller run they belong to; others are never restored.
@@ -251,8 +251,9 @@ class LocalSnapshots:
         self.agree = agree or coordination_service_agree("restore")
         self.clock = clock
         self._last_saved: int | None = None
-        # seconds each of the recent snapshots blocked the training loop
+        # seconds each of the recent snapshots blocked the training loop, and their sum
         self.seconds: collections.deque = collections.deque(maxlen=50)
+        self.blocked_s = 0.0
         self._disabled = self.directory is None
         self._warned_room = False
         if self.directory is not None:
@@ -302,7 +303,9 @@ class LocalSnapshots:
         self._last_saved = step
         for old in self.steps()[:-self.keep]:
             self._path(old).unlink(missing_ok=True)
-        self.seconds.append(time.perf_counter() - t0)
+        blocked = time.perf_counter() - t0
+        self.seconds.append(blocked)
+        self.blocked_s += blocked
         return True
 
     def restore(self, abstract_state: Any, committed_step: int | None) -> Snapshot | None:
@@ -315,6 +318,8 @@ class LocalSnapshots:
         slice is not resuming."""
         usable: dict[int, Snapshot] = {}
         if self.directory is not None:
+            for partial in self.directory.glob(f".step-*{SUFFIX}.tmp"):  # a killed writer's
+                partial.unlink(missing_ok=True)
             needed = needed_regions(abstract_state)
             for step in self.steps():
                 try:
