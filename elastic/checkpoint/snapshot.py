@@ -232,7 +232,7 @@ class LocalSnapshots:
       donate the buffers: ~2 ms for a 7 MB state to tmpfs on this project's
       machine in isolation (~6 ms to a disk-backed directory, which is why
       agents default to /dev/shm), ~11 ms with 4 processes sharing its 2
-      cores; `seconds` keeps the recent ones, `blocked_s` sums them all.
+      cores; `seconds` keeps the recent ones, `drain_blocked_s` sums them.
       bench/snapshot_overhead.py measures what it costs a step.
     keep: snapshots kept (>= 2, so that processes one snapshot apart on a
       crash still share one).
@@ -251,9 +251,10 @@ class LocalSnapshots:
         self.agree = agree or coordination_service_agree("restore")
         self.clock = clock
         self._last_saved: int | None = None
-        # seconds each of the recent snapshots blocked the training loop, and their sum
+        # seconds each of the recent snapshots blocked the training loop, and
+        # the sum since the last drain_blocked_s
         self.seconds: collections.deque = collections.deque(maxlen=50)
-        self.blocked_s = 0.0
+        self._blocked_s = 0.0
         self._disabled = self.directory is None
         self._warned_room = False
         if self.directory is not None:
@@ -305,8 +306,14 @@ class LocalSnapshots:
             self._path(old).unlink(missing_ok=True)
         blocked = time.perf_counter() - t0
         self.seconds.append(blocked)
-        self.blocked_s += blocked
+        self._blocked_s += blocked
         return True
+
+    def drain_blocked_s(self) -> float:
+        """Seconds the snapshots taken since the last call blocked the
+        training loop (0.0 again afterwards)."""
+        blocked, self._blocked_s = self._blocked_s, 0.0
+        return blocked
 
     def restore(self, abstract_state: Any, committed_step: int | None) -> Snapshot | None:
         """Agree with every other process on a step all can restore from their

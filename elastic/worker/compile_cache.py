@@ -85,6 +85,43 @@ def _compile_and_store(path: pathlib.Path, lowered):
     return compiled
 
 
+def _kv(key: str, what: str) -> str:
+    return f"elastic/compile/{key}/{what}"
+
+
+def _compile_as_process_0(client, key: str, path: pathlib.Path, lowered):
+    """Process 0's miss: claim the entry (a claim file with a fresh token,
+    the token posted), compile and store it, then post that it is done."""
+    claim, token = path.with_suffix(".claim"), uuid.uuid4().hex
+    try:
+        claim.parent.mkdir(parents=True, exist_ok=True)
+        claim.write_text(token)
+    except OSError as e:
+        log.warning("cannot write %s (%s): every process compiles", claim, e)
+        token = "unshared"
+    client.key_value_set(_kv(key, "claim"), token, allow_overwrite=True)
+    try:
+        return _compile_and_store(path, lowered)
+    finally:
+        client.key_value_set(_kv(key, "done"), "1", allow_overwrite=True)
+        claim.unlink(missing_ok=True)
+
+
+def _wait_for_process_0(client, key: str, path: pathlib.Path, lowered):
+    """Another process's miss: process 0's entry once it is done, if this
+    process sees its claim file (a shared directory); None otherwise, or if
+    the entry does not load."""
+    token = client.blocking_key_value_get(_kv(key, "claim"), int(SHARED_WAIT_S * 1000))
+    try:
+        shared = token not in ("loaded", "unshared") and \
+            path.with_suffix(".claim").read_text() == token
+    except OSError:  # no claim: not shared, or process 0 is already done
+        shared = False
+    if shared:
+        client.blocking_key_value_get(_kv(key, "done"), int(SHARED_WAIT_S * 1000))
+    return _load(path, lowered) if path.exists() else None
+
+
 def _coordination_client():
     from jax._src import distributed
 
@@ -101,7 +138,8 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn"):
     from process 0 during this call. With `cache_dir` None this is a plain
     compile. A cache entry that fails to load is compiled again and
     overwritten (never an error). Every process of the slice must call it
-    for the same programs in the same order (as for any collective)."""
+    for the same programs in the same order (as for any collective); a
+    process other than 0 waits up to SHARED_WAIT_S seconds for process 0."""
     import jax
 
     t0 = time.perf_counter()
@@ -109,43 +147,15 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn"):
         return lowered.compile(), False, time.perf_counter() - t0
     key = cache_key(lowered, jax.process_count(), [d.id for d in jax.devices()])
     path = pathlib.Path(cache_dir) / f"{name}-{key}.xla"
+    compiled = _load(path, lowered) if path.exists() else None
     client = _coordination_client() if jax.process_count() > 1 else None
-    compiled = _load(path, lowered) if path.exists() else None
-    if client is None:
-        if compiled is not None:
-            return compiled, True, time.perf_counter() - t0
-        return _compile_and_store(path, lowered), False, time.perf_counter() - t0
-    claim_key, done_key = f"elastic/compile/{key}/claim", f"elastic/compile/{key}/done"
-    claim = path.with_suffix(".claim")
-    if jax.process_index() == 0:
-        if compiled is not None:
-            client.key_value_set(claim_key, "loaded", allow_overwrite=True)
-            return compiled, True, time.perf_counter() - t0
-        token = uuid.uuid4().hex
-        try:
-            claim.parent.mkdir(parents=True, exist_ok=True)
-            claim.write_text(token)
-        except OSError as e:
-            log.warning("cannot write %s (%s): every process compiles", claim, e)
-            token = "unshared"
-        client.key_value_set(claim_key, token, allow_overwrite=True)
-        try:
-            compiled = _compile_and_store(path, lowered)
-        finally:
-            client.key_value_set(done_key, "1", allow_overwrite=True)
-            claim.unlink(missing_ok=True)
-        return compiled, False, time.perf_counter() - t0
-    if compiled is not None:
-        return compiled, True, time.perf_counter() - t0
-    # a miss here: wait for process 0's entry if we share its directory
-    token = client.blocking_key_value_get(claim_key, int(SHARED_WAIT_S * 1000))
-    try:
-        shared = token not in ("loaded", "unshared") and claim.read_text() == token
-    except OSError:  # no claim: not shared, or process 0 is already done
-        shared = False
-    if shared:
-        client.blocking_key_value_get(done_key, int(SHARED_WAIT_S * 1000))
-    compiled = _load(path, lowered) if path.exists() else None
+    if client is not None and jax.process_index() == 0:
+        if compiled is None:
+            return _compile_as_process_0(client, key, path, lowered), False, \
+                time.perf_counter() - t0
+        client.key_value_set(_kv(key, "claim"), "loaded", allow_overwrite=True)
+    elif client is not None and compiled is None:
+        compiled = _wait_for_process_0(client, key, path, lowered)
     if compiled is not None:
         return compiled, True, time.perf_counter() - t0
     return _compile_and_store(path, lowered), False, time.perf_counter() - t0

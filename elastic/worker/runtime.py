@@ -105,12 +105,11 @@ class WorkerContext:
             if kind == "checkpoint_saved" and snapshots is not None and snapshots.seconds:
                 # the median snapshot, and all that blocked the loop since the last save
                 fields = dict(fields, snapshot_s=round(statistics.median(snapshots.seconds), 5),
-                              snapshots_s=round(snapshots.blocked_s - reported[0], 4))
-                reported[0] = snapshots.blocked_s
+                              snapshots_s=round(snapshots.drain_blocked_s(), 4))
             if self.process_index == 0:
                 self.progress.event(kind, reason, **fields)
 
-        snapshots, reported = None, [0.0]
+        snapshots = None
         if snapshot_every > 0 and self.env.run_id:  # the same on every process: all vote
             snapshots = LocalSnapshots(self.env.snapshot_dir, self.env.run_id, snapshot_every)
         self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
