@@ -1,0 +1,146 @@
+"""Which worker programs an agent runs: its own host's allow-list, so that
+even a controller that was taken over cannot make a host run what its
+operator did not allow (pure; the agent applies it to every start and
+pre-start).
+
+An allow-list entry is a command head of shell-style patterns (fnmatch,
+where `*` also matches `/`), matched token by token against the start of
+the worker's argv after resolution; the rest of argv (the program's own
+arguments) is free:
+
+- token 0 is the program as the agent would run it: resolved through the
+  agent's PATH unless it holds a `/` (then against the working directory);
+- a later token that starts with `-`, or follows `-m`, is compared as is;
+- any other later token is a path (the script), resolved against the
+  working directory.
+
+So `/opt/venv/bin/python /srv/jobs/*/train.py` allows `python train.py
+--steps 10` started in /srv/jobs/lm, and nothing else: not `python -c ...`,
+not another script. An entry of a Python interpreter alone allows any code
+(the agent warns). `python -m module` puts the working directory first on
+sys.path, so such a start also needs the directory allowed (`workdirs`).
+
+The job's environment may not set variables that make a loader or an
+interpreter run other code (DENIED_ENV: LD_PRELOAD, PYTHONPATH, PATH, ...)
+unless the agent allows them by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+
+#: Variables a job's environment may not set unless the agent allows them.
+DENIED_ENV = ("LD_*", "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT",
+              "PYTHONEXECUTABLE", "PYTHONUSERBASE", "PYTHONBREAKPOINT", "PYTHONPLATLIBDIR",
+              "BASH_ENV", "ENV", "PERL5OPT", "PERL5LIB", "RUBYOPT", "NODE_OPTIONS", "GCONV_PATH")
+
+
+def _is_python(program: str) -> bool:
+    return os.path.basename(program).startswith("python")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowList:
+    """An agent's allow-list.
+
+    workers: command heads, each a tuple of patterns (see the module doc).
+    workdirs: patterns a working directory must match for `-m` starts.
+    env: variable-name patterns allowed although DENIED_ENV names them.
+    any_worker: run any program (`--allow-any-worker`; for trusted
+      development setups only)."""
+
+    workers: tuple[tuple[str, ...], ...] = ()
+    workdirs: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    any_worker: bool = False
+
+    @classmethod
+    def parse(cls, workers: Sequence[str], workdirs: Sequence[str] = (),
+              env: Sequence[str] = (), any_worker: bool = False) -> "AllowList":
+        """From the agent's flags: each worker entry is a shell-quoted
+        command head ("/opt/venv/bin/python /srv/jobs/*/train.py"). Raises
+        ValueError for an empty or unparsable entry, or a relative program
+        or workdir pattern."""
+        heads = []
+        for text in workers:
+            try:
+                head = tuple(shlex.split(text))
+            except ValueError as e:
+                raise ValueError(f"--allow-worker {text!r}: {e}") from None
+            if not head:
+                raise ValueError("--allow-worker needs a program")
+            if not head[0].startswith(("/", "*")):
+                raise ValueError(f"--allow-worker {text!r}: the program must be an absolute "
+                                 f"path pattern")
+            heads.append(head)
+        for pattern in workdirs:
+            if not pattern.startswith(("/", "*")):
+                raise ValueError(f"--allow-workdir {pattern!r} must be an absolute path pattern")
+        return cls(tuple(heads), tuple(workdirs), tuple(env), any_worker)
+
+    def warnings(self) -> list[str]:
+        """Entries that allow more than they seem to."""
+        return [f"--allow-worker {' '.join(head)!r} names only a Python interpreter: it allows "
+                f"any Python code (python -c ...); name the script too"
+                for head in self.workers if len(head) == 1 and _is_python(head[0])]
+
+
+def _resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
+             ) -> list[str] | str:
+    """argv with the program and path tokens resolved, or why it cannot be."""
+    program = argv[0]
+    if "/" in program:
+        path = os.path.normpath(os.path.join(workdir, program))
+    else:
+        path = which(program)
+        if path is None:
+            return f"program {program!r} is not on this agent's PATH"
+        path = os.path.abspath(path)
+    resolved = [path]
+    after_m = False
+    for token in argv[1:]:
+        if token.startswith("-") or after_m:
+            resolved.append(token)
+        else:
+            resolved.append(os.path.normpath(os.path.join(workdir, token)))
+        after_m = token == "-m"
+    return resolved
+
+
+def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], workdir: str,
+                 which: Callable[[str], str | None]) -> str | None:
+    """Why this agent must not start `argv` in `workdir` with the job's
+    `env` (a sentence naming the flag that would allow it), or None.
+    `which(name)` finds a program on the agent's PATH (shutil.which)."""
+    if not argv or any("\0" in a for a in argv) or "\0" in workdir or \
+            any("\0" in k or "\0" in v or "=" in k or not k for k, v in env.items()):
+        return "the command, its directory or environment is empty or holds NUL or '=' in a name"
+    if not os.path.isabs(workdir):
+        return f"working directory {workdir!r} is not an absolute path"
+    for name in env:
+        denied = next((p for p in DENIED_ENV if fnmatch.fnmatchcase(name, p)), None)
+        if denied and not any(fnmatch.fnmatchcase(name, p) for p in allow.env):
+            return (f"the job's environment sets {name}, which can make the worker run other "
+                    f"code; allow it on this host with --allow-env {name}")
+    if allow.any_worker:
+        return None
+    resolved = _resolve(argv, workdir, which)
+    if isinstance(resolved, str):
+        return resolved
+    shown = " ".join(shlex.quote(t) for t in resolved[:4])
+    for head in allow.workers:
+        if len(head) <= len(resolved) and all(fnmatch.fnmatchcase(token, pattern)
+                                              for token, pattern in zip(resolved, head)):
+            first_option_or_script = next(
+                (t for t in resolved[1:] if t == "-m" or not t.startswith("-")), None)
+            if first_option_or_script == "-m" and not any(
+                    fnmatch.fnmatchcase(os.path.normpath(workdir), p) for p in allow.workdirs):
+                return (f"`{shown}` runs a module with {workdir} first on its import path; "
+                        f"allow the directory with --allow-workdir")
+            return None
+    return (f"`{shown}` is not in this host's allow-list; allow it with --allow-worker "
+            f"(e.g. --allow-worker {shlex.quote(' '.join(resolved[:2]))})")
