@@ -1,0 +1,279 @@
+"""What the controller accepts from the network, decided before a message
+becomes an event: pure checks, tested with tables.
+
+Three kinds of refusal (`Refusal.kind`):
+- "denied": the peer may not do this (a host certificate speaking for
+  another host, a host asking for status, a second certificate for a live
+  host id);
+- "invalid": the message is malformed (an id outside the safe charset,
+  text or maps beyond their bounds, numbers out of range, NaN);
+- "implausible": well formed but impossible now (a report about a
+  generation the controller never started, a step more than
+  MAX_STEP_ADVANCE past the highest step the job has reached).
+
+Free text (stderr tails, reasons) is not refused but cleaned: control
+characters other than newline and tab are replaced and the length is
+capped, so it cannot forge log lines or drive an operator's terminal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Mapping
+
+from elastic.security.identity import Identity, Role, id_problem
+
+#: How far past the highest step the job has reached (any host, any
+#: generation, the journal of earlier controller runs included) a reported
+#: step may be: far more than any honest jump (a slice resumes at most at
+#: the last committed step), far less than a poisoned 10^18.
+MAX_STEP_ADVANCE = 10_000_000
+MAX_DEVICES = 65_536
+MAX_ADDRESS_CHARS = 255
+MAX_STDERR_CHARS = 8_000
+MAX_REASON_CHARS = 1_000
+MAX_METRICS = 64
+MAX_EVENT_FIELDS = 32
+MAX_EVENT_JSON_BYTES = 16_384
+MAX_FIELD_TEXT_CHARS = 512
+#: Seconds a duration reported by a worker may be (a week).
+MAX_DURATION_S = 7 * 86_400.0
+#: Journal fields no worker event may set (the journal writer's own).
+RESERVED_FIELDS = frozenset({"ts", "kind", "generation", "host", "reason"})
+
+_ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]%-]+")
+_METRIC = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a message is refused: `kind` is "denied", "invalid" or
+    "implausible"; `reason` a sentence for the peer and the journal."""
+
+    kind: str
+    reason: str
+
+
+def clean_text(text: str, limit: int, keep_newlines: bool = False) -> str:
+    """`text` with control characters replaced by U+FFFD (newlines and tabs
+    kept with `keep_newlines`), cut to its last `limit` characters."""
+    if not keep_newlines:
+        text = text.replace("\n", " ").replace("\t", " ")
+    return _CONTROL.sub("\ufffd", text[-limit:])
+
+
+def check_identity(peer: Identity | None, host_id: str) -> Refusal | None:
+    """A host may speak only for itself: the peer must hold the host
+    certificate of `host_id`. None on a plaintext channel (`--insecure`),
+    where nobody is authenticated."""
+    if peer is None:
+        return None
+    if peer.role is not Role.HOST:
+        return Refusal("denied", f"a {peer.role.short} certificate ({peer.name}) cannot act "
+                                 f"as a host")
+    if peer.name != host_id:
+        return Refusal("denied", f"the certificate of host {peer.name} cannot speak for host "
+                                 f"{host_id!r}")
+    return None
+
+
+def check_status_peer(peer: Identity | None) -> Refusal | None:
+    """Status (pids, addresses, incarnations of every host) is for
+    operators and controllers, not for hosts."""
+    if peer is None or peer.role in (Role.OPERATOR, Role.CONTROLLER):
+        return None
+    return Refusal("denied", f"a {peer.role.short} certificate ({peer.name}) may not read the "
+                             f"job's status; use an operator certificate")
+
+
+def check_header(header, job_id: str, registering: bool = False) -> Refusal | None:
+    """Ids in a Header: the job (empty allowed when `registering`: an agent
+    not pinned to a job), host id and incarnation in the safe charset."""
+    if not (registering and not header.job_id) and header.job_id != job_id:
+        return Refusal("invalid", f"message for job {header.job_id[:128]!r} sent to the "
+                                  f"controller of job {job_id!r}")
+    for value, what in ((header.host_id, "host id"), (header.incarnation, "incarnation")):
+        problem = id_problem(value, what)
+        if problem:
+            return Refusal("invalid", problem)
+    if header.generation < 0:
+        return Refusal("invalid", f"generation {header.generation} is negative")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plausible:
+    """What is possible now: the controller's current generation and the
+    highest step the job is known to have reached (-1: none)."""
+
+    generation: int
+    highest_step: int
+
+    def step(self, step: int, what: str) -> Refusal | None:
+        """Refusal for a step below -1 or more than MAX_STEP_ADVANCE past
+        the highest known step."""
+        if step < -1:
+            return Refusal("invalid", f"{what} {step} is below -1")
+        limit = max(self.highest_step, 0) + MAX_STEP_ADVANCE
+        if step > limit:
+            return Refusal("implausible", f"{what} {step} is more than {MAX_STEP_ADVANCE:,} past "
+                                          f"the highest step reached ({self.highest_step})")
+        return None
+
+    def report_generation(self, generation: int, what: str) -> Refusal | None:
+        """A report about a worker of a generation the controller has not
+        started yet cannot be true."""
+        if generation > self.generation:
+            return Refusal("implausible", f"{what} about generation {generation}, but the "
+                                          f"current generation is {self.generation}")
+        return None
+
+
+def _metrics(metrics: Mapping[str, float]) -> Refusal | None:
+    if len(metrics) > MAX_METRICS:
+        return Refusal("invalid", f"{len(metrics)} metrics; at most {MAX_METRICS}")
+    for name, value in metrics.items():
+        if not _METRIC.fullmatch(name):
+            return Refusal("invalid", f"metric name {name[:40]!r} is not valid (letters, digits, "
+                                      f"_ . / -, at most 64)")
+        if not math.isfinite(value):
+            return Refusal("invalid", f"metric {name} is {value}")
+    return None
+
+
+def check_worker(status, plausible: Plausible, what: str) -> Refusal | None:
+    """The numbers of a WorkerStatus as an agent reports it (in Register, a
+    heartbeat or an exit report). Its generation may be one this controller
+    never started (a worker of a controller run whose journal is lost): such
+    a worker is stopped as a stray, and its heartbeats still tell the truth
+    about it."""
+    if status.generation < 0 or status.pid < 0:
+        return Refusal("invalid", f"{what}: negative generation or pid")
+    for step, name in ((status.step, "step"), (status.committed_step, "committed step")):
+        refusal = plausible.step(step, f"{what}: {name}")
+        if refusal:
+            return refusal
+    return _metrics(status.metrics)
+
+
+def check_register(request, job_id: str, peer: Identity | None,
+                   plausible: Plausible) -> Refusal | None:
+    """A RegisterRequest from `peer`."""
+    h = request.header
+    refusal = check_header(h, job_id, registering=True) or check_identity(peer, h.host_id)
+    if refusal:
+        return refusal
+    if not 1 <= request.devices <= MAX_DEVICES:
+        return Refusal("invalid", f"host {h.host_id} reports {request.devices} devices; "
+                                  f"need 1 to {MAX_DEVICES}")
+    if request.address and (len(request.address) > MAX_ADDRESS_CHARS
+                            or not _ADDRESS.fullmatch(request.address)):
+        return Refusal("invalid", f"address {request.address[:40]!r} is not a host name or IP")
+    if request.failure_domain:
+        problem = id_problem(request.failure_domain, "failure domain")
+        if problem:
+            return Refusal("invalid", problem)
+    if not 0 <= request.free_port <= 65535 or request.agent_pid < 0:
+        return Refusal("invalid", "free_port must be 0-65535 and agent_pid >= 0")
+    return check_worker(request.worker, plausible, "registration")
+
+
+def check_message(message, plausible: Plausible) -> Refusal | None:
+    """The body of an AgentMessage on an established stream (the header's
+    ids were checked when the stream was bound to its host)."""
+    kind = message.WhichOneof("body")
+    if kind is None:
+        return Refusal("invalid", "agent message without a body")
+    if kind != "heartbeat":
+        refusal = plausible.report_generation(message.header.generation, kind)
+        if refusal:
+            return refusal
+    if kind == "heartbeat":
+        hb = message.heartbeat
+        if not 0 <= hb.free_port <= 65535 or not math.isfinite(hb.sent_at):
+            return Refusal("invalid", "heartbeat: free_port must be 0-65535, sent_at finite")
+        return check_worker(hb.worker, plausible, "heartbeat")
+    if kind == "worker_exited":
+        return check_worker(message.worker_exited, plausible, "exit report")
+    if kind == "progress":
+        p = message.progress
+        for step, name in ((p.step, "progress: step"), (p.committed_step,
+                                                        "progress: committed step")):
+            refusal = plausible.step(step, name)
+            if refusal:
+                return refusal
+        return _metrics(p.metrics)
+    return None  # worker_event: see worker_event_fields
+
+
+def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusal:
+    """The journal fields a worker event may add: a JSON object of at most
+    MAX_EVENT_FIELDS scalars (text capped and cleaned, numbers finite),
+    none of them a reserved journal field; `step` plausible; fields ending
+    in `_s` durations from 0 to MAX_DURATION_S. Returns the fields or a
+    Refusal."""
+    if len(fields_json.encode()) > MAX_EVENT_JSON_BYTES:
+        return Refusal("invalid", f"event fields exceed {MAX_EVENT_JSON_BYTES} bytes")
+    try:
+        fields = json.loads(fields_json or "{}")
+    except ValueError:
+        return Refusal("invalid", "event fields are not JSON")
+    if not isinstance(fields, dict) or len(fields) > MAX_EVENT_FIELDS:
+        return Refusal("invalid", f"event fields must be an object of at most "
+                                  f"{MAX_EVENT_FIELDS} fields")
+    clean = {}
+    for key, value in fields.items():
+        if key in RESERVED_FIELDS or not _METRIC.fullmatch(key):
+            return Refusal("invalid", f"event field {key[:40]!r} is reserved or not a valid name")
+        if isinstance(value, str):
+            value = clean_text(value, MAX_FIELD_TEXT_CHARS)
+        elif isinstance(value, float) and not math.isfinite(value):
+            return Refusal("invalid", f"event field {key} is {value}")
+        elif value is not None and not isinstance(value, (bool, int, float)):
+            return Refusal("invalid", f"event field {key} must be a string, number, "
+                                      f"boolean or null")
+        if key.endswith("_s") and not isinstance(value, bool) and isinstance(value, (int, float)) \
+                and not 0 <= value <= MAX_DURATION_S:
+            return Refusal("invalid", f"event field {key} = {value} is not a duration from 0 "
+                                      f"to {MAX_DURATION_S:g} s")
+        if key == "step":
+            if isinstance(value, bool) or not isinstance(value, int):
+                return Refusal("invalid", "event field step must be an integer")
+            refusal = plausible.step(value, "event step")
+            if refusal:
+                return refusal
+        clean[key] = value
+    return clean
+
+
+class StreamLimits:
+    """Caps on concurrent calls: at most `per_peer` streams per peer (its
+    certificate's identity, or its IP on a plaintext channel) and `total`
+    in all. `acquire(peer)` takes a slot (False when none is left);
+    `release(peer)` gives it back."""
+
+    def __init__(self, per_peer: int, total: int) -> None:
+        self.per_peer, self.total = per_peer, total
+        self.open: dict[str, int] = {}
+        self.count = 0
+
+    def acquire(self, peer: str) -> bool:
+        if self.count >= self.total or self.open.get(peer, 0) >= self.per_peer:
+            return False
+        self.open[peer] = self.open.get(peer, 0) + 1
+        self.count += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        left = self.open.get(peer, 0) - 1
+        if left < 0:
+            return
+        self.count -= 1
+        if left:
+            self.open[peer] = left
+        else:
+            del self.open[peer]

@@ -1,0 +1,146 @@
+"""What the controller accepts from the network (elastic.controller.admission), by table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastic.controller import admission as adm
+from elastic.security.identity import Identity, Role
+from elastic.v1 import control_pb2 as pb
+
+HOST_H0 = Identity(Role.HOST, "h0", "aa")
+PLAUSIBLE = adm.Plausible(generation=5, highest_step=1_000)
+
+
+def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.0.2",
+             domain="", free_port=0, pid=7, **worker) -> pb.RegisterRequest:
+    return pb.RegisterRequest(
+        header=pb.Header(job_id=job, host_id=host, incarnation=incarnation),
+        devices=devices, address=address, failure_domain=domain, free_port=free_port,
+        agent_pid=pid, worker=pb.WorkerStatus(**{"step": -1, "committed_step": -1, **worker}))
+
+
+@pytest.mark.parametrize("request_, peer, kind, reason", [
+    (register(), HOST_H0, None, None),
+    (register(job=""), HOST_H0, None, None),                     # an agent not pinned to a job
+    (register(), None, None, None),                              # --insecure: nobody is known
+    (register(host="h1"), HOST_H0, "denied", "certificate of host h0 cannot speak for host 'h1'"),
+    (register(), Identity(Role.OPERATOR, "h0", "bb"), "denied", "operator certificate"),
+    (register(job="other"), HOST_H0, "invalid", "message for job 'other'"),
+    (register(host="../h0"), None, "invalid", "host id '../h0' is not valid"),
+    (register(host="h\n0"), None, "invalid", "is not valid"),
+    (register(host="h\x000"), None, "invalid", "is not valid"),
+    (register(host="h" * 129), None, "invalid", "is not valid"),
+    (register(incarnation=""), HOST_H0, "invalid", "incarnation '' is not valid"),
+    (register(devices=0), HOST_H0, "invalid", "reports 0 devices"),
+    (register(devices=10**6), HOST_H0, "invalid", "need 1 to 65536"),
+    (register(address="a b"), HOST_H0, "invalid", "is not a host name or IP"),
+    (register(address="[fe80::1%eth0]"), HOST_H0, None, None),
+    (register(domain="rack/1"), HOST_H0, "invalid", "failure domain 'rack/1'"),
+    (register(free_port=70000), HOST_H0, "invalid", "free_port must be 0-65535"),
+    (register(step=10**18), HOST_H0, "implausible", "more than 10,000,000 past"),
+    (register(committed_step=-5), HOST_H0, "invalid", "is below -1"),
+    (register(generation=10**9), HOST_H0, None, None),  # a worker of a lost journal's run: a stray
+])
+def test_register(request_, peer, kind, reason):
+    refusal = adm.check_register(request_, "job", peer, PLAUSIBLE)
+    assert (refusal.kind if refusal else None) == kind
+    if reason:
+        assert reason in refusal.reason
+
+
+def message(generation=5, **body) -> pb.AgentMessage:
+    return pb.AgentMessage(header=pb.Header(job_id="job", host_id="h0", incarnation="i",
+                                            generation=generation), **body)
+
+
+@pytest.mark.parametrize("msg, kind, reason", [
+    (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(generation=5, step=1_200))), None,
+     None),
+    (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(step=10**18))), "implausible",
+     "heartbeat: step 1000000000000000000 is more than"),
+    (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(generation=9))), None, None),
+    (message(heartbeat=pb.Heartbeat(sent_at=float("nan"))), "invalid", "sent_at finite"),
+    (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(metrics={"loss": float("inf")}))),
+     "invalid", "metric loss is inf"),
+    (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(metrics={"a\nb": 1.0}))),
+     "invalid", "metric name"),
+    (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(
+        metrics={f"m{i}": 1.0 for i in range(65)}))), "invalid", "65 metrics"),
+    (message(progress=pb.Progress(step=1_001, committed_step=1_000)), None, None),
+    (message(progress=pb.Progress(step=-1, committed_step=10**18)), "implausible",
+     "committed step"),
+    (message(generation=999_999, progress=pb.Progress(step=3)), "implausible",
+     "about generation 999999, but the current generation is 5"),
+    (message(generation=6, worker_exited=pb.WorkerStatus(generation=6)), "implausible",
+     "generation 6"),
+    (message(generation=4, worker_exited=pb.WorkerStatus(generation=4)), None, None),
+    (message(), "invalid", "without a body"),
+])
+def test_messages(msg, kind, reason):
+    refusal = adm.check_message(msg, PLAUSIBLE)
+    assert (refusal.kind if refusal else None) == kind
+    if reason:
+        assert reason in refusal.reason
+
+
+def test_steps_are_measured_from_the_highest_step_reached():
+    fresh = adm.Plausible(generation=0, highest_step=-1)
+    assert fresh.step(adm.MAX_STEP_ADVANCE, "step") is None
+    assert fresh.step(adm.MAX_STEP_ADVANCE + 1, "step").kind == "implausible"
+    resumed = adm.Plausible(generation=0, highest_step=50_000_000)  # from the journal
+    assert resumed.step(50_000_000 + adm.MAX_STEP_ADVANCE, "step") is None
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"step": 12, "restore_s": 0.4, "source": "snapshot"},
+     {"step": 12, "restore_s": 0.4, "source": "snapshot"}),
+    ({"kind": "job_succeeded"}, "reserved"),
+    ({"generation": 999_999}, "reserved"),
+    ({"ts": 0}, "reserved"),
+    ({"ettr_s": 7.8e11}, "is not a duration"),
+    ({"blocking_s": -1}, "is not a duration"),
+    ({"step": 10**18}, "more than 10,000,000 past"),
+    ({"step": "12"}, "must be an integer"),
+    ({"nested": {"a": 1}}, "must be a string, number"),
+    ({"x": "line\nforged line\x1b[2J"}, {"x": "line forged line\ufffd[2J"}),
+    ({f"f{i}": i for i in range(33)}, "at most 32 fields"),
+])
+def test_worker_event_fields(fields, expected):
+    result = adm.worker_event_fields(json.dumps(fields), PLAUSIBLE)
+    if isinstance(expected, dict):
+        assert result == expected
+    else:
+        assert isinstance(result, adm.Refusal) and expected in result.reason
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "not json", "x" * 20_000, "NaN"])
+def test_worker_event_fields_that_are_not_an_object(text):
+    assert isinstance(adm.worker_event_fields(text, PLAUSIBLE), adm.Refusal)
+
+
+def test_status_is_for_operators_and_controllers():
+    assert adm.check_status_peer(Identity(Role.OPERATOR, "alice", "f")) is None
+    assert adm.check_status_peer(Identity(Role.CONTROLLER, "c", "f")) is None
+    assert adm.check_status_peer(None) is None  # --insecure
+    assert adm.check_status_peer(HOST_H0).kind == "denied"
+
+
+def test_stream_limits_per_peer_and_in_all():
+    limits = adm.StreamLimits(per_peer=2, total=3)
+    assert limits.acquire("a") and limits.acquire("a")
+    assert not limits.acquire("a")           # per peer
+    assert limits.acquire("b")
+    assert not limits.acquire("c")           # in all
+    limits.release("a")
+    assert limits.acquire("c")
+    limits.release("zzz")                    # never acquired: no effect
+    assert limits.count == 3
+
+
+def test_clean_text_keeps_newlines_only_when_asked():
+    assert adm.clean_text("a\nb\x00c\x1b", 100) == "a b\ufffdc\ufffd"
+    assert adm.clean_text("a\nb\tc\u2028", 100, keep_newlines=True) == "a\nb\tc\ufffd"
+    assert adm.clean_text("0123456789", 4) == "6789"
