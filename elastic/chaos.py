@@ -24,6 +24,7 @@ Fault kinds (each journaled as `fault_injected`):
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import signal
 import threading
@@ -36,6 +37,7 @@ from elastic.controller.journal import JournalTail, JournalWriter
 from elastic.controller.status import fetch_status, slice_step
 from elastic.faults import Fault
 from elastic.procs import alive, signal_group, signal_pid
+from elastic.security.tls import TLSFiles
 
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
                "kill-during-save", "partition")
@@ -76,8 +78,10 @@ def parse_chaos(text: str) -> ChaosSpec:
         except ValueError as e:
             raise ValueError(f"chaos spec {text!r}: {part!r}: {e}") from None
     spec = ChaosSpec(**values)
-    if spec.mtbf_s <= 0 or (spec.count is not None and spec.count < 1):
-        raise ValueError(f"chaos spec {text!r}: mtbf must be > 0 and count >= 1")
+    if not (math.isfinite(spec.mtbf_s) and spec.mtbf_s > 0) or \
+            (spec.count is not None and spec.count < 1):
+        raise ValueError(f"chaos spec {text!r}: mtbf must be a finite number > 0 and "
+                         f"count >= 1")
     return spec
 
 
@@ -91,8 +95,8 @@ def schedule(spec: ChaosSpec, n: int) -> list[tuple[float, str, float]]:
 
 
 class Chaos(threading.Thread):
-    """Injects faults into the slice whose controller is at `address`,
-    journaling into `state_dir`: at random from `spec`, and the `planned`
+    """Injects faults into the slice whose controller is at `address`
+    (status read with the operator bundle `tls`), journaling into `state_dir`: at random from `spec`, and the `planned`
     ones when their triggers come.
 
     restart_agent(host_id): start that host's agent again (the caller owns
@@ -101,13 +105,14 @@ class Chaos(threading.Thread):
     declared lost (stopped agents resume, killed hosts come back after it + 2 s).
     """
 
-    def __init__(self, spec: ChaosSpec | None, address: str, state_dir, restart_agent:
+    def __init__(self, spec: ChaosSpec | None, address: str, tls: TLSFiles | None,
+                 state_dir, restart_agent:
                  Callable[[str], None], agent_pid: Callable[[str], int],
                  heartbeat_timeout_s: float, planned: list[Fault] | None = None,
                  keep_running: bool = False) -> None:
         super().__init__(daemon=True)
         self.keep_running = keep_running
-        self.spec, self.address, self.state_dir = spec, address, state_dir
+        self.spec, self.address, self.tls, self.state_dir = spec, address, tls, state_dir
         self.planned = list(planned or [])
         self.restart_agent, self.agent_pid = restart_agent, agent_pid
         self.away_s = heartbeat_timeout_s + 2.0
@@ -152,7 +157,7 @@ class Chaos(threading.Thread):
         while not self._halt.is_set():
             self._run_due()
             try:
-                st = fetch_status(self.address, timeout_s=2.0)
+                st = fetch_status(self.address, self.tls, timeout_s=2.0)
                 if st.phase == "running" and slice_step(st) >= 0:
                     return st
             except grpc.RpcError:
@@ -174,7 +179,7 @@ class Chaos(threading.Thread):
         t0 = time.monotonic()
         while self.planned and self._wait(0.1):
             try:
-                status = fetch_status(self.address, timeout_s=2.0)
+                status = fetch_status(self.address, self.tls, timeout_s=2.0)
             except grpc.RpcError:
                 continue
             step = slice_step(status)
@@ -217,7 +222,7 @@ class Chaos(threading.Thread):
         if kind == "kill-during-save":
             since = time.time()
             saved = self._wait_for_save(since, timeout_s=120)
-            status = fetch_status(self.address, timeout_s=2.0)
+            status = fetch_status(self.address, self.tls, timeout_s=2.0)
             host = next((x for x in status.hosts if x.host_id == h), host)
             worker = host.worker_pid
             note = f"save of step {saved['step']} in flight" if saved else "no save came; killed"

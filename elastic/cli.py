@@ -1,7 +1,8 @@
-"""`elasticd`: start | status | report | local | chaos.
+"""`elasticd`: start | status | report | local | chaos | certs.
 
 Exit codes: 0 job succeeded, 1 job failed (or status could not reach the
-controller), 2 bad command line or job spec (nothing was started).
+controller), 2 bad command line, job spec or TLS files (nothing was
+started), 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import pathlib
+import signal
 import sys
 
 import grpc
@@ -17,6 +20,26 @@ import grpc
 from elastic.config import SpecError, load_spec
 
 DEFAULT_STATE_DIR = "elastic-state"
+#: Where elasticd looks for its certificate bundle unless told: the
+#: controller's (start) and an operator's (status), as the systemd units and
+#: `elasticd certs` lay them out.
+CONTROLLER_TLS_DIR = "/etc/elastic/controller"
+OPERATOR_TLS_DIR = "/etc/elastic/operator"
+#: The bundle `elasticd local` issues for its own status calls.
+LOCAL_OPERATOR_BUNDLE = pathlib.Path("tls") / "operators" / "local"
+
+
+class UsageError(Exception):
+    """A bad command line; main() prints it on one line and exits 2."""
+
+
+def _tls_args(parser: argparse.ArgumentParser, default_help: str) -> None:
+    parser.add_argument("--tls-dir", metavar="DIR",
+                        help=f"certificate bundle: ca.pem, cert.pem, key.pem (or cert-manager's "
+                             f"ca.crt, tls.crt, tls.key); default {default_help}")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext gRPC, no authentication (journaled; never on a network "
+                             "others can reach)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,11 +51,14 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--listen", default="0.0.0.0:7470", help="HOST:PORT (default %(default)s)")
     start.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
                        help="journal and state (default ./%(default)s)")
+    _tls_args(start, CONTROLLER_TLS_DIR + " (a controller certificate)")
 
     status = sub.add_parser("status", help="show a running job")
     status.add_argument("--json", action="store_true", help="JSON instead of a table")
     status.add_argument("--controller", help="HOST:PORT (default: from the state dir)")
     status.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+    _tls_args(status, f"STATE_DIR/{LOCAL_OPERATOR_BUNDLE} if there (elasticd local), else "
+                      f"{OPERATOR_TLS_DIR} (an operator or controller certificate)")
 
     report = sub.add_parser("report", help="goodput of a finished or running job")
     report.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
@@ -59,6 +85,28 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--gce-metadata", metavar="URL",
                        help="agents watch this GCE metadata URL for preemption notices; "
                             "{host} is replaced by each host's id")
+    local.add_argument("--insecure", action="store_true",
+                       help="plaintext gRPC between the simulated hosts (for comparing what TLS "
+                            "costs; default: mutual TLS with a throwaway CA under the state dir)")
+
+    certs = sub.add_parser("certs", help="a certificate authority for the controller, hosts "
+                                         "and operators")
+    verbs = certs.add_subparsers(dest="verb", required=True)
+    init = verbs.add_parser("init", help="create a CA (DIR/ca.pem, DIR/ca.key)")
+    init.add_argument("--dir", required=True)
+    init.add_argument("--name", default="elastic CA", help="the CA's common name")
+    init.add_argument("--days", type=int, default=3650)
+    issue = verbs.add_parser("issue", help="issue a bundle (ca.pem, cert.pem, key.pem) under DIR")
+    issue.add_argument("--dir", required=True, help="the CA's directory")
+    issue.add_argument("--role", required=True, choices=("controller", "host", "operator"))
+    issue.add_argument("--name", required=True,
+                       help="host id (role host), operator name, or controller name")
+    issue.add_argument("--san", action="append", default=[], metavar="NAME_OR_IP",
+                       help="controller only: another DNS name or IP it is reached at "
+                            "(repeatable; agents check the name elastic-controller)")
+    issue.add_argument("--days", type=int, default=365)
+    check = verbs.add_parser("check", help="check a bundle: chain, key, role, expiry")
+    check.add_argument("--tls-dir", required=True)
     return parser
 
 
@@ -66,29 +114,67 @@ def _load(path: str):
     try:
         return load_spec(path)
     except SpecError as e:
-        print(f"elasticd: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(str(e)) from None
+
+
+def _finite(value: float | None, what: str, minimum: float = 0.0) -> None:
+    if value is not None and not (math.isfinite(value) and value >= minimum):
+        raise UsageError(f"{what} must be a finite number >= {minimum:g}, got {value}")
+
+
+def _client_tls(args):
+    """The TLS files `status` and `chaos` use (None with --insecure)."""
+    from elastic.security.tls import TLSError, TLSFiles
+
+    if getattr(args, "insecure", False):
+        return None
+    directory = args.tls_dir if getattr(args, "tls_dir", None) else None
+    if directory is None:
+        local = pathlib.Path(args.state_dir) / LOCAL_OPERATOR_BUNDLE
+        directory = local if local.is_dir() else OPERATOR_TLS_DIR
+    try:
+        return TLSFiles.in_dir(directory)
+    except TLSError as e:
+        raise UsageError(str(e)) from None
+
+
+def _controller_address(args) -> str:
+    from elastic.controller.server import ADDRESS_FILE
+    from elastic.transport import parse_address
+
+    if args.controller:
+        try:
+            parse_address(args.controller, "--controller")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return args.controller
+    path = pathlib.Path(args.state_dir) / ADDRESS_FILE
+    try:
+        address = path.read_bytes().decode("ascii").strip()
+        parse_address(address)
+    except FileNotFoundError:
+        raise UsageError(f"no controller address in {path} (is the controller running?); "
+                         f"pass --controller") from None
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise UsageError(f"{path} does not hold a controller address (HOST:PORT)") from None
+    return address
 
 
 def _status(args) -> int:
     from google.protobuf import json_format
 
-    from elastic.controller.server import ADDRESS_FILE
     from elastic.controller.status import fetch_status, format_status
+    from elastic.security.tls import TLSError
 
-    address = args.controller
-    if not address:
-        path = pathlib.Path(args.state_dir) / ADDRESS_FILE
-        if not path.exists():
-            print(f"elasticd: no controller address in {path}; pass --controller",
-                  file=sys.stderr)
-            return 1
-        address = path.read_text().strip()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `elasticd status | head` ends quietly
+    address = _controller_address(args)
     try:
-        status = fetch_status(address)
+        status = fetch_status(address, _client_tls(args))
+    except TLSError as e:
+        raise UsageError(str(e)) from None
     except grpc.RpcError as e:
-        print(f"elasticd: cannot reach the controller at {address}: {e.code().name}",
-              file=sys.stderr)
+        print(f"elasticd: cannot reach the controller at {address}: {e.code().name}: "
+              f"{e.details()}", file=sys.stderr)
         return 1
     if args.json:
         print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
@@ -101,69 +187,124 @@ def _report(args) -> int:
     import json
     import time
 
-    from elastic.controller.journal import JOURNAL_NAME, read_journal
+    from elastic.controller.journal import JOURNAL_NAME, load_journal
     from elastic.goodput import account, format_report
 
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     path = pathlib.Path(args.state_dir) / JOURNAL_NAME
-    if not path.exists():
+    if not path.is_file():
         print(f"elasticd: no journal at {path}", file=sys.stderr)
         return 1
-    goodput = account(read_journal(args.state_dir), now=time.time())
+    try:
+        entries, skipped = load_journal(args.state_dir)
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    goodput = account(entries, now=time.time())
+    if skipped:
+        print(f"elasticd: {skipped} line(s) of {path} are not journal entries; skipped",
+              file=sys.stderr)
     print(json.dumps(goodput.to_json(), indent=2) if args.json else format_report(goodput))
     return 0
 
 
+def _certs(args) -> int:
+    from elastic.security import certs
+    from elastic.security.identity import Role
+    from elastic.security.tls import TLSError, TLSFiles, load
+
+    try:
+        if args.verb == "init":
+            root = certs.create_ca(args.dir, args.name, args.days)
+            print(f"CA created: {root / certs.CA_CERT} (key {root / certs.CA_KEY}: keep it off "
+                  f"the hosts)")
+        elif args.verb == "issue":
+            issued = certs.issue(args.dir, Role.parse(args.role), args.name, tuple(args.san),
+                                 args.days)
+            print(f"{issued.role.short} certificate for {issued.name} in {issued.directory} "
+                  f"(valid until {issued.not_after:%Y-%m-%d})")
+        else:
+            c = load(TLSFiles.in_dir(args.tls_dir), tuple(Role))
+            print(f"{args.tls_dir}: {c.identity}, valid until {c.not_after:%Y-%m-%d %H:%M} UTC, "
+                  f"sha256 {c.identity.fingerprint[:16]}")
+    except (certs.CertError, TLSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"{e.filename or args.dir}: {e.strerror or e}") from None
+    return 0
+
+
+def _start(args) -> int:
+    from elastic.controller.server import StartError, serve
+    from elastic.security.tls import TLSError, TLSFiles
+    from elastic.transport import parse_address
+
+    try:
+        parse_address(args.listen, "--listen", allow_port_zero=True)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    spec = _load(args.config)
+    tls = None
+    if not args.insecure:
+        try:
+            tls = TLSFiles.in_dir(args.tls_dir or CONTROLLER_TLS_DIR)
+        except TLSError as e:
+            raise UsageError(str(e)) from None
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s elasticd %(levelname)s %(message)s")
+    try:
+        return asyncio.run(serve(spec, args.listen, args.state_dir, tls))
+    except StartError as e:
+        raise UsageError(str(e)) from None
+
+
+def _local(args) -> int:
+    from elastic.chaos import parse_chaos
+    from elastic.faults import parse_fault
+    from elastic.local import run_local
+
+    if not 1 <= args.hosts <= 256 or not 1 <= args.devices_per_host <= 256:
+        raise UsageError("--hosts and --devices-per-host must be from 1 to 256")
+    spec = _load(args.config)
+    try:
+        faults = [parse_fault(text) for text in args.fault]
+        chaos = parse_chaos(args.chaos) if args.chaos else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        return run_local(args.config, spec, args.hosts, args.devices_per_host, args.state_dir,
+                         quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,
+                         chaos=chaos, insecure=args.insecure)
+    except NotADirectoryError as e:
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:
+        print(f"elasticd: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _chaos(args) -> int:
+    from elastic.chaos import parse_chaos
+    from elastic.local import LOCAL_FILE, run_chaos
+
+    _finite(args.duration_s, "--duration-s")
+    try:
+        spec = parse_chaos(args.chaos)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not (pathlib.Path(args.state_dir) / LOCAL_FILE).is_file():
+        raise UsageError(f"no running `elasticd local` slice in {args.state_dir} (no "
+                         f"{LOCAL_FILE})")
+    return run_chaos(args.state_dir, spec, args.duration_s, _client_tls(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "status":
-        return _status(args)
-    if args.command == "report":
-        return _report(args)
-    if args.command == "chaos":
-        from elastic.chaos import parse_chaos
-        from elastic.local import run_chaos
-
-        try:
-            spec = parse_chaos(args.chaos)
-        except ValueError as e:
-            print(f"elasticd: error: {e}", file=sys.stderr)
-            return 2
-        return run_chaos(args.state_dir, spec, args.duration_s)
-    spec = _load(args.config)
-    if args.command == "start":
-        from elastic.controller.server import serve
-
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s elasticd %(levelname)s %(message)s")
-        try:
-            return asyncio.run(serve(spec, args.listen, args.state_dir))
-        except RuntimeError as e:
-            print(f"elasticd: error: {e}", file=sys.stderr)
-            return 2
-    if args.command == "local":
-        from elastic.local import run_local
-
-        from elastic.chaos import parse_chaos
-        from elastic.faults import parse_fault
-
-        if args.hosts < 1 or args.devices_per_host < 1:
-            print("elasticd: error: --hosts and --devices-per-host must be at least 1",
-                  file=sys.stderr)
-            return 2
-        try:
-            faults = [parse_fault(text) for text in args.fault]
-            chaos = parse_chaos(args.chaos) if args.chaos else None
-        except ValueError as e:
-            print(f"elasticd: error: {e}", file=sys.stderr)
-            return 2
-        try:
-            return run_local(args.config, spec, args.hosts, args.devices_per_host,
-                             args.state_dir, quiet=args.quiet, faults=faults,
-                             metadata_url=args.gce_metadata, chaos=chaos)
-        except RuntimeError as e:
-            print(f"elasticd: error: {e}", file=sys.stderr)
-            return 1
-    return 2
+    commands = {"status": _status, "report": _report, "chaos": _chaos, "certs": _certs,
+                "start": _start, "local": _local}
+    try:
+        return commands[args.command](args)
+    except UsageError as e:
+        print(f"elasticd: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

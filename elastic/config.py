@@ -41,8 +41,10 @@ Example (units are in the key names; all keys but `job.command` are optional)::
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
+import re
 import tomllib
 from collections.abc import Mapping
 from typing import Any
@@ -245,6 +247,13 @@ class JobSpec:
 
 # --- parsing -----------------------------------------------------------------
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Upper bounds that keep a typo (max_hosts = 100000000) from exhausting the
+#: controller: hosts per job, devices per host, any duration in seconds.
+MAX_HOSTS = 100_000
+MAX_DEVICES_PER_HOST = 65_536
+MAX_DURATION_S = 365 * 86_400.0
+
 _SECTIONS = {"job", "mesh", "health", "restart", "batch", "hang", "quarantine", "preemption"}
 _JOB_KEYS = {
     "id": str, "command": list, "env": dict, "workdir": str, "min_hosts": int,
@@ -262,6 +271,8 @@ def _check_type(source: str, key: str, value: Any, kind: type) -> Any:
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(f"{source}: {key} must be a finite number, got {value}")
     if not ok:
         raise SpecError(f"{source}: {key} must be {_type_name(kind)}, got {value!r}")
     return value
@@ -314,12 +325,17 @@ def parse_spec(raw: Mapping[str, Any], source: str = "<memory>",
             raise SpecError(f"{source}: unknown key job.{key} (known: {', '.join(_JOB_KEYS)})")
         values[key] = _check_type(source, f"job.{key}", value, _JOB_KEYS[key])
     command = values.pop("command", None)
-    if not command or not all(isinstance(a, str) for a in command):
-        raise SpecError(f"{source}: job.command must be a non-empty array of strings")
+    if not command or not all(isinstance(a, str) and a and "\0" not in a for a in command):
+        raise SpecError(f"{source}: job.command must be a non-empty array of non-empty strings "
+                        f"without NUL characters")
     env = values.pop("env", {})
     for key, value in env.items():
-        if not isinstance(value, str):
-            raise SpecError(f"{source}: job.env.{key} must be a string, got {value!r}")
+        if not _ENV_NAME.fullmatch(key):
+            raise SpecError(f"{source}: job.env key {key[:40]!r} is not a variable name "
+                            f"(letters, digits, _; not starting with a digit)")
+        if not isinstance(value, str) or "\0" in value:
+            raise SpecError(f"{source}: job.env.{key} must be a string without NUL "
+                            f"characters, got {value!r}")
     base = base_dir or pathlib.Path.cwd()
     for key in ("workdir", "checkpoint_dir"):
         if key in values and "://" not in values[key]:
@@ -350,8 +366,22 @@ def parse_spec(raw: Mapping[str, Any], source: str = "<memory>",
 
 def validate(spec: JobSpec) -> None:
     """Raise SpecError if the spec can never run; the message names the key."""
+    from elastic.security.identity import id_problem
+
     src, h, r = spec.source, spec.health, spec.restart
+    durations = [(f"{section}.{f.name}", getattr(getattr(spec, section), f.name))
+                 for section in ("health", "restart", "hang", "quarantine", "preemption")
+                 for f in dataclasses.fields(getattr(spec, section)) if f.name.endswith("_s")]
     checks = [
+        (id_problem(spec.job_id, "job.id") is None, id_problem(spec.job_id, "job.id")),
+        (spec.max_hosts <= MAX_HOSTS, f"job.max_hosts ({spec.max_hosts}) is above the limit "
+                                      f"of {MAX_HOSTS:,} hosts"),
+        (spec.devices_per_host is None or spec.devices_per_host <= MAX_DEVICES_PER_HOST,
+         f"job.devices_per_host is above the limit of {MAX_DEVICES_PER_HOST:,}"),
+        (all(abs(size) <= MAX_HOSTS * MAX_DEVICES_PER_HOST for _, size in spec.mesh.axes),
+         "[mesh] an axis size is larger than any slice can be"),
+        *((value <= MAX_DURATION_S, f"{key} ({value:g} s) is above the limit of "
+                                    f"{MAX_DURATION_S:g} s (a year)") for key, value in durations),
         (spec.min_hosts >= 1, "job.min_hosts must be at least 1"),
         (spec.max_hosts >= spec.min_hosts,
          f"job.min_hosts ({spec.min_hosts}) is greater than job.max_hosts ({spec.max_hosts})"),
@@ -418,6 +448,12 @@ def load_spec(path: str | os.PathLike[str]) -> JobSpec:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise SpecError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: is a directory, not a job spec file") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: invalid TOML: {e}") from None
     return parse_spec(raw, source=str(path), base_dir=path.resolve().parent)

@@ -11,6 +11,7 @@ partition). TRIGGER is `step=N` (the slice has reported step N) or `t=S`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,8 @@ def parse_fault(text: str) -> Fault:
     try:
         if key == "step" and eq:
             return Fault(kind, host, at_step=int(value))
-        if key == "t" and eq:
-            return Fault(kind, host, at_s=float(value.rstrip("s")))
+        if key == "t" and eq and math.isfinite(at_s := float(value.rstrip("s"))) and at_s >= 0:
+            return Fault(kind, host, at_s=at_s)
     except ValueError:
         pass
     raise ValueError(f"fault {text!r}: trigger {trigger!r} is not step=N or t=SECONDS")

@@ -17,6 +17,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,34 +36,74 @@ from elastic.controller.status import fetch_status, slice_step
 from elastic.chaos import Chaos, ChaosSpec
 from elastic.faults import Fault
 from elastic.report import summarize
+from elastic.security import certs
+from elastic.security.files import open_private, private_dir, remove_private_dir, \
+    write_private
+from elastic.security.identity import Role
+from elastic.security.tls import TLSFiles
 
 LOCAL_FILE = "local.json"
 
 
 @dataclasses.dataclass
 class LocalSlice:
-    """What `run_local` started: controller and agents (subprocess.Popen)."""
+    """What `run_local` started: controller and agents (subprocess.Popen);
+    `tls`: the operator bundle for status calls (None with --insecure)."""
 
     state_dir: pathlib.Path
     controller: subprocess.Popen
     address: str
     agents: dict[str, subprocess.Popen]
     agent_argv: dict[str, list[str]]
+    tls: TLSFiles | None
     heartbeat_timeout_s: float = 5.0
 
 
+TLS_DIR = "tls"
+
+
+def _literal(text: str) -> str:
+    """`text` as an fnmatch pattern matching only itself."""
+    return re.sub(r"([*?[])", r"[\1]", text)
+
+
+def allow_args(spec: JobSpec, path: str) -> list[str]:
+    """The allow-list flags of a simulated host's agent: exactly the job's
+    command head (program resolved on `path`, script resolved against the
+    job's workdir, or `-m module`), its workdir for `-m`, and the variables
+    of the job's env (the spec is the operator's own)."""
+    argv, workdir = list(spec.command), spec.workdir
+    program = argv[0] if "/" in argv[0] else (shutil.which(argv[0], path=path) or argv[0])
+    head = [os.path.abspath(os.path.join(workdir, program))]
+    rest = argv[1:]
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        head += ["-m", rest[1]]
+    elif rest and not rest[0].startswith("-"):
+        head.append(os.path.normpath(os.path.join(workdir, rest[0])))
+    args = ["--allow-worker", shlex.join(_literal(t) for t in head),
+            "--allow-workdir", _literal(os.path.normpath(workdir))]
+    for name in spec.env:
+        args += ["--allow-env", _literal(name)]
+    return args
+
+
 def agent_argv(address: str, host_id: str, devices: int, failure_domain: str,
-               state_dir: pathlib.Path, job_id: str, metadata_url: str | None = None
-               ) -> list[str]:
-    """The command line of one simulated host's agent. `metadata_url` may
-    hold "{host}", replaced by the host id (one fake metadata path per host)."""
+               state_dir: pathlib.Path, spec: JobSpec, insecure: bool = False,
+               metadata_url: str | None = None) -> list[str]:
+    """The command line of one simulated host's agent: its own certificate
+    bundle under STATE_DIR/tls (or --insecure) and an allow-list of exactly
+    the job's command (`allow_args`). `metadata_url` may hold "{host}",
+    replaced by the host id (one fake metadata path per host)."""
     argv = [sys.executable, "-m", "elastic.agent.main", "--controller", address,
             "--host-id", host_id, "--devices", str(devices), "--address", "127.0.0.1",
-            "--failure-domain", failure_domain, "--job-id", job_id,
+            "--failure-domain", failure_domain, "--job-id", spec.job_id,
             "--state-dir", str(state_dir / "agents" / host_id),
             # one machine: its simulated hosts share one executable cache, as
             # the hosts of a cluster may share one on a common filesystem
-            "--compile-cache-dir", str(state_dir / "compile-cache")]
+            "--compile-cache-dir", str(state_dir / "compile-cache"),
+            *allow_args(spec, child_env()["PATH"])]
+    argv += ["--insecure"] if insecure else \
+        ["--tls-dir", str(certs.bundle_dir(state_dir / TLS_DIR, Role.HOST, host_id))]
     if metadata_url:
         argv += ["--gce-metadata", metadata_url.replace("{host}", host_id)]
     return argv
@@ -93,19 +135,31 @@ def _wait_for_address(state_dir: pathlib.Path, controller: subprocess.Popen,
 
 
 def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
-                state_dir: pathlib.Path, metadata_url: str | None = None) -> LocalSlice:
-    """Start the controller, wait for its address, then start `hosts` agents.
+                state_dir: pathlib.Path, metadata_url: str | None = None,
+                insecure: bool = False) -> LocalSlice:
+    """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
+    `insecure`), start the controller, wait for its address, then start
+    `hosts` agents.
 
     Raises RuntimeError when the controller exits or does not listen within
-    30 s (its log says why)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "hosts").mkdir(exist_ok=True)
+    30 s (its log says why); NotADirectoryError / PermissionError when the
+    state directory cannot be made private."""
+    private_dir(state_dir)
+    private_dir(state_dir / "hosts")
     (state_dir / ADDRESS_FILE).unlink(missing_ok=True)
+    host_ids = [f"host-{i}" for i in range(hosts)]
+    tls = None
+    if insecure:
+        security = ["--insecure"]
+    else:
+        pki = certs.local_pki(state_dir / TLS_DIR, host_ids)
+        security = ["--tls-dir", str(certs.bundle_dir(pki, Role.CONTROLLER, "localhost"))]
+        tls = TLSFiles.in_dir(certs.bundle_dir(pki, Role.OPERATOR, "local"))
     env = child_env()
-    log = open(state_dir / "controller.log", "ab")
+    log = open_private(state_dir / "controller.log", "ab")
     controller = subprocess.Popen(
         [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
-         "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)],
+         "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *security],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     log.close()
     address = _wait_for_address(state_dir, controller, 30.0)
@@ -115,31 +169,29 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int
         raise RuntimeError(f"the controller did not start; see {state_dir / 'controller.log'}")
     per_domain = spec.hosts_per_failure_domain
     agents, argvs = {}, {}
-    for i in range(hosts):
-        host_id = f"host-{i}"
+    for i, host_id in enumerate(host_ids):
         argv = agent_argv(address, host_id, devices_per_host, f"domain-{i // per_domain}",
-                          state_dir, spec.job_id, metadata_url)
-        out = open(state_dir / "hosts" / f"{host_id}.log", "ab")
+                          state_dir, spec, insecure, metadata_url)
+        out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, env=env)
         out.close()
         argvs[host_id] = argv
-    local = LocalSlice(state_dir, controller, address, agents, argvs,
+    local = LocalSlice(state_dir, controller, address, agents, argvs, tls,
                        spec.health.heartbeat_timeout_s)
     write_local_file(local)
     return local
 
 
 def write_local_file(local: LocalSlice) -> None:
-    """Write `<state-dir>/local.json` atomically: controller address and pid,
-    each agent's pid and command line (read by `elasticd chaos` and tests)."""
+    """Write `<state-dir>/local.json` atomically (0600): controller address
+    and pid, each agent's pid and command line (read by `elasticd chaos` and
+    tests)."""
     info = {"controller": local.address, "controller_pid": local.controller.pid,
             "launcher_pid": os.getpid(), "heartbeat_timeout_s": local.heartbeat_timeout_s,
             "agents": {h: {"pid": p.pid, "argv": local.agent_argv[h]}
                        for h, p in local.agents.items()}}
-    tmp = local.state_dir / (LOCAL_FILE + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(local.state_dir / LOCAL_FILE)
+    write_private(local.state_dir / LOCAL_FILE, json.dumps(info, indent=2).encode())
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float,
@@ -184,7 +236,10 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
             pass
     # a host killed by a fault and not started again left its snapshots in memory
     for host_dir in (local.state_dir / "agents").glob("*"):
-        shutil.rmtree(default_snapshot_dir(str(host_dir)), ignore_errors=True)
+        try:
+            remove_private_dir(default_snapshot_dir(str(host_dir)))
+        except OSError:
+            pass
 
 
 def format_entry(entry: dict, t0: float) -> str:
@@ -219,10 +274,10 @@ class JournalFollower(threading.Thread):
             self._halt.wait(0.1)
 
 
-def progress_line(address: str) -> str:
+def progress_line(address: str, tls: TLSFiles | None) -> str:
     """One line on the slice: phase, generation, hosts, step, loss."""
     try:
-        st = fetch_status(address, timeout_s=2.0)
+        st = fetch_status(address, tls, timeout_s=2.0)
     except grpc.RpcError as e:
         return f"[progress] controller unreachable: {e.code().name}"
     members = [h for h in st.hosts if h.state in ("member", "silent")]
@@ -241,7 +296,7 @@ def restart_agent(local: LocalSlice, host_id: str) -> None:
         return
     if old is not None:
         old.wait()
-    out = open(local.state_dir / "hosts" / f"{host_id}.log", "ab")
+    out = open_private(local.state_dir / "hosts" / f"{host_id}.log", "ab")
     local.agents[host_id] = subprocess.Popen(local.agent_argv[host_id], stdout=out,
                                              stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env=child_env())
@@ -249,7 +304,8 @@ def restart_agent(local: LocalSlice, host_id: str) -> None:
     write_local_file(local)
 
 
-def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None) -> int:
+def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None,
+              tls: TLSFiles | None) -> int:
     """`elasticd chaos`: random faults on the local slice running in
     `state_dir` (from its local.json) for `duration_s` seconds (None: until
     SIGINT/SIGTERM or until `chaos.count` faults). Agents it starts again are
@@ -260,19 +316,17 @@ def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None) -> int
 
     def restart(host_id: str) -> None:
         argv = info["agents"][host_id]["argv"]
-        out = open(state / "hosts" / f"{host_id}.log", "ab")
+        out = open_private(state / "hosts" / f"{host_id}.log", "ab")
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=child_env(),
                                 start_new_session=True)
         out.close()
         started.append(proc)
         info["agents"][host_id]["pid"] = proc.pid
-        tmp = state / (LOCAL_FILE + ".tmp")
-        tmp.write_text(json.dumps(info, indent=2))
-        tmp.replace(state / LOCAL_FILE)
+        write_private(state / LOCAL_FILE, json.dumps(info, indent=2).encode())
 
     timeout = float(info.get("heartbeat_timeout_s", 5.0))
-    chaos_thread = Chaos(chaos, info["controller"], state, restart,
+    chaos_thread = Chaos(chaos, info["controller"], tls, state, restart,
                          lambda h: info["agents"][h]["pid"], timeout)
     received: list[int] = []
     old = {s: signal.signal(s, lambda signum, frame: received.append(signum))
@@ -293,15 +347,16 @@ def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None) -> int
 def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
               progress_every_s: float = 5.0, metadata_url: str | None = None,
-              chaos: ChaosSpec | None = None) -> int:
+              chaos: ChaosSpec | None = None, insecure: bool = False) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting the planned `faults` and random `chaos` faults on the way;
-    prints a summary at the end.
+    prints a summary at the end. Mutual TLS with a throwaway CA unless
+    `insecure`.
 
-    Returns the controller's exit code (0 succeeded, 1 failed), 130 after
-    SIGINT, 143 after SIGTERM."""
-    state = pathlib.Path(state_dir).resolve()
-    state.mkdir(parents=True, exist_ok=True)
+    Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
+    after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).
+    Raises NotADirectoryError when `state_dir` is a file."""
+    state = private_dir(pathlib.Path(state_dir).resolve())
     follower = None if quiet else JournalFollower(state / JOURNAL_NAME)
     if follower:
         follower.start()
@@ -310,14 +365,16 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
     def on_signal(signum, frame) -> None:
         received.append(signum)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
+                                                    signal.SIGHUP)}
     local = injector = None
     try:
-        local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url)
+        local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
+                            insecure)
         print(f"elasticd local: controller at {local.address}, {hosts} hosts x "
               f"{devices_per_host} devices, state in {state}", flush=True)
         if faults or chaos:
-            injector = Chaos(chaos, local.address, state,
+            injector = Chaos(chaos, local.address, local.tls, state,
                              lambda h: restart_agent(local, h),
                              lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
                              planned=faults)
@@ -329,7 +386,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
             if not quiet and time.monotonic() >= next_line:
                 next_line = time.monotonic() + (0.5 if live else progress_every_s)
                 # on a terminal one line updated in place; otherwise plain lines
-                print(("\r\033[K" if live else "") + progress_line(local.address),
+                print(("\r\033[K" if live else "") + progress_line(local.address, local.tls),
                       end="" if live else "\n", flush=True)
         code = local.controller.poll()
         stop_slice(local, agent_grace_s=spec.health.stop_grace_s + 5.0)

@@ -1,13 +1,17 @@
-"""gRPC channels and listening ports: the one seam where TLS and
-authentication get added (channel/server credentials and call metadata), so
-no message changes when they do. Also the one retry layer: tenacity around
-client calls, retrying only UNAVAILABLE and DEADLINE_EXCEEDED.
+"""gRPC channels and listening ports: the one place that opens them, with
+mutual TLS from `elastic.security.tls` (plaintext only when the caller
+passes no TLS files: `--insecure`). Also the one retry layer: tenacity
+around client calls, retrying only UNAVAILABLE and DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
 
 import grpc
 import tenacity
+
+from elastic.security import tls as tls_
+from elastic.security.identity import Role
+from elastic.security.tls import TLSFiles
 
 # Keepalives notice a dead peer on an idle stream (a host that vanished
 # without closing its TCP connection) without waiting for the OS.
@@ -16,12 +20,22 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # a status of 10,000 hosts is ~2 MB
+    ("grpc.max_receive_message_length", 64 << 20),
 ]
+#: Largest message the controller accepts (its largest honest one, a
+#: worker's exit report with its stderr tail, is a few KiB).
+MAX_REQUEST_BYTES = 1 << 20
 _SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+    # An agent uses one stream and an occasional unary call per connection.
+    ("grpc.max_concurrent_streams", 16),
+    # A peer that connects and never finishes the TLS handshake is dropped.
+    ("grpc.server_handshake_timeout_ms", 10_000),
     # gRPC core cancels calls beyond 3,000 not yet taken up by the application
     # (a soft limit of 1,000): when thousands of agents (re)connect at once the
     # asyncio server takes them up one by one, so the limits must exceed the
@@ -38,12 +52,30 @@ def aio_server() -> grpc.aio.Server:
     return grpc.aio.server(options=_SERVER_OPTIONS)
 
 
-def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str) -> int:
-    """Listen on `address` ("HOST:PORT", port 0 for any). Returns the port.
+def parse_address(address: str, what: str = "address", allow_port_zero: bool = False
+                  ) -> tuple[str, int]:
+    """Split "HOST:PORT" ("[v6]:PORT" too). Raises ValueError naming `what`
+    when the form or the port (1-65535; 0 too with `allow_port_zero`) is wrong."""
+    host, sep, port = address.rpartition(":")
+    low = 0 if allow_port_zero else 1
+    if not sep or not host or not port.isdigit() or not low <= int(port) <= 65535:
+        raise ValueError(f"{what} {address!r} is not HOST:PORT with a port from {low} to 65535")
+    return host, int(port)
 
-    Raises RuntimeError when the address cannot be bound."""
+
+def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str,
+                    tls: TLSFiles | None) -> int:
+    """Listen on `address` ("HOST:PORT", port 0 for any): mutual TLS with
+    the controller's `tls` files, plaintext if None. Returns the port.
+
+    Raises RuntimeError when the address cannot be bound, TLSError when the
+    files cannot be used."""
     try:
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            credentials, _ = tls_.server_credentials(tls)
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as e:
         raise RuntimeError(f"cannot listen on {address}: {e}") from None
     if port == 0:
@@ -51,14 +83,45 @@ def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str) -> int:
     return port
 
 
-def aio_channel(target: str) -> grpc.aio.Channel:
-    """An asyncio channel to "HOST:PORT"."""
-    return grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+def _client(tls: TLSFiles | None, roles: tuple[Role, ...]):
+    if tls is None:
+        return None, list(_CHANNEL_OPTIONS)
+    return tls_.channel_credentials(tls, roles), [*_CHANNEL_OPTIONS, *tls_.SERVER_NAME_OPTIONS]
 
 
-def channel(target: str) -> grpc.Channel:
-    """A blocking channel to "HOST:PORT" (CLI tools)."""
-    return grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+def aio_channel(target: str, tls: TLSFiles | None,
+                roles: tuple[Role, ...] = (Role.HOST,)) -> grpc.aio.Channel:
+    """An asyncio channel to the controller at "HOST:PORT": mutual TLS
+    with `tls` (whose certificate must be one of `roles`), plaintext if
+    None. Raises TLSError when the files cannot be used."""
+    credentials, options = _client(tls, roles)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def channel(target: str, tls: TLSFiles | None,
+            roles: tuple[Role, ...] = (Role.OPERATOR, Role.CONTROLLER)) -> grpc.Channel:
+    """A blocking channel to the controller (CLI tools), as `aio_channel`."""
+    credentials, options = _client(tls, roles)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def lenient(message_class):
+    """A request deserializer for `message_class` that returns None for
+    bytes that do not parse (the servicer refuses those with
+    INVALID_ARGUMENT) instead of raising (grpc's UNKNOWN, with a traceback
+    in the log for every such message)."""
+    from google.protobuf.message import DecodeError
+
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return None
+    return deserialize
 
 
 def is_transient(error: BaseException) -> bool:

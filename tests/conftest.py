@@ -41,6 +41,38 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+class PKI:
+    """A test CA (made once per session) and bundles issued from it:
+    `controller`, `operator`, and `host(host_id)` (issued on first use)."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        from elastic.security import certs
+        from elastic.security.identity import Role
+        from elastic.security.tls import TLSFiles
+
+        self.root, self._certs, self._role, self._files = root, certs, Role, TLSFiles
+        certs.create_ca(root, "elastic test CA")
+        self.controller = self.bundle(Role.CONTROLLER, "controller")
+        self.operator = self.bundle(Role.OPERATOR, "tester")
+
+    def bundle(self, role, name: str, **kw):
+        """Issue (again) and return the TLSFiles of `name` in `role`."""
+        return self._files.in_dir(self._certs.issue(self.root, role, name, **kw).directory)
+
+    def host(self, host_id: str):
+        """The host bundle of `host_id` (issued once)."""
+        directory = self._certs.bundle_dir(self.root, self._role.HOST, host_id)
+        if not directory.exists():
+            return self.bundle(self._role.HOST, host_id)
+        return self._files.in_dir(directory)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> PKI:
+    """One test CA for the session (see PKI)."""
+    return PKI(tmp_path_factory.mktemp("pki"))
+
+
 @pytest.fixture
 def proc_env():
     """Environment for processes a test starts; fails the test if any of
@@ -168,6 +200,13 @@ class LocalJob:
                                      f"{kind} {match}:\n{self.output()}")
             return None
         return wait_until(find, timeout_s, f"journal entry {kind} {match}")
+
+    def outcome(self) -> dict:
+        """The journal's job_succeeded / job_failed entry, checking that the
+        controller journaled its own end right after it."""
+        entries = self.journal()
+        assert entries[-1]["kind"] == "controller_stopped", entries[-3:]
+        return next(e for e in reversed(entries) if e["kind"] in ("job_succeeded", "job_failed"))
 
     def local_info(self) -> dict:
         path = self.state_dir / "local.json"

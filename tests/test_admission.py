@@ -8,6 +8,7 @@ import pytest
 
 from elastic.controller import admission as adm
 from elastic.security.identity import Identity, Role
+from elastic.security.text import clean_text
 from elastic.v1 import control_pb2 as pb
 
 HOST_H0 = Identity(Role.HOST, "h0", "aa")
@@ -141,6 +142,6 @@ def test_stream_limits_per_peer_and_in_all():
 
 
 def test_clean_text_keeps_newlines_only_when_asked():
-    assert adm.clean_text("a\nb\x00c\x1b", 100) == "a b\ufffdc\ufffd"
-    assert adm.clean_text("a\nb\tc\u2028", 100, keep_newlines=True) == "a\nb\tc\ufffd"
-    assert adm.clean_text("0123456789", 4) == "6789"
+    assert clean_text("a\nb\x00c\x1b", 100) == "a b\ufffdc\ufffd"
+    assert clean_text("a\nb\tc\u2028", 100, keep_newlines=True) == "a\nb\tc\ufffd"
+    assert clean_text("0123456789", 4) == "6789"

@@ -44,4 +44,29 @@ def test_agent_rejects_bad_devices(proc_env):
     out = subprocess.run([sys.executable, "-m", "elastic.agent.main", "--controller", "x:1",
                           "--host-id", "h", "--devices", "0"], env=proc_env,
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "--devices must be at least 1" in out.stderr
+    assert out.returncode == 2 and "--devices must be from 1 to 65536, got 0" in out.stderr
+
+
+def test_agent_ignores_sighup(tmp_path, proc_env):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on: the agent keeps retrying
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "agent.log"
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "elastic.agent.main", "--controller", f"127.0.0.1:{port}",
+             "--host-id", "h0", "--state-dir", str(tmp_path / "agent"), "--insecure",
+             "--allow-any-worker"], env=proc_env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "retrying" in log.read_text(), 30, "the agent to dial")
+        agent.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP ignored" in log.read_text(), 10, "the agent to note SIGHUP")
+        assert agent.poll() is None
+        agent.send_signal(signal.SIGINT)
+        assert agent.wait(30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert "INSECURE" in log.read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import grpc
 import pytest
@@ -12,9 +13,14 @@ from elastic.agent.agent import Agent, AgentSettings
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.server import ControllerServer
+from elastic.security.allow import AllowList
+from elastic.security.identity import Role
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
-from tests.conftest import tiny_spec
+from tests.conftest import TINY_WORKER, tiny_spec
+
+#: What the in-process agents of these tests may run: the tiny worker.
+TINY_ALLOWED = AllowList.parse([f"{sys.executable} {TINY_WORKER}"])
 
 
 @pytest.fixture
@@ -28,27 +34,30 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-def test_controller_and_agents_run_a_job(tmp_path, tagged):
+def agent_settings(tmp_path, pki, address: str, host_id: str) -> AgentSettings:
+    return AgentSettings(controller=address, host_id=host_id, devices=1, address="127.0.0.1",
+                         failure_domain=host_id, state_dir=str(tmp_path / f"agent-{host_id}"),
+                         tls=pki.host(host_id), allow=TINY_ALLOWED, job_id="test")
+
+
+def test_controller_and_agents_run_a_job(tmp_path, tagged, pki):
     spec = load_spec(tiny_spec(tmp_path, "--steps 20 --step-time-s 0.01", max_hosts=2))
 
     async def main():
-        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state")
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
         address = await server.start()
-        agents = [Agent(AgentSettings(controller=address, host_id=f"h{i}", devices=1,
-                                      address="127.0.0.1", failure_domain=f"h{i}",
-                                      state_dir=str(tmp_path / f"agent{i}"), job_id="test"))
-                  for i in range(2)]
+        agents = [Agent(agent_settings(tmp_path, pki, address, f"h{i}")) for i in range(2)]
         tasks = [asyncio.create_task(a.run()) for a in agents]
         code = await server.run()
         for a in agents:
             a.shutdown()
         await asyncio.gather(*tasks)
-        await server.stop()
+        await server.stop("test over")
         return code
 
     assert run(main()) == 0
     kinds = [e["kind"] for e in read_journal(tmp_path / "state")]
-    assert kinds.count("worker_exited") == 2 and kinds[-1] == "job_succeeded"
+    assert kinds.count("worker_exited") == 2 and kinds[-2:] == ["job_succeeded", "controller_stopped"]
 
 
 def header(host="h0", incarnation="inc-1", generation=0, job="test") -> pb.Header:
@@ -60,14 +69,15 @@ def register_request(**kw) -> pb.RegisterRequest:
                               worker=pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1))
 
 
-def test_fencing(tmp_path):
+def test_fencing(tmp_path, pki):
     spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2))
 
     async def main():
-        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state")
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
         address = await server.start()
         loop_task = asyncio.create_task(server.run())
-        async with transport.aio_channel(address) as ch:
+        async with transport.aio_channel(address, pki.host("h0")) as ch, \
+                transport.aio_channel(address, pki.operator, (Role.OPERATOR,)) as operator:
             stub = pb_grpc.ControllerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as wrong_job:
                 await stub.Register(register_request(job="other"), timeout=5)
@@ -101,15 +111,16 @@ def test_fencing(tmp_path):
                     await old.read()
             assert replaced.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "inc-2" in replaced.value.details()
-            status = await stub.GetStatus(pb.StatusRequest(), timeout=5)
+            status = await pb_grpc.ControllerStub(operator).GetStatus(pb.StatusRequest(),
+                                                                      timeout=5)
             assert [h.incarnation for h in status.hosts] == ["inc-2"]
         loop_task.cancel()
-        await server.stop()
+        await server.stop("test over")
 
     run(main())
 
 
-def test_agent_retries_until_controller_appears(tmp_path, tagged):
+def test_agent_retries_until_controller_appears(tmp_path, tagged, pki):
     """The agent is a systemd unit: it dials with backoff until a controller listens."""
     spec = load_spec(tiny_spec(tmp_path, "--steps 5 --step-time-s 0.01", max_hosts=1))
     import socket
@@ -118,17 +129,15 @@ def test_agent_retries_until_controller_appears(tmp_path, tagged):
         port = s.getsockname()[1]
 
     async def main():
-        agent = Agent(AgentSettings(controller=f"127.0.0.1:{port}", host_id="h0", devices=1,
-                                    address="127.0.0.1", failure_domain="h0",
-                                    state_dir=str(tmp_path / "agent"), job_id="test"))
+        agent = Agent(agent_settings(tmp_path, pki, f"127.0.0.1:{port}", "h0"))
         task = asyncio.create_task(agent.run())
         await asyncio.sleep(1.0)  # the agent is retrying against a closed port
-        server = ControllerServer(spec, f"127.0.0.1:{port}", tmp_path / "state")
+        server = ControllerServer(spec, f"127.0.0.1:{port}", tmp_path / "state", pki.controller)
         await server.start()
         code = await server.run()
         agent.shutdown()
         await task
-        await server.stop()
+        await server.stop("test over")
         return code
 
     assert run(main()) == 0

@@ -90,4 +90,4 @@ def test_host_that_keeps_crashing_is_quarantined(tmp_path, local_job):
     host = job.host("host-2")
     assert host["state"] == "quarantined" and "2 failures" in host["note"]
     assert job.wait(60) == 0, job.output()
-    assert job.journal()[-1]["kind"] == "job_succeeded"
+    assert job.outcome()["kind"] == "job_succeeded"

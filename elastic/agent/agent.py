@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -25,6 +26,10 @@ from elastic import config, transport
 from elastic.agent.host import PortProber
 from elastic.agent.preemption import watch_metadata
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
+from elastic.security.allow import AllowList, check_launch
+from elastic.security.text import clean_text
+from elastic.security.files import fresh_private_dir, private_dir, remove_private_dir
+from elastic.security.tls import TLSError, TLSFiles
 from elastic.worker import progress
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
@@ -48,7 +53,9 @@ def default_snapshot_dir(state_dir: str, shm: str = "/dev/shm") -> str:
 class AgentSettings:
     """controller: "HOST:PORT"; devices: accelerator count of this host;
     address: where peers reach this host; state_dir: where leftovers are
-    tracked; stop_grace_s: SIGTERM -> SIGKILL when the agent itself stops;
+    tracked; tls: this host's certificate bundle (None: plaintext, trusting
+    whatever answers at `controller`); allow: the workers this host may run
+    (empty: none); stop_grace_s: SIGTERM -> SIGKILL when the agent itself stops;
     rpc_timeout_s: deadline of each unary call; metadata_url: GCE metadata
     base URL to watch for preemption notices (None: do not watch);
     preemption_grace_s: after a preemption notice, how long the agent waits
@@ -65,6 +72,8 @@ class AgentSettings:
     address: str
     failure_domain: str
     state_dir: str
+    tls: TLSFiles | None
+    allow: AllowList = AllowList()
     job_id: str = ""
     stop_grace_s: float = 5.0
     rpc_timeout_s: float = 5.0
@@ -97,11 +106,29 @@ class Agent:
         self.snapshot_dir = os.path.abspath(settings.snapshot_dir or
                                             default_snapshot_dir(settings.state_dir))
         self._snapshot_run = ""  # the controller run the snapshots belong to
+        self._prepared = False
 
-    def _wipe_snapshots(self) -> None:
-        """Delete the local snapshots (a new agent, run or shutdown: a host
-        that restarts keeps no state of the last one)."""
-        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+    def _reset_snapshots(self) -> None:
+        """An empty private snapshot directory (a new agent or run: a host
+        that restarts keeps no state of the last one), made by us now, so
+        nothing planted at its predictable path (a symlink, another user's
+        directory) is written through. Raises OSError when it cannot be."""
+        fresh_private_dir(self.snapshot_dir)
+
+    def prepare(self) -> None:
+        """Before `run`: kill what an earlier agent process left and make
+        the private directories. Raises OSError when they cannot be made."""
+        killed = kill_leftovers(os.path.abspath(self.settings.state_dir), self.incarnation)
+        if killed:
+            log.warning("killed %d leftover process(es) of a previous agent: %s",
+                        len(killed), killed)
+        private_dir(self._cache_dir())
+        self._reset_snapshots()
+        self._prepared = True
+
+    def _cache_dir(self) -> str:
+        return os.path.abspath(self.settings.compile_cache_dir or
+                               os.path.join(self.settings.state_dir, "compile-cache"))
 
     # --- messages up -------------------------------------------------------
 
@@ -207,38 +234,85 @@ class Agent:
                 config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
                 config.ENV_PROGRESS_SOCKET: self.progress_address,
                 config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
-                config.ENV_CACHE_DIR: os.path.abspath(
-                    self.settings.compile_cache_dir or
-                    os.path.join(self.settings.state_dir, "compile-cache")),
+                config.ENV_CACHE_DIR: self._cache_dir(),
                 "PYTHONUNBUFFERED": "1"}
 
+    def _refusal(self, launch: pb.StartWorker) -> str | None:
+        """Why this host must not run `launch` (its allow-list), or None
+        (cleaned: it quotes what the controller sent)."""
+        refusal = check_launch(self.settings.allow, list(launch.argv), dict(launch.env),
+                               launch.workdir, shutil.which)
+        return clean_text(refusal, 2000) if refusal else None
+
     async def _start(self, start: pb.StartWorker) -> None:
+        refusal = self._refusal(start)
+        if refusal:
+            log.error("refusing to start the worker of generation %d: %s", start.generation,
+                      refusal)
+            await self.supervisor.refuse(start.generation, f"elastic-agent on "
+                                         f"{self.settings.host_id} refused to start the worker: "
+                                         f"{refusal}")
+            return
         host, _, port = start.coordinator_address.rpartition(":")
         if start.process_id == 0 and port.isdigit():
             self.ports.used(int(port))
         env = self._worker_env(start)
         run = start.env.get(config.ENV_RUN_ID, "")
         if run != self._snapshot_run:  # (a file an old worker still writes has the old
-            self._wipe_snapshots()     # run id: never restored, deleted at the next restore)
-            self._snapshot_run = run
+            self._snapshot_run = run   # run id: never restored, deleted at the next restore)
+            try:
+                self._reset_snapshots()
+            except OSError as e:
+                log.error("cannot make a private snapshot directory %s: %s",
+                          self.snapshot_dir, e)
+                await self.supervisor.refuse(start.generation, f"elastic-agent on "
+                                             f"{self.settings.host_id}: cannot make a private "
+                                             f"snapshot directory {self.snapshot_dir}: {e}")
+                return
         self._prestart_next = start.prestart_next
         if not start.prestart_next:
             self.supervisor.discard_prestarted()
         await self.supervisor.start(start.generation, list(start.argv), env, start.workdir)
         self._heartbeat()  # the controller learns of the new worker before its first step
 
+    def _command_problem(self, message: pb.ControllerMessage) -> str | None:
+        """Why a command from the (authenticated) controller is malformed."""
+        kind = message.WhichOneof("body")
+        if self.job_id and message.job_id != self.job_id:
+            return f"a command for job {message.job_id[:128]!r}; this agent runs {self.job_id!r}"
+        if kind == "start":
+            s = message.start
+            try:
+                transport.parse_address(s.coordinator_address, "coordinator address")
+            except ValueError as e:
+                return str(e)
+            if s.generation < 1 or not 0 <= s.process_id < s.num_processes <= 1_000_000:
+                return (f"start of generation {s.generation} as process {s.process_id} of "
+                        f"{s.num_processes}")
+        elif kind == "stop":
+            grace = message.stop.grace_s
+            if not (math.isfinite(grace) and 0 <= grace <= 3600):
+                return f"stop with a grace of {grace} s"
+        elif kind is None:
+            return "a command without a body"
+        return None
+
     def _command(self, message: pb.ControllerMessage) -> None:
+        problem = self._command_problem(message)
+        if problem:
+            log.error("ignoring a malformed command from the controller: %s", problem)
+            return
         kind = message.WhichOneof("body")
         if kind == "start":
             self._spawn(self._start(message.start))
         elif kind == "stop":
             stop = message.stop
             log.info("stop generation %d (grace %.1f s): %s", stop.generation, stop.grace_s,
-                     stop.reason)
+                     clean_text(stop.reason, 500))
             self._spawn(self.supervisor.stop(stop.generation, stop.grace_s))
         elif kind == "rejected":
             r = message.rejected
-            log.warning("controller refused a report: %s", r.reason)
+            log.warning("controller refused a report: %s", clean_text(r.reason, 500))
             if self.supervisor.status.generation < r.current_generation:
                 self._spawn(self.supervisor.stop(r.current_generation - 1, 0.0))
 
@@ -256,8 +330,10 @@ class Agent:
         stub = pb_grpc.ControllerStub(channel)
 
         def waiting(state) -> None:
-            log.info("controller %s unavailable; retrying (attempt %d)",
-                     self.settings.controller, state.attempt_number)
+            error = state.outcome.exception()
+            log.info("controller %s unavailable; retrying (attempt %d): %s",
+                     self.settings.controller, state.attempt_number,
+                     error.details() if isinstance(error, grpc.RpcError) else error)
 
         async for attempt in transport.retrying(before_sleep=waiting):
             with attempt:
@@ -267,7 +343,10 @@ class Agent:
         log.info("registered with %s as %s (incarnation %s), job %s, generation %d",
                  self.settings.controller, self.settings.host_id, self.incarnation,
                  reply.job_id, reply.generation)
-        if reply.HasField("launch") and not self.supervisor.running and not self.preemption:
+        refusal = self._refusal(reply.launch) if reply.HasField("launch") else "no launch"
+        if reply.HasField("launch") and refusal:
+            log.error("this host will refuse the job's worker: %s", refusal)
+        if refusal is None and not self.supervisor.running and not self.preemption:
             # A host without a worker (new, restarted, left out of the slice):
             # a process ready for its first start, as after any start. Awaited
             # (spawning takes milliseconds) so it exists before a start can come.
@@ -300,7 +379,13 @@ class Agent:
     async def _connect_forever(self) -> None:
         delay = 0.1
         while True:
-            channel = transport.aio_channel(self.settings.controller)
+            try:  # certificates are read again at every connect (renewals)
+                channel = transport.aio_channel(self.settings.controller, self.settings.tls)
+            except TLSError as e:
+                log.error("cannot connect: %s", e)
+                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(delay)
+                continue
             try:
                 await self._session(channel)
                 log.info("controller closed the stream; reconnecting")
@@ -320,14 +405,15 @@ class Agent:
         self._stopping.set()
 
     async def run(self) -> None:
-        killed = kill_leftovers(os.path.abspath(self.settings.state_dir), self.incarnation)
-        if killed:
-            log.warning("killed %d leftover process(es) of a previous agent: %s",
-                        len(killed), killed)
-        self._wipe_snapshots()
+        """Serve until SIGTERM/SIGINT or `shutdown()`. Calls `prepare()`
+        first if the caller did not (raises OSError as it does)."""
+        if not self._prepared:
+            self.prepare()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         loop.add_signal_handler(signal.SIGINT, self.shutdown)
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.info(
+            "SIGHUP ignored (TLS files are re-read at every connect)"))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(progress.socket_address(self.progress_address))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
@@ -349,7 +435,10 @@ class Agent:
             await self.supervisor.stop(self.supervisor.status.generation, grace)
         finally:
             await self.supervisor.close()
-            self._wipe_snapshots()
+            try:
+                remove_private_dir(self.snapshot_dir)
+            except OSError as e:
+                log.error("cannot remove the snapshot directory %s: %s", self.snapshot_dir, e)
             connection.cancel()
             for task in list(self._tasks):
                 task.cancel()

@@ -5,23 +5,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import sys
 
 from elastic.agent.agent import Agent, AgentSettings
 from elastic.agent.host import default_address, discover_devices
 from elastic.agent.preemption import GCE_METADATA_URL
 
+#: This host's certificate bundle unless told (as the systemd unit has it).
+DEFAULT_TLS_DIR = "/etc/elastic/host"
+
 
 def parse_args(argv: list[str] | None = None) -> AgentSettings:
-    """The agent's settings from its command line (argparse exits 2 on a
-    bad one, e.g. --devices 0)."""
+    """The agent's settings from its command line. Exits 2 with one line
+    on a bad one (argparse's usage error): an invalid host id or address,
+    a negative or infinite grace, no allow-list, TLS files that cannot be
+    used or whose certificate is not this host's."""
+    from elastic.security.allow import AllowList
+    from elastic.security.identity import Role, check_id
+    from elastic.security.tls import TLSError, TLSFiles, load
+    from elastic.transport import parse_address
+
     parser = argparse.ArgumentParser(
         prog="elastic-agent", description="Run one host of an elastic job: register with "
-        "the controller, heartbeat, and run the worker it asks for. SIGTERM: preemption "
-        "(emergency checkpoint, then leave; a second SIGTERM stops at once). SIGINT: stop "
-        "now.")
+        "the controller, heartbeat, and run the worker it asks for (if this host's "
+        "allow-list permits it). SIGTERM: preemption (emergency checkpoint, then leave; a "
+        "second SIGTERM stops at once). SIGINT: stop now. SIGHUP: ignored.")
     parser.add_argument("--controller", required=True, help="controller HOST:PORT")
-    parser.add_argument("--host-id", required=True, help="this host's id, stable across restarts")
+    parser.add_argument("--host-id", required=True,
+                        help="this host's id, stable across restarts; must be the CN of its "
+                             "certificate")
     parser.add_argument("--devices", type=int, default=None,
                         help="accelerator devices on this host (default: count device nodes, "
                              "never opening them; 1 when there are none)")
@@ -50,25 +63,84 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
     parser.add_argument("--preemption-grace-s", type=float, default=25.0,
                         help="after a preemption notice, stop the worker hard after this "
                              "long (default %(default)s; GCE gives spot VMs 30 s)")
+    parser.add_argument("--tls-dir", default=DEFAULT_TLS_DIR,
+                        help="this host's certificate bundle: ca.pem, cert.pem, key.pem (or "
+                             "ca.crt, tls.crt, tls.key); default %(default)s")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext gRPC: trust whatever answers at --controller")
+    parser.add_argument("--allow-worker", action="append", default=[], metavar="HEAD",
+                        help="a worker command this host may run: program [script | -m module] "
+                             "as shell-style patterns, e.g. '/opt/venv/bin/python "
+                             "/srv/jobs/*/train.py' (repeatable)")
+    parser.add_argument("--allow-workdir", action="append", default=[], metavar="PATTERN",
+                        help="working directories allowed for `python -m` workers (repeatable)")
+    parser.add_argument("--allow-env", action="append", default=[], metavar="NAME",
+                        help="let the job set this variable although it can load code "
+                             "(LD_PRELOAD, PYTHONPATH, PATH, ...; repeatable)")
+    parser.add_argument("--allow-any-worker", action="store_true",
+                        help="run any program the controller sends (trusted setups only)")
     args = parser.parse_args(argv)
-    if args.devices is not None and args.devices < 1:
-        parser.error(f"--devices must be at least 1, got {args.devices}")
+    try:
+        check_id(args.host_id, "--host-id")
+        if args.job_id:
+            check_id(args.job_id, "--job-id")
+        if args.failure_domain:
+            check_id(args.failure_domain, "--failure-domain")
+        parse_address(args.controller, "--controller")
+        allow = AllowList.parse(args.allow_worker, args.allow_workdir, args.allow_env,
+                                args.allow_any_worker)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.devices is not None and not 1 <= args.devices <= 65_536:
+        parser.error(f"--devices must be from 1 to 65536, got {args.devices}")
+    if not (math.isfinite(args.stop_grace_s) and 0 <= args.stop_grace_s <= 3600):
+        parser.error(f"--stop-grace-s must be from 0 to 3600 seconds, got {args.stop_grace_s}")
+    if not (math.isfinite(args.preemption_grace_s) and 0 < args.preemption_grace_s <= 3600):
+        parser.error(f"--preemption-grace-s must be from 0 to 3600 seconds, got "
+                     f"{args.preemption_grace_s}")
+    if not allow.workers and not allow.any_worker:
+        parser.error("no --allow-worker: this agent would refuse every worker; name what it "
+                     "may run (--allow-worker '/opt/venv/bin/python /srv/job/train.py') or pass "
+                     "--allow-any-worker")
+    tls = None
+    if not args.insecure:
+        try:
+            tls = TLSFiles.in_dir(args.tls_dir)
+            identity = load(tls, (Role.HOST,)).identity
+        except TLSError as e:
+            parser.error(str(e))
+        if identity.name != args.host_id:
+            parser.error(f"the certificate in {args.tls_dir} is for host {identity.name}; "
+                         f"--host-id is {args.host_id}")
     return AgentSettings(
         controller=args.controller, host_id=args.host_id,
         devices=args.devices or discover_devices(), address=args.address or default_address(),
-        failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir,
-        job_id=args.job_id, stop_grace_s=args.stop_grace_s, metadata_url=args.gce_metadata,
-        preemption_grace_s=args.preemption_grace_s, snapshot_dir=args.snapshot_dir,
-        compile_cache_dir=args.compile_cache_dir)
+        failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir, tls=tls,
+        allow=allow, job_id=args.job_id, stop_grace_s=args.stop_grace_s,
+        metadata_url=args.gce_metadata, preemption_grace_s=args.preemption_grace_s,
+        snapshot_dir=args.snapshot_dir, compile_cache_dir=args.compile_cache_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from elastic.security.files import private_dir
+
     settings = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s agent[{settings.host_id}] %(levelname)s %(message)s")
-    import os
-    os.makedirs(settings.state_dir, exist_ok=True)
-    asyncio.run(Agent(settings).run())
+    log = logging.getLogger("elastic-agent")
+    if settings.tls is None:
+        log.warning("INSECURE: plaintext gRPC; this agent obeys whatever answers at %s",
+                    settings.controller)
+    for warning in settings.allow.warnings():
+        log.warning("%s", warning)
+    try:
+        private_dir(settings.state_dir)
+        agent = Agent(settings)
+        agent.prepare()
+    except OSError as e:
+        print(f"elastic-agent: error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(agent.run())
     return 0
 
 

@@ -148,6 +148,19 @@ class WorkerSupervisor:
             finally:
                 self._start_done.set()
 
+    async def refuse(self, generation: int, reason: str) -> None:
+        """A start of `generation` that this host will not run: end the
+        worker still running (as a start would) and report the new one as
+        exited with code 126 (as a shell reports a command it cannot
+        execute), `reason` as its stderr tail."""
+        async with self._start_lock:
+            if self.running:
+                await self._stop(self.status.generation, 0.0)
+            self.status = pb.WorkerStatus(generation=generation, state=pb.WORKER_EXITED,
+                                          exit_code=126, stderr_tail=reason[-4000:], step=-1,
+                                          committed_step=-1)
+            self.on_exit(self.status)
+
     async def _start(self, generation: int, argv: list[str], env: Mapping[str, str],
                      workdir: str) -> None:
         if self.running:
@@ -205,7 +218,8 @@ class WorkerSupervisor:
         script = [] if argv[1] == "-m" else [argv[1]]
         try:
             proc = await asyncio.create_subprocess_exec(
-                *die_with_agent([argv[0], "-m", "elastic.worker.prestart", *script]),
+                # -P: the working directory is not put on the import path
+                *die_with_agent([argv[0], "-P", "-m", "elastic.worker.prestart", *script]),
                 cwd=workdir or None, env=spawn_env, stdin=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
         except OSError as e:

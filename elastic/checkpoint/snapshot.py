@@ -258,7 +258,7 @@ class LocalSnapshots:
         self._disabled = self.directory is None
         self._warned_room = False
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def _path(self, step: int) -> pathlib.Path:
         return self.directory / f"step-{step:010d}{SUFFIX}"

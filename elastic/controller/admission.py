@@ -25,6 +25,7 @@ import re
 from collections.abc import Mapping
 
 from elastic.security.identity import Identity, Role, id_problem
+from elastic.security.text import clean_text
 
 #: How far past the highest step the job has reached (any host, any
 #: generation, the journal of earlier controller runs included) a reported
@@ -46,7 +47,6 @@ RESERVED_FIELDS = frozenset({"ts", "kind", "generation", "host", "reason"})
 
 _ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]%-]+")
 _METRIC = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +56,6 @@ class Refusal:
 
     kind: str
     reason: str
-
-
-def clean_text(text: str, limit: int, keep_newlines: bool = False) -> str:
-    """`text` with control characters replaced by U+FFFD (newlines and tabs
-    kept with `keep_newlines`), cut to its last `limit` characters."""
-    if not keep_newlines:
-        text = text.replace("\n", " ").replace("\t", " ")
-    return _CONTROL.sub("\ufffd", text[-limit:])
 
 
 def check_identity(peer: Identity | None, host_id: str) -> Refusal | None:

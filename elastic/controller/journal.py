@@ -5,19 +5,30 @@ float), `kind`, `generation`, `host` (null where none applies) and `reason`.
 Kinds: host_registered, host_lost, host_returned, agent_silent, agent_heard,
 host_dropped, worker_exited, waiting_for_hosts, generation_started,
 first_progress, checkpoint_committed, slice_stopping, slice_stopped,
-stray_worker_stopping, stale_message_rejected, job_succeeded, job_failed,
-controller_started, controller_stopped.
+stray_worker_stopping, stale_message_rejected, message_refused,
+job_succeeded, job_failed, controller_started, controller_stopped, sighup,
+insecure_mode.
+
+The journal is private (0600 in a 0700 state directory): it names hosts,
+pids and the job's spec path. Readers skip what is not a journal entry (a
+torn last line, binary garbage, a line that is not an object with a numeric
+`ts` and a string `kind`) and count it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from elastic.security.files import open_private, private_dir
+
 JOURNAL_NAME = "events.jsonl"
+#: The fields every entry has; `fields` passed to `write` cannot replace them.
+RESERVED_FIELDS = ("ts", "kind", "generation", "host", "reason")
 
 
 class JournalWriter:
@@ -25,17 +36,20 @@ class JournalWriter:
     being written). Raises OSError when the state directory is not writable."""
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
-        self.path = pathlib.Path(state_dir) / JOURNAL_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self.path = private_dir(state_dir) / JOURNAL_NAME
+        self._file = open_private(self.path)
 
     def write(self, ts: float, kind: str, generation: int, reason: str,
               host: str | None = None, fields: Mapping[str, Any] | None = None) -> dict:
         """Append one entry: `ts` in Unix seconds, `kind`, `generation`,
-        `reason`, `host` (None where none applies) and extra `fields`. Returns
-        the entry written. Raises OSError when the disk refuses it."""
+        `reason`, `host` (None where none applies) and extra `fields` (any
+        of them named like a reserved field is dropped). Returns the entry
+        written. Raises OSError when the disk refuses it."""
         entry = {"ts": round(ts, 6), "kind": kind, "generation": generation,
-                 "host": host, "reason": reason, **(fields or {})}
+                 "host": host, "reason": reason}
+        for key, value in (fields or {}).items():
+            if key not in RESERVED_FIELDS:
+                entry[key] = value
         self._file.write(json.dumps(entry, sort_keys=False) + "\n")
         self._file.flush()
         return entry
@@ -44,15 +58,35 @@ class JournalWriter:
         self._file.close()
 
 
+def parse_line(line: bytes) -> dict | None:
+    """A journal entry from one line, or None when the line is not one
+    (not UTF-8 JSON, not an object, no finite numeric `ts` or string `kind`)."""
+    try:
+        entry = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+        return None
+    ts = entry.get("ts")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        return None
+    generation = entry.get("generation", 0)
+    if isinstance(generation, bool) or not isinstance(generation, int):
+        entry["generation"] = 0
+    return entry
+
+
 class JournalTail:
     """Reads a journal incrementally, for watching a running job: `read()`
     returns every entry so far, parsing only what was appended since the last
-    call (a torn last line waits for its end). `new()` returns only those."""
+    call (a torn last line waits for its end). `new()` returns only those.
+    `skipped` counts lines that were not entries."""
 
     def __init__(self, state_dir: str | os.PathLike[str], from_end: bool = False) -> None:
         self.path = pathlib.Path(state_dir) / JOURNAL_NAME
         self.offset = self.path.stat().st_size if from_end and self.path.exists() else 0
         self.entries: list[dict] = []
+        self.skipped = 0
         self._partial = b""
 
     def new(self) -> list[dict]:
@@ -66,10 +100,11 @@ class JournalTail:
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         fresh = []
         for line in lines:
-            try:
-                fresh.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+            entry = parse_line(line)
+            if entry is None:
+                self.skipped += bool(line.strip())
+            else:
+                fresh.append(entry)
         self.entries += fresh
         return fresh
 
@@ -79,20 +114,31 @@ class JournalTail:
         return self.entries
 
 
+def load_journal(state_dir: str | os.PathLike[str]) -> tuple[list[dict], int]:
+    """(entries, skipped): the entries of `<state_dir>/events.jsonl` in
+    order, and how many non-empty lines were not entries (a torn last line
+    included). Raises OSError when the file exists but cannot be read."""
+    tail = JournalTail(state_dir)
+    entries = tail.read()
+    return entries, tail.skipped + bool(tail._partial.strip())
+
+
 def read_journal(state_dir: str | os.PathLike[str]) -> Iterator[dict]:
-    """Entries of `<state_dir>/events.jsonl` in order; a torn last line is skipped."""
-    path = pathlib.Path(state_dir) / JOURNAL_NAME
-    if not path.exists():
-        return
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    """Entries of `<state_dir>/events.jsonl` in order; lines that are not
+    entries (a torn last line, garbage) are skipped."""
+    yield from load_journal(state_dir)[0]
 
 
-def last_generation(state_dir: str | os.PathLike[str]) -> int:
-    """The highest generation in the journal (0 if none), so that a restarted
-    controller never reuses a generation number (fencing stays sound)."""
-    return max((int(e.get("generation") or 0) for e in read_journal(state_dir)), default=0)
+def last_generation(entries: list[dict]) -> int:
+    """The highest generation a controller of this job started
+    (`generation_started` lines; 0 if none), so that a restarted controller
+    never reuses a generation number (fencing stays sound)."""
+    return max((e["generation"] for e in entries if e["kind"] == "generation_started"),
+               default=0)
+
+
+def highest_step(entries: list[dict]) -> int:
+    """The highest training or checkpoint step the journal records (-1 if
+    none): where a restarted controller's plausibility bound starts."""
+    steps = [e.get("step") for e in entries]
+    return max((s for s in steps if isinstance(s, int) and not isinstance(s, bool)), default=-1)

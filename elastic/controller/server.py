@@ -11,40 +11,60 @@ from elastic import transport
 from elastic.clock import Clock, SystemClock
 from elastic.config import JobSpec
 from elastic.controller.core import Controller
-from elastic.controller.journal import JournalWriter, last_generation
-from elastic.controller.servicer import ControllerServicer
-from elastic.v1 import control_pb2_grpc as pb_grpc
+from elastic.controller.journal import JournalWriter, highest_step, last_generation, \
+    load_journal
+from elastic.controller.servicer import ControllerServicer, add_servicer
+from elastic.security.files import private_dir
+from elastic.security.tls import TLSFiles
 
 log = logging.getLogger("elasticd")
 
 ADDRESS_FILE = "controller.addr"
 
 
+class StartError(RuntimeError):
+    """The controller could not start (address, TLS files, state
+    directory); nothing was started. The message says why."""
+
+
 class ControllerServer:
     """A Controller served over gRPC.
+
+    `tls`: the controller's certificate bundle (mutual TLS: every agent and
+    tool must present a certificate from the same CA); None serves
+    plaintext to anyone who can reach the port (`--insecure`; journaled as
+    `insecure_mode`).
 
     `await start()` binds `listen` ("HOST:PORT", port 0 picks one), writes the
     bound address to `<state_dir>/controller.addr` and returns it;
     `await run()` reconciles until the job ends and returns its exit code
-    (0 succeeded, 1 failed); `await stop()` ends the server.
-    Raises RuntimeError from start() when the address cannot be bound.
+    (0 succeeded, 1 failed); `await stop(reason)` journals
+    `controller_stopped`, removes the address file and ends the server.
+    Raises RuntimeError from start() when the address cannot be bound,
+    TLSError when the TLS files cannot be used, NotADirectoryError when the
+    state directory is a file.
     """
 
     def __init__(self, spec: JobSpec, listen: str, state_dir: str | pathlib.Path,
-                 clock: Clock | None = None, tick_s: float = 0.1) -> None:
-        self.state_dir = pathlib.Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+                 tls: TLSFiles | None, clock: Clock | None = None,
+                 tick_s: float = 0.1) -> None:
+        self.state_dir = private_dir(state_dir)
         self.spec = spec.with_checkpoint_dir(str((self.state_dir / "checkpoints").resolve()))
         self.listen = listen
+        self.tls = tls
+        entries, _ = load_journal(self.state_dir)
         self.journal = JournalWriter(self.state_dir)
         self.controller = Controller(self.spec, self.journal, clock or SystemClock(), tick_s,
-                                     initial_generation=last_generation(self.state_dir))
+                                     initial_generation=last_generation(entries))
+        self.controller.view.highest_step = highest_step(entries)
         self.server = transport.aio_server()
-        pb_grpc.add_ControllerServicer_to_server(ControllerServicer(self.controller), self.server)
+        self.servicer = ControllerServicer(self.controller, authenticated=tls is not None)
+        add_servicer(self.servicer, self.server)
         self.address = ""
+        self._stopped = False
 
     async def start(self) -> str:
-        port = transport.add_listen_port(self.server, self.listen)
+        port = transport.add_listen_port(self.server, self.listen, self.tls)
         host = self.listen.rsplit(":", 1)[0] or "127.0.0.1"
         if host in ("0.0.0.0", "[::]", "::"):
             host = "127.0.0.1"
@@ -53,43 +73,90 @@ class ControllerServer:
         tmp = self.state_dir / (ADDRESS_FILE + ".tmp")
         tmp.write_text(self.address + "\n")
         tmp.replace(self.state_dir / ADDRESS_FILE)
-        log.info("controller of job %s listening on %s, journal %s", self.spec.job_id,
-                 self.address, self.journal.path)
+        if self.tls is None:
+            self.controller.executor.record(
+                "insecure_mode", self.controller.state.generation,
+                f"--insecure: plaintext gRPC on {self.listen} with no authentication; anyone who "
+                f"can reach the port can register hosts, read the job's command and "
+                f"environment, and stop the job")
+            log.warning("INSECURE: no TLS, no authentication on %s", self.listen)
+        log.info("controller of job %s listening on %s (%s), journal %s", self.spec.job_id,
+                 self.address, "mutual TLS" if self.tls else "PLAINTEXT", self.journal.path)
         return self.address
 
     async def run(self) -> int:
         return await self.controller.run()
 
-    async def stop(self, grace_s: float = 1.0) -> None:
-        # Let the last commands (stops) reach the agents, then close.
+    async def stop(self, reason: str, grace_s: float = 1.0) -> None:
+        """Journal `controller_stopped` with `reason`, remove the address
+        file (if it is still ours), let the last commands reach the agents
+        and close. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.controller.executor.record("controller_stopped", self.controller.state.generation,
+                                        reason)
+        path = self.state_dir / ADDRESS_FILE
+        try:
+            if path.read_text().strip() == self.address:
+                path.unlink()
+        except OSError:
+            pass
         for session in list(self.controller.sessions.values()):
             session.close()
         await self.server.stop(grace_s)
         self.journal.close()
 
 
-async def serve(spec: JobSpec, listen: str, state_dir: str) -> int:
+async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None) -> int:
     """Run the controller until the job ends or SIGTERM/SIGINT arrives.
 
-    Returns the exit code: 0 job succeeded, 1 job failed, 143 stopped by a
-    signal (agents keep their workers; a restarted controller takes over)."""
-    server = ControllerServer(spec, listen, state_dir)
-    await server.start()
+    Returns the exit code: 0 job succeeded, 1 job failed, 143 / 130 stopped
+    by SIGTERM / SIGINT (agents keep their workers; a restarted controller
+    takes over). SIGHUP is journaled and ignored (certificates are re-read
+    at every new connection anyway; the job spec is not reloaded). Every
+    exit, an unexpected error included, journals `controller_stopped`.
+    Raises StartError when the controller cannot start."""
+    from elastic.security.tls import TLSError
+
+    try:
+        server = ControllerServer(spec, listen, state_dir, tls)
+        await server.start()
+    except (RuntimeError, TLSError, OSError) as e:
+        raise StartError(str(e)) from None
+    received: list[int] = []
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop(sig: int) -> None:
+        received.append(sig)
+        stopped.set()
+
+    def on_hup() -> None:
+        server.controller.executor.record(
+            "sighup", server.controller.state.generation,
+            "SIGHUP received and ignored: TLS files are re-read at every new connection; "
+            "the job spec is not reloaded (restart the controller to change it)")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopped.set)
+        loop.add_signal_handler(sig, on_stop, sig)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     run = asyncio.create_task(server.run())
     stop_wait = asyncio.create_task(stopped.wait())
-    await asyncio.wait([run, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-    if run.done():
-        code = run.result()
-        stop_wait.cancel()
-    else:
-        run.cancel()
-        server.controller.executor.record("controller_stopped",
-                                          server.controller.state.generation,
-                                          "controller stopped by a signal")
-        code = 143
-    await server.stop()
+    reason, code = "controller ended unexpectedly", 1
+    try:
+        await asyncio.wait([run, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if run.done():
+            code = run.result()
+            reason = f"job {'succeeded' if code == 0 else 'failed'}"
+        else:
+            name = signal.Signals(received[0]).name
+            code, reason = 128 + received[0], f"controller stopped by {name}"
+    except BaseException as e:
+        reason = f"controller crashed: {type(e).__name__}: {e}"
+        raise
+    finally:
+        for task in (run, stop_wait):
+            task.cancel()
+        await server.stop(reason)
     return code

@@ -1,22 +1,34 @@
 """The gRPC servicer: a thin adapter that turns agent messages into events.
 
-Fencing happens here, before an event exists: a message from an incarnation
-that a newer registration replaced ends its stream with FAILED_PRECONDITION;
-a report about a worker of an older generation is answered with `Rejected`.
+Before a message becomes an event it passes, in order: the caps on
+concurrent calls per peer and in total (RESOURCE_EXHAUSTED), the peer's
+identity (a host certificate speaks only for its own host id; status is for
+operator and controller certificates: PERMISSION_DENIED), the checks of
+`elastic.controller.admission` (INVALID_ARGUMENT, or a `Rejected` message on
+a stream), and fencing: a message from an incarnation that a newer
+registration replaced ends its stream with FAILED_PRECONDITION; a report
+about a worker of an older generation is answered with `Rejected`.
+Refusals are journaled as `message_refused`, at most one line per host and
+kind of refusal every REFUSAL_JOURNAL_INTERVAL_S (the next says how many
+were not journaled).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import grpc
 
+from elastic import transport
+from elastic.controller import admission as adm
 from elastic.controller.core import Controller
 from elastic.controller.executor import Session
 from elastic.controller.status import job_status
 from elastic.policy import view as v
+from elastic.security.identity import Identity, IdentityError
+from elastic.security.text import clean_text
+from elastic.security.tls import peer_identity
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
 
@@ -24,14 +36,49 @@ log = logging.getLogger("elasticd")
 
 _STATES = {pb.WORKER_IDLE: v.WorkerState.IDLE, pb.WORKER_RUNNING: v.WorkerState.RUNNING,
            pb.WORKER_EXITED: v.WorkerState.EXITED}
+_CODES = {"denied": grpc.StatusCode.PERMISSION_DENIED,
+          "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+          "implausible": grpc.StatusCode.INVALID_ARGUMENT}
+#: Streams one peer may hold at once (an agent needs one; a reconnect may
+#: overlap the old stream's end).
+STREAMS_PER_PEER = 4
+#: Unary calls (Register, GetStatus) one peer may have in flight at once.
+CALLS_PER_PEER = 8
+#: Seconds a new stream may take to send its first message.
+FIRST_MESSAGE_TIMEOUT_S = 10.0
+REFUSAL_JOURNAL_INTERVAL_S = 10.0
+
+
+def add_servicer(servicer: "ControllerServicer", server) -> None:
+    """Serve `servicer` on `server` as the generated
+    add_ControllerServicer_to_server does, with lenient deserializers:
+    bytes that are no message reach the servicer as None."""
+    handlers = {
+        "Register": grpc.unary_unary_rpc_method_handler(
+            servicer.Register, request_deserializer=transport.lenient(pb.RegisterRequest),
+            response_serializer=pb.RegisterResponse.SerializeToString),
+        "Connect": grpc.stream_stream_rpc_method_handler(
+            servicer.Connect, request_deserializer=transport.lenient(pb.AgentMessage),
+            response_serializer=pb.ControllerMessage.SerializeToString),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus, request_deserializer=transport.lenient(pb.StatusRequest),
+            response_serializer=pb.JobStatus.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("elastic.v1.Controller", handlers),))
+
+
+UNDECODABLE = adm.Refusal("invalid", "the bytes received are not a valid message")
 
 
 def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
-    """The policy's view of a WorkerStatus message."""
+    """The policy's view of a WorkerStatus message (text cleaned and capped)."""
     return v.WorkerObs(
         generation=status.generation, state=_STATES.get(status.state, v.WorkerState.IDLE),
         pid=status.pid, exit_code=status.exit_code, signal=status.signal,
-        stderr_tail=status.stderr_tail, stopped_on_request=status.stopped_on_request,
+        stderr_tail=clean_text(status.stderr_tail, adm.MAX_STDERR_CHARS,
+                                   keep_newlines=True),
+        stopped_on_request=status.stopped_on_request,
         step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics),
         suspended=status.suspended)
 
@@ -43,7 +90,7 @@ def fence(controller: Controller, header: pb.Header) -> str | None:
     registered for the host (replaced by a newer agent process, or never
     registered)."""
     if header.job_id != controller.spec.job_id:
-        return (f"message for job {header.job_id!r} sent to the controller of job "
+        return (f"message for job {header.job_id[:128]!r} sent to the controller of job "
                 f"{controller.spec.job_id!r}")
     record = controller.view.get(header.host_id)
     if record is None:
@@ -55,23 +102,99 @@ def fence(controller: Controller, header: pb.Header) -> str | None:
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
-    """Serves Register, Connect and GetStatus for one Controller."""
+    """Serves Register, Connect and GetStatus for one Controller.
 
-    def __init__(self, controller: Controller) -> None:
+    `authenticated`: the server uses mutual TLS (every call has a peer
+    identity); False only with `--insecure`. `first_message_timeout_s`:
+    how long a new stream may stay silent before it is closed."""
+
+    def __init__(self, controller: Controller, authenticated: bool = True,
+                 first_message_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S) -> None:
         self.controller = controller
+        self.authenticated = authenticated
+        self.first_message_timeout_s = first_message_timeout_s
+        total = 2 * controller.spec.max_hosts + 64
+        self.streams = adm.StreamLimits(STREAMS_PER_PEER, total)
+        self.calls = adm.StreamLimits(CALLS_PER_PEER, 4 * total)
+        # host id -> fingerprint of the certificate it registered with
+        self.certificates: dict[str, str] = {}
+        # (host or peer, refusal kind) -> (last journaled at, refusals since)
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
+
+    # --- who is calling ------------------------------------------------------
+
+    async def _peer(self, context) -> tuple[Identity | None, str]:
+        """(identity, key for the caps): the certificate's identity, or
+        None and the peer's IP on a plaintext channel."""
+        try:
+            identity = peer_identity(context)
+        except IdentityError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        if identity is None:
+            if self.authenticated:  # cannot happen with a TLS port: defensive
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate")
+            return None, context.peer().rsplit(":", 1)[0]
+        return identity, f"{identity.role.short}:{identity.name}"
+
+    def _plausible(self) -> adm.Plausible:
+        c = self.controller
+        return adm.Plausible(c.state.generation, c.view.highest_step)
+
+    def _refused(self, who: str, refusal: adm.Refusal, incarnation: str = "") -> None:
+        """Journal a refusal, rate-limited per (who, kind)."""
+        c = self.controller
+        now = c.clock.monotonic()
+        key = (who, refusal.kind)
+        last, count = self._refusals.get(key, (float("-inf"), 0))
+        if now - last < REFUSAL_JOURNAL_INTERVAL_S:
+            self._refusals[key] = (last, count + 1)
+            return
+        if len(self._refusals) > 10_000:
+            self._refusals.clear()
+        self._refusals[key] = (now, 0)
+        more = f" ({count} more refused since the last line)" if count else ""
+        c.executor.record("message_refused", c.state.generation,
+                          f"{refusal.kind}: {refusal.reason}{more}", who[:128] or None,
+                          {"refusal": refusal.kind, "suppressed": count})
+
+    async def _refuse(self, context, who: str, refusal: adm.Refusal) -> None:
+        self._refused(who, refusal)
+        await context.abort(_CODES[refusal.kind], refusal.reason)
+
+    # --- the calls -----------------------------------------------------------
 
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
-        c, h = self.controller, request.header
-        if h.job_id and h.job_id != c.spec.job_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"agent is configured for job {h.job_id!r}; this controller "
-                                f"runs job {c.spec.job_id!r}")
-        if not h.host_id or not h.incarnation:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "header.host_id and header.incarnation are required")
-        if request.devices < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"host {h.host_id} reports {request.devices} devices; need >= 1")
+        peer, key = await self._peer(context)
+        if not self.calls.acquire(key):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"more than {CALLS_PER_PEER} calls in flight from {key}")
+        try:
+            return await self._register(request, context, peer, key)
+        finally:
+            self.calls.release(key)
+
+    async def _register(self, request, context, peer: Identity | None,
+                        key: str) -> pb.RegisterResponse:
+        c = self.controller
+        if request is None:
+            await self._refuse(context, peer.name if peer else key, UNDECODABLE)
+        h = request.header
+        refusal = adm.check_register(request, c.spec.job_id, peer, self._plausible())
+        if refusal:
+            await self._refuse(context, peer.name if peer else key, refusal)
+        fingerprint = peer.fingerprint if peer else ""
+        bound = self.certificates.get(h.host_id)
+        record = c.view.get(h.host_id)
+        if bound is not None and bound != fingerprint and record is not None and \
+                h.host_id not in c.state.lost and \
+                c.clock.monotonic() - record.last_heartbeat_at < \
+                c.spec.health.heartbeat_timeout_s:
+            await self._refuse(context, h.host_id, adm.Refusal(
+                "denied", f"host {h.host_id} is registered and alive with another certificate "
+                          f"(sha256 {bound[:16]}); a new one is accepted once that "
+                          f"registration is lost (health.heartbeat_timeout_s = "
+                          f"{c.spec.health.heartbeat_timeout_s:g} s)"))
+        self.certificates[h.host_id] = fingerprint
         # The session (and its outbox) exists from registration on, so commands
         # decided before the agent opens its stream wait for it there.
         previous = c.sessions.get(h.host_id)
@@ -93,13 +216,45 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return reply
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.JobStatus:
-        return job_status(self.controller)
+        peer, key = await self._peer(context)
+        refusal = adm.check_status_peer(peer)
+        if refusal:
+            await self._refuse(context, key, refusal)
+        if not self.calls.acquire(key):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"more than {CALLS_PER_PEER} calls in flight from {key}")
+        try:
+            return job_status(self.controller)
+        finally:
+            self.calls.release(key)
 
     async def Connect(self, request_iterator, context):
+        peer, key = await self._peer(context)
+        if not self.streams.acquire(key):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many streams: at most {STREAMS_PER_PEER} per peer and "
+                                f"{self.streams.total} in all")
+        try:
+            await self._connect(context, peer, key)
+        finally:
+            self.streams.release(key)
+
+    async def _connect(self, context, peer: Identity | None, key: str) -> None:
         c = self.controller
-        first = await context.read()
+        try:
+            first = await asyncio.wait_for(context.read(), self.first_message_timeout_s)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no message within {self.first_message_timeout_s:g} s of "
+                                f"opening the stream")
         if first is grpc.aio.EOF:
             return
+        if first is None:
+            await self._refuse(context, peer.name if peer else key, UNDECODABLE)
+        refusal = adm.check_header(first.header, c.spec.job_id) or \
+            adm.check_identity(peer, first.header.host_id)
+        if refusal:
+            await self._refuse(context, peer.name if peer else key, refusal)
         refusal = fence(c, first.header)
         if refusal:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
@@ -130,7 +285,18 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         message = first
         try:
             while message is not grpc.aio.EOF:
-                refusal = fence(self.controller, message.header)
+                if message is None:
+                    self._refused(session.host_id, UNDECODABLE)
+                    session.close(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE.reason)
+                    return
+                h = message.header
+                if h.host_id != session.host_id:  # a stream speaks for its own host only
+                    refusal = adm.Refusal("denied", f"a message for host {h.host_id[:128]!r} on "
+                                                    f"the stream of host {session.host_id}")
+                    self._refused(session.host_id, refusal)
+                    session.close(grpc.StatusCode.PERMISSION_DENIED, refusal.reason)
+                    return
+                refusal = fence(self.controller, h)
                 if refusal:
                     session.close(grpc.StatusCode.FAILED_PRECONDITION, refusal)
                     return
@@ -140,24 +306,33 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             pass
         session.close()
 
+    def _reject(self, session: Session, reason: str) -> None:
+        c = self.controller
+        session.send(pb.ControllerMessage(
+            job_id=c.spec.job_id, generation=c.state.generation,
+            rejected=pb.Rejected(current_generation=c.state.generation, reason=reason)))
+
     def _handle(self, session: Session, message: pb.AgentMessage) -> None:
         c, h = self.controller, message.header
         kind = message.WhichOneof("body")
+        refusal = adm.check_message(message, self._plausible())
+        if refusal:
+            self._refused(h.host_id, refusal)
+            self._reject(session, f"{kind} refused: {refusal.reason}")
+            return
         if kind == "heartbeat":
             hb = message.heartbeat
             if hb.sent_at:
                 c.heartbeat_latency_s.append(c.clock.time() - hb.sent_at)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker_obs(hb.worker),
-                                         hb.free_port, hb.preemption))
+                                         hb.free_port,
+                                         clean_text(hb.preemption, adm.MAX_REASON_CHARS)))
             return
         if h.generation < c.state.generation:
             # A report about a worker of an older generation: refused, so it can
             # never count for the current one. Its heartbeats still carry the truth.
-            session.send(pb.ControllerMessage(
-                job_id=c.spec.job_id, generation=c.state.generation,
-                rejected=pb.Rejected(current_generation=c.state.generation,
-                                     reason=f"{kind} of generation {h.generation} refused: "
-                                            f"the current generation is {c.state.generation}")))
+            self._reject(session, f"{kind} of generation {h.generation} refused: the current "
+                                  f"generation is {c.state.generation}")
             c.submit(v.StaleReportRefused(h.host_id, h.incarnation, h.generation,
                                           c.state.generation, kind))
             return
@@ -169,9 +344,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                                         p.committed_step, dict(p.metrics)))
         elif kind == "worker_event":
             e = message.worker_event
-            try:
-                fields = json.loads(e.fields_json or "{}")
-            except ValueError:
-                fields = {}
-            c.submit(v.WorkerReported(h.host_id, h.incarnation, h.generation, e.kind, e.reason,
-                                      fields if isinstance(fields, dict) else {}))
+            fields = adm.worker_event_fields(e.fields_json, self._plausible())
+            if isinstance(fields, adm.Refusal):
+                self._refused(h.host_id, fields)
+                self._reject(session, f"worker_event refused: {fields.reason}")
+                return
+            c.submit(v.WorkerReported(h.host_id, h.incarnation, h.generation,
+                                      clean_text(e.kind, 64),
+                                      clean_text(e.reason, adm.MAX_REASON_CHARS), fields))

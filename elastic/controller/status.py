@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from elastic import transport
 from elastic.goodput import account
+from elastic.security.tls import TLSFiles
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
 
 
-def fetch_status(address: str, timeout_s: float = 5.0) -> pb.JobStatus:
-    """GetStatus from the controller at "HOST:PORT". Raises grpc.RpcError."""
-    with transport.channel(address) as ch:
+def fetch_status(address: str, tls: TLSFiles | None, timeout_s: float = 5.0) -> pb.JobStatus:
+    """GetStatus from the controller at "HOST:PORT" with an operator's (or
+    the controller's) TLS files, plaintext if None. Raises grpc.RpcError,
+    TLSError when the files cannot be used."""
+    with transport.channel(address, tls) as ch:
         return pb_grpc.ControllerStub(ch).GetStatus(pb.StatusRequest(), timeout=timeout_s)
 
 

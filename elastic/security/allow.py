@@ -10,7 +10,8 @@ arguments) is free:
 
 - token 0 is the program as the agent would run it: resolved through the
   agent's PATH unless it holds a `/` (then against the working directory);
-- a later token that starts with `-`, or follows `-m`, is compared as is;
+- a later token that starts with `-`, or follows `-m`, `-c`, `-W` or `-X`,
+  is compared as is;
 - any other later token is a path (the script), resolved against the
   working directory.
 
@@ -37,6 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 DENIED_ENV = ("LD_*", "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT",
               "PYTHONEXECUTABLE", "PYTHONUSERBASE", "PYTHONBREAKPOINT", "PYTHONPLATLIBDIR",
               "BASH_ENV", "ENV", "PERL5OPT", "PERL5LIB", "RUBYOPT", "NODE_OPTIONS", "GCONV_PATH")
+
+
+#: Interpreter options whose next token is a value, not a path (python's
+#: -m module, -c code, -W and -X settings; a shell's -c command).
+_OPTIONS_WITH_VALUE = frozenset({"-m", "-c", "-W", "-X"})
 
 
 def _is_python(program: str) -> bool:
@@ -101,13 +107,13 @@ def _resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | Non
             return f"program {program!r} is not on this agent's PATH"
         path = os.path.abspath(path)
     resolved = [path]
-    after_m = False
+    takes_value = False
     for token in argv[1:]:
-        if token.startswith("-") or after_m:
+        if token.startswith("-") or takes_value:
             resolved.append(token)
         else:
             resolved.append(os.path.normpath(os.path.join(workdir, token)))
-        after_m = token == "-m"
+        takes_value = token in _OPTIONS_WITH_VALUE
     return resolved
 
 

@@ -10,7 +10,8 @@ Layout of a certificate directory (what `init` and `issue` write):
     DIR/operators/<name>/           one bundle per operator (elasticd status)
 
 A bundle directory is what `--tls-dir` of `elasticd start`, `elastic-agent`
-and `elasticd status` takes (copy it to /etc/elastic/tls on the host). Keys
+and `elasticd status` takes (their defaults, and the systemd units':
+/etc/elastic/controller, /etc/elastic/host, /etc/elastic/operator). Keys
 are ECDSA P-256 (a handshake costs a fraction of an RSA-2048 one), written
 0600 in 0700 directories; certificates name their holder in the subject
 (CN = name, OU = role, see elastic.security.identity). Controller

@@ -76,7 +76,7 @@ def _compile_and_store(path: pathlib.Path, lowered):
     compiled = lowered.compile()
     try:
         payload, _, _ = serialize_executable.serialize(compiled)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(payload)
         tmp.replace(path)
@@ -94,7 +94,7 @@ def _compile_as_process_0(client, key: str, path: pathlib.Path, lowered):
     the token posted), compile and store it, then post that it is done."""
     claim, token = path.with_suffix(".claim"), uuid.uuid4().hex
     try:
-        claim.parent.mkdir(parents=True, exist_ok=True)
+        claim.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         claim.write_text(token)
     except OSError as e:
         log.warning("cannot write %s (%s): every process compiles", claim, e)

@@ -1,0 +1,388 @@
+"""Issue 14's table, row by row, tried as an outsider or a rogue host would:
+a real controller and real agents on loopback, mutual TLS with real
+certificates from a test CA, raw gRPC stubs for the attacker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import ssl
+import stat
+import sys
+
+import grpc
+import pytest
+
+from elastic import transport
+from elastic.agent.agent import Agent, AgentSettings, default_snapshot_dir
+from elastic.config import load_spec
+from elastic.controller.journal import load_journal
+from elastic.controller.server import ControllerServer
+from elastic.security import certs
+from elastic.security.allow import AllowList
+from elastic.security.identity import Role
+from elastic.security.tls import TLSFiles
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+from tests.conftest import TINY_WORKER, tiny_spec, wait_until
+
+TINY_ALLOWED = AllowList.parse([f"{sys.executable} {TINY_WORKER}"])
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@contextlib.asynccontextmanager
+async def controller(tmp_path, tls, **spec_kw):
+    spec = load_spec(tiny_spec(tmp_path, **{"min_hosts": 2, "max_hosts": 2, **spec_kw}))
+    server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", tls)
+    address = await server.start()
+    loop_task = asyncio.create_task(server.run())
+    try:
+        yield server, address
+    finally:
+        loop_task.cancel()
+        await server.stop("test over")
+
+
+def header(host="h0", incarnation="inc1", generation=0) -> pb.Header:
+    return pb.Header(job_id="test", host_id=host, incarnation=incarnation, generation=generation)
+
+
+def register_request(host="h0", incarnation="inc1", **worker) -> pb.RegisterRequest:
+    return pb.RegisterRequest(header=header(host, incarnation), devices=1, address="127.0.0.1",
+                              worker=pb.WorkerStatus(**{"step": -1, "committed_step": -1,
+                                                        **worker}))
+
+
+IDLE = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
+
+
+def journal(tmp_path) -> list[dict]:
+    entries, skipped = load_journal(tmp_path / "state")
+    assert skipped == 0
+    return entries
+
+
+def test_nobody_without_a_certificate_from_the_ca_gets_in(tmp_path, pki):
+    stranger = certs.create_ca(tmp_path / "stranger")
+    foreign = certs.issue(stranger, Role.HOST, "h0").directory
+
+    async def main():
+        async with controller(tmp_path, pki.controller) as (_, address):
+            async with grpc.aio.insecure_channel(address) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as plain:
+                    await pb_grpc.ControllerStub(ch).Register(register_request(), timeout=5)
+            async with transport.aio_channel(address, TLSFiles.in_dir(foreign)) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as other_ca:
+                    await pb_grpc.ControllerStub(ch).Register(register_request(), timeout=5)
+            return plain.value.code(), other_ca.value.code()
+
+    assert run(main()) == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE)
+    assert not any(e["kind"] == "host_registered" for e in journal(tmp_path))
+
+
+def test_a_host_speaks_only_for_itself_and_reads_no_status(tmp_path, pki):
+    async def main():
+        async with controller(tmp_path, pki.controller) as (server, address):
+            async with transport.aio_channel(address, pki.host("h1")) as h1, \
+                    transport.aio_channel(address, pki.host("h0")) as h0, \
+                    transport.aio_channel(address, pki.operator, (Role.OPERATOR,)) as op:
+                with pytest.raises(grpc.aio.AioRpcError) as impersonation:
+                    await pb_grpc.ControllerStub(h1).Register(register_request("h0"), timeout=5)
+                assert impersonation.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "host h1 cannot speak for host 'h0'" in impersonation.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as operator_registers:
+                    await pb_grpc.ControllerStub(op).Register(register_request("h0"), timeout=5)
+                assert operator_registers.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                with pytest.raises(grpc.aio.AioRpcError) as nosy:
+                    await pb_grpc.ControllerStub(h0).GetStatus(pb.StatusRequest(), timeout=5)
+                assert nosy.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+                stub = pb_grpc.ControllerStub(h0)
+                await stub.Register(register_request("h0"), timeout=5)
+                call = stub.Connect()
+                await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=IDLE)))
+                # the same stream reports a worker exit for another host
+                await call.write(pb.AgentMessage(header=header("h1"),
+                                                 worker_exited=pb.WorkerStatus()))
+                with pytest.raises(grpc.aio.AioRpcError) as other_host:
+                    while True:
+                        await call.read()
+                assert other_host.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                status = await pb_grpc.ControllerStub(op).GetStatus(pb.StatusRequest(), timeout=5)
+                return [h.host_id for h in status.hosts]
+
+    assert run(main()) == ["h0"]  # h1 never appeared
+    refused = [e for e in journal(tmp_path) if e["kind"] == "message_refused"]
+    assert {e["refusal"] for e in refused} == {"denied"}
+    assert any("on the stream of host h0" in e["reason"] for e in refused)
+    assert not any(e["kind"] == "worker_exited" for e in journal(tmp_path))
+
+
+def test_a_second_certificate_for_a_live_host_waits_until_it_is_lost(tmp_path, pki):
+    issued = pki.host("h5").cert.parent
+    shutil.copytree(issued, tmp_path / "first")  # the bundle h5 holds now
+    first = TLSFiles.in_dir(tmp_path / "first")
+    second = pki.bundle(Role.HOST, "h5")  # re-issued: same name, another key
+
+    async def main():
+        async with controller(tmp_path, pki.controller) as (server, address):
+            async with transport.aio_channel(address, first) as a, \
+                    transport.aio_channel(address, second) as b:
+                await pb_grpc.ControllerStub(a).Register(register_request("h5"), timeout=5)
+                # the same certificate again (an agent restart) is fine
+                await pb_grpc.ControllerStub(a).Register(register_request("h5", "inc2"),
+                                                         timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError) as taken:
+                    await pb_grpc.ControllerStub(b).Register(register_request("h5", "inc3"),
+                                                             timeout=5)
+                assert taken.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "alive with another certificate" in taken.value.details()
+                # once h5 is silent for heartbeat_timeout_s (1.5 s), the new one may take over
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while True:
+                    try:
+                        return await pb_grpc.ControllerStub(b).Register(
+                            register_request("h5", "inc4"), timeout=5)
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.PERMISSION_DENIED
+                        assert loop.time() < deadline, "the new certificate was never accepted"
+                        await asyncio.sleep(0.1)
+
+    assert run(main()).job_id == "test"
+
+
+def test_forged_journal_fields_and_implausible_numbers_are_refused(tmp_path, pki):
+    async def main():
+        async with controller(tmp_path, pki.controller) as (server, address):
+            async with transport.aio_channel(address, pki.host("h0")) as ch, \
+                    transport.aio_channel(address, pki.operator, (Role.OPERATOR,)) as op:
+                stub = pb_grpc.ControllerStub(ch)
+                await stub.Register(register_request(), timeout=5)
+                call = stub.Connect()
+                await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=IDLE)))
+                forged = json.dumps({"kind": "job_succeeded", "generation": 999999, "step": 5})
+                attacks = [
+                    pb.AgentMessage(header=header(), worker_event=pb.WorkerEvent(
+                        kind="checkpoint_saved", reason="x", fields_json=forged)),
+                    pb.AgentMessage(header=header(), progress=pb.Progress(
+                        step=-1, committed_step=10**18)),
+                    pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
+                        worker=pb.WorkerStatus(step=10**18))),
+                    pb.AgentMessage(header=header(generation=999999), progress=pb.Progress(
+                        step=3, committed_step=-1)),
+                ]
+                replies = []
+                for attack in attacks:
+                    await call.write(attack)
+                    replies.append(await call.read())
+                status = await pb_grpc.ControllerStub(op).GetStatus(pb.StatusRequest(), timeout=5)
+                call.cancel()
+                return replies, status
+
+    replies, status = run(main())
+    assert [r.WhichOneof("body") for r in replies] == ["rejected"] * 4
+    assert "reserved" in replies[0].rejected.reason
+    assert "10,000,000 past" in replies[1].rejected.reason
+    assert "generation 999999" in replies[3].rejected.reason
+    assert status.committed_step == -1 and status.generation == 0
+    entries = journal(tmp_path)
+    assert not any(e["kind"] == "job_succeeded" for e in entries)
+    assert max(e["generation"] for e in entries) == 0
+    assert [e["refusal"] for e in entries if e["kind"] == "message_refused"] == \
+        ["invalid", "implausible"]  # one line per kind per 10 s, the rest counted
+
+
+@pytest.mark.parametrize("host_id", ["../etc", "h\n0 forged", "h\x00", "h" * 100_000])
+def test_hosts_with_unsafe_ids_are_refused_even_without_tls(tmp_path, host_id):
+    async def main():
+        async with controller(tmp_path, None) as (server, address):
+            async with transport.aio_channel(address, None) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await pb_grpc.ControllerStub(ch).Register(register_request(host_id),
+                                                              timeout=5)
+                return refused.value.code()
+
+    assert run(main()) == grpc.StatusCode.INVALID_ARGUMENT
+    entries = journal(tmp_path)
+    assert [e["kind"] for e in entries][:2] == ["insecure_mode", "controller_started"]
+    assert not any(e["kind"] == "host_registered" for e in entries)
+
+
+def test_streams_are_capped_per_peer_and_idle_ones_closed(tmp_path, pki):
+    async def main():
+        async with controller(tmp_path, pki.controller) as (server, address):
+            server.servicer.first_message_timeout_s = 1.0
+            async with transport.aio_channel(address, pki.host("h0")) as ch:
+                stub = pb_grpc.ControllerStub(ch)
+                idle = [stub.Connect() for _ in range(4)]
+                for call in idle:
+                    await call.wait_for_connection()
+                extra = stub.Connect()
+                with pytest.raises(grpc.aio.AioRpcError) as capped:
+                    await extra.read()
+                codes = []
+                for call in idle:
+                    with pytest.raises(grpc.aio.AioRpcError) as closed:
+                        await call.read()
+                    codes.append(closed.value.code())
+                return capped.value, codes
+
+    capped, codes = run(main())
+    assert capped.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "at most 4 per peer" in capped.details()
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 4
+
+
+class FakeController(pb_grpc.ControllerServicer):
+    """A controller an attacker runs: it tells every agent to run `argv`."""
+
+    def __init__(self, argv: list[str], workdir: str, env: dict | None = None) -> None:
+        self.argv, self.workdir, self.env = argv, workdir, env or {}
+        self.registered = asyncio.Event()
+        self.exits: asyncio.Queue = asyncio.Queue()
+
+    async def Register(self, request, context):
+        self.registered.set()
+        return pb.RegisterResponse(job_id="test", heartbeat_interval_s=0.2,
+                                   heartbeat_timeout_s=2.0)
+
+    async def Connect(self, request_iterator, context):
+        await context.read()
+        await context.write(pb.ControllerMessage(job_id="test", generation=1, start=pb.StartWorker(
+            generation=1, process_id=0, num_processes=1, coordinator_address="127.0.0.1:1",
+            argv=self.argv, workdir=self.workdir, env=self.env)))
+        while (message := await context.read()) is not grpc.aio.EOF:
+            if message.WhichOneof("body") == "worker_exited":
+                await self.exits.put(message.worker_exited)
+
+
+async def serve_fake(fake: FakeController, bundle) -> tuple[grpc.aio.Server, str]:
+    server = transport.aio_server()
+    pb_grpc.add_ControllerServicer_to_server(fake, server)
+    port = transport.add_listen_port(server, "127.0.0.1:0", bundle)
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("server_bundle", ["another CA's controller", "a host certificate"])
+def test_agents_do_not_talk_to_an_unverified_controller(tmp_path, pki, caplog, server_bundle):
+    marker = tmp_path / "pwned"
+    if server_bundle == "a host certificate":  # served anyway: the agent must refuse it
+        bundle, serve_with = pki.host("h9"), None
+    else:
+        stranger = certs.create_ca(tmp_path / "stranger")
+        bundle = TLSFiles.in_dir(certs.issue(stranger, Role.CONTROLLER, "evil").directory)
+        serve_with = bundle
+
+    async def main():
+        fake = FakeController(["/bin/sh", "-c", f"touch {marker}"], str(tmp_path))
+        if serve_with is None:  # a host certificate cannot pass our own checks: serve raw
+            server = transport.aio_server()
+            pb_grpc.add_ControllerServicer_to_server(fake, server)
+            creds = grpc.ssl_server_credentials(
+                [(bundle.key.read_bytes(), bundle.cert.read_bytes())],
+                bundle.ca.read_bytes(), require_client_auth=False)
+            address = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', creds)}"
+            await server.start()
+        else:
+            server, address = await serve_fake(fake, serve_with)
+        agent = Agent(AgentSettings(controller=address, host_id="h0", devices=1,
+                                    address="127.0.0.1", failure_domain="h0",
+                                    state_dir=str(tmp_path / "agent"), tls=pki.host("h0"),
+                                    allow=TINY_ALLOWED))
+        task = asyncio.create_task(agent.run())
+        with caplog.at_level(logging.INFO, logger="elastic-agent"):
+            while not any("retrying (attempt 2)" in r.getMessage() for r in caplog.records):
+                await asyncio.sleep(0.05)  # the agent tried (and failed) twice
+        agent.shutdown()
+        await task
+        await server.stop(0)
+        return fake.registered.is_set()
+
+    assert run(main()) is False
+    assert not marker.exists()
+
+
+def test_a_verified_but_hostile_controller_runs_nothing_outside_the_allow_list(tmp_path, pki):
+    marker = tmp_path / "pwned"
+
+    async def attempt(argv, env=None):
+        fake = FakeController(argv, str(tmp_path), env)
+        server, address = await serve_fake(fake, pki.controller)  # a stolen controller key
+        agent = Agent(AgentSettings(controller=address, host_id="h0", devices=1,
+                                    address="127.0.0.1", failure_domain="h0",
+                                    state_dir=str(tmp_path / "agent"), tls=pki.host("h0"),
+                                    allow=TINY_ALLOWED))
+        task = asyncio.create_task(agent.run())
+        exited = await asyncio.wait_for(fake.exits.get(), 20)
+        agent.shutdown()
+        await task
+        await server.stop(0)
+        return exited
+
+    exit_ = run(attempt(["/bin/sh", "-c", f"touch {marker}"]))
+    assert exit_.exit_code == 126 and "is not in this host's allow-list" in exit_.stderr_tail
+    preload = run(attempt([sys.executable, str(TINY_WORKER), "--steps", "1"],
+                          {"LD_PRELOAD": str(tmp_path / "evil.so")}))
+    assert preload.exit_code == 126 and "sets LD_PRELOAD" in preload.stderr_tail
+    assert not marker.exists()
+
+
+def _served_certificate(address: str, bundle) -> bytes:
+    """The certificate the controller serves now (a fresh TLS handshake)."""
+    context = ssl.create_default_context(cafile=str(bundle.ca))
+    context.load_cert_chain(str(bundle.cert), str(bundle.key))
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            context.wrap_socket(raw, server_hostname=certs.CONTROLLER_SERVER_NAME) as tls:
+        return tls.getpeercert(binary_form=True)
+
+
+def test_a_renewed_controller_certificate_is_served_without_a_restart(tmp_path, pki):
+    root = tmp_path / "pki"
+    certs.create_ca(root)
+    controller_bundle = TLSFiles.in_dir(certs.issue(root, Role.CONTROLLER, "c").directory)
+    operator = TLSFiles.in_dir(certs.issue(root, Role.OPERATOR, "op").directory)
+
+    async def main():
+        async with controller(tmp_path, controller_bundle) as (server, address):
+            before = await asyncio.to_thread(_served_certificate, address, operator)
+            certs.issue(root, Role.CONTROLLER, "c")  # renewal: files replaced in place
+            after = await asyncio.to_thread(_served_certificate, address, operator)
+            async with transport.aio_channel(address, operator, (Role.OPERATOR,)) as ch:
+                status = await pb_grpc.ControllerStub(ch).GetStatus(pb.StatusRequest(), timeout=5)
+            return before, after, status
+
+    before, after, status = run(main())
+    assert before != after and status.job_id == "test"
+
+
+def test_a_planted_snapshot_symlink_is_never_followed(tmp_path, pki):
+    attacker = tmp_path / "attacker"
+    attacker.mkdir()
+    (attacker / "keep").write_text("mine")
+    state = tmp_path / "agent"
+    planted = default_snapshot_dir(str(state))
+    os.symlink(attacker, planted)
+    agent = Agent(AgentSettings(controller="127.0.0.1:1", host_id="h0", devices=1,
+                                address="127.0.0.1", failure_domain="h0", state_dir=str(state),
+                                tls=pki.host("h0"), allow=TINY_ALLOWED))
+    try:
+        agent.prepare()
+        st = os.lstat(planted)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+        assert (attacker / "keep").read_text() == "mine" and sorted(os.listdir(attacker)) == \
+            ["keep"]
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
