@@ -1,8 +1,11 @@
-"""The systemd units pass `systemd-analyze verify` (where the tool exists)."""
+"""The systemd units pass `systemd-analyze verify`, keep their sandbox
+(`systemd-analyze security` exposure) within the issue's targets, and the
+user they run as is what elastic.sysusers.conf creates (where the tools exist)."""
 
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -10,20 +13,65 @@ import sys
 import pytest
 
 UNITS = pathlib.Path(__file__).resolve().parent.parent / "workers" / "systemd"
+#: Highest acceptable "Overall exposure level" (0 safest, 10 unsafe) per unit.
+MAX_EXPOSURE = {"elastic-agent.service": 6.0, "elasticd.service": 3.0}
+#: The user each unit runs as (the controller's apart from the workers').
+USERS = {"elastic-agent.service": "elastic", "elasticd.service": "elasticd"}
 
 
-@pytest.mark.parametrize("unit", ["elastic-agent.service", "elasticd.service"])
-def test_unit_verifies(tmp_path, unit):
-    tool = shutil.which("systemd-analyze")
-    if tool is None:
-        pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (apt-get install systemd)")
+    return path
+
+
+def copy_unit(tmp_path: pathlib.Path, unit: str) -> pathlib.Path:
+    """`unit` in tmp_path, ExecStart pointing at the binaries of this environment."""
     text = (UNITS / unit).read_text()
-    # point ExecStart at the binaries of this environment so verify can check them
     text = text.replace("/opt/elastic/.venv/bin", str(pathlib.Path(sys.executable).parent))
-    assert "Restart=always" in text and "KillMode=" in text
+    assert "Restart=always" in text and "KillMode=" in text and f"User={USERS[unit]}\n" in text
     (tmp_path / unit).write_text(text)
-    out = subprocess.run([tool, "verify", str(tmp_path / unit)], capture_output=True, text=True,
-                         timeout=60)
+    return tmp_path / unit
+
+
+@pytest.mark.parametrize("unit", sorted(MAX_EXPOSURE))
+def test_unit_verifies(tmp_path, unit):
+    analyze = tool("systemd-analyze")
+    out = subprocess.run([analyze, "verify", str(copy_unit(tmp_path, unit))],
+                         capture_output=True, text=True, timeout=60)
     problems = [line for line in (out.stdout + out.stderr).splitlines()
                 if unit in line or "Unknown" in line or "error" in line.lower()]
     assert out.returncode == 0 and not problems, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("unit", sorted(MAX_EXPOSURE))
+def test_unit_sandbox_exposure(tmp_path, unit):
+    analyze = tool("systemd-analyze")
+    out = subprocess.run([analyze, "security", "--offline=true", "--no-pager",
+                          str(copy_unit(tmp_path, unit))],
+                         capture_output=True, text=True, timeout=60)
+    if "--offline" in out.stderr and out.returncode != 0:
+        pytest.skip(f"systemd-analyze security --offline needs systemd 250+: {out.stderr}")
+    found = re.search(rf"Overall exposure level for {re.escape(unit)}: (\d+\.\d+)", out.stdout)
+    assert out.returncode == 0 and found, out.stdout + out.stderr
+    exposure = float(found.group(1))
+    print(f"{unit}: exposure {exposure} (at most {MAX_EXPOSURE[unit]})")
+    assert exposure <= MAX_EXPOSURE[unit], out.stdout
+
+
+def test_sysusers_creates_the_units_user(tmp_path):
+    sysusers = tool("systemd-sysusers")
+    (tmp_path / "etc").mkdir()
+    conf = (UNITS / "elastic.sysusers.conf").read_text()
+    out = subprocess.run([sysusers, f"--root={tmp_path}", "-"], input=conf,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    users = {line.split(":")[0]: line.split(":") for line in
+             (tmp_path / "etc" / "passwd").read_text().splitlines()}
+    groups = {line.split(":")[0] for line in (tmp_path / "etc" / "group").read_text().splitlines()}
+    for unit, user in USERS.items():
+        assert user in users and user in groups, users
+        assert int(users[user][2]) < 1000 and users[user][6].endswith("nologin")
+        text = (UNITS / unit).read_text()
+        assert f"\nUser={user}\n" in text and f"\nGroup={user}\n" in text, unit
