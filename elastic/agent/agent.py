@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import time
 import uuid
 
@@ -414,16 +413,8 @@ class Agent:
         loop.add_signal_handler(signal.SIGINT, self.shutdown)
         loop.add_signal_handler(signal.SIGHUP, lambda: log.info(
             "SIGHUP ignored (TLS files are re-read at every connect)"))
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(progress.socket_address(self.progress_address))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        agent = self
-
-        class _Receiver(asyncio.DatagramProtocol):
-            def datagram_received(self, data, addr) -> None:
-                agent._progress(data)
-
-        transport_, _ = await loop.create_datagram_endpoint(_Receiver, sock=sock)
+        receiver = progress.ProgressReceiver(self.progress_address, self._progress)
+        receiver.attach(loop)
         connection = asyncio.create_task(self._connect_forever())
         if self.settings.metadata_url:
             self._spawn(watch_metadata(self.settings.metadata_url,
@@ -442,4 +433,4 @@ class Agent:
             connection.cancel()
             for task in list(self._tasks):
                 task.cancel()
-            transport_.close()
+            receiver.close()

@@ -5,13 +5,24 @@ Sending never blocks: when the agent is slow and the socket buffer is full,
 or the agent is gone, the report is dropped (the next one carries the newer
 step; heartbeats carry the latest). Measured cost: a few microseconds per
 report, far under 1 % of a training step.
+
+An abstract socket has no file permissions and its name is listed in
+/proc/net/unix for every local user, so the agent's end (`ProgressReceiver`)
+asks the kernel for each sender's uid (SO_PASSCRED) and keeps only reports
+from its own user: the one its workers run as.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import socket
+import struct
+from collections.abc import Callable
+
+log = logging.getLogger("elastic-agent")
 
 
 def socket_address(text: str) -> str:
@@ -102,3 +113,61 @@ class ProgressReporter:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def sender_uid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The sender's uid from a datagram's ancillary data (SCM_CREDENTIALS,
+    `struct ucred` = pid, uid, gid), None if the kernel attached none."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= 12:
+            return struct.unpack("iII", data[:12])[1]
+    return None
+
+
+class ProgressReceiver:
+    """The agent's end of the progress socket: bound at `address` ("@name"
+    or a path), it calls `on_datagram(data)` for each datagram sent by a
+    process of this user and drops (and counts in `dropped`) the others'.
+    `attach(loop)` starts receiving on an asyncio loop; `close()` ends it.
+    Raises OSError from the constructor when the address is taken."""
+
+    _UCRED = socket.CMSG_SPACE(struct.calcsize("iII"))
+
+    def __init__(self, address: str, on_datagram: Callable[[bytes], None]) -> None:
+        self.on_datagram = on_datagram
+        self.uid = os.geteuid()
+        self.dropped = 0
+        self._loop = None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(socket_address(address))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.setblocking(False)
+
+    def attach(self, loop) -> None:
+        self._loop = loop
+        loop.add_reader(self.sock.fileno(), self.receive)
+
+    def receive(self) -> None:
+        """Take every datagram waiting now."""
+        while True:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(65536, self._UCRED)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("progress socket: %s", e)
+                return
+            uid = sender_uid(ancillary)
+            if uid != self.uid:
+                self.dropped += 1
+                if self.dropped == 1 or self.dropped % 1000 == 0:
+                    log.warning("dropped %d progress report(s) from uid %s: only this agent's "
+                                "user (uid %d) may report", self.dropped, uid, self.uid)
+                continue
+            self.on_datagram(data)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
