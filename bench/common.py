@@ -30,14 +30,16 @@ def wait_entry(state_dir, kind, timeout_s=60.0, after_ts=0.0, **match) -> dict:
     raise TimeoutError(f"no {kind} {match} within {timeout_s} s")
 
 
-def reported_host(address: str, host_id: str, timeout_s: float = 30.0):
-    """`host_id`'s entry in the controller's status (elastic.v1 HostStatus)
+def reported_host(local, host_id: str, timeout_s: float = 30.0):
+    """`host_id`'s entry in the status of the controller of `local` (a
+    LocalSlice; elastic.v1 HostStatus)
     once both its agent and its worker pid are reported; a fault aimed at
     pid 0 would hit the benchmark's own process group. Raises TimeoutError
     after `timeout_s` seconds."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        host = next((h for h in fetch_status(address).hosts if h.host_id == host_id), None)
+        status = fetch_status(local.address, local.tls)
+        host = next((h for h in status.hosts if h.host_id == host_id), None)
         if host is not None and host.agent_pid > 0 and host.worker_pid > 0:
             return host
         time.sleep(0.02)

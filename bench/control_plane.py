@@ -65,22 +65,27 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "control_plane.json"))
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext gRPC (to measure what mutual TLS costs)")
+    parser.add_argument("--out", default=None,
+                        help="default bench/results/control_plane[_insecure].json")
     args = parser.parse_args()
+    args.out = args.out or str(REPO / "bench" / "results" /
+                               f"control_plane{'_insecure' if args.insecure else ''}.json")
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     spec_path = work / "job.toml"
     spec_path.write_text(spec_text(args.heartbeat_interval_s, args.heartbeat_timeout_s))
     spec = load_spec(spec_path)
     state = work / "state"
-    local = start_slice(str(spec_path), spec, args.hosts, 1, state)
+    local = start_slice(str(spec_path), spec, args.hosts, 1, state, insecure=args.insecure)
     rows = {"worker_kill_to_detection": [], "worker_kill_to_generation_started": [],
             "worker_kill_to_first_progress": [], "agent_kill_to_host_lost": []}
     extra: list[subprocess.Popen] = []
     try:
         generation = wait_entry(state, "first_progress")["generation"]
         for trial in range(args.trials):
-            victim = reported_host(local.address, f"host-{trial % args.hosts}")
+            victim = reported_host(local, f"host-{trial % args.hosts}")
             t0 = time.time()
             signal_pid(victim.worker_pid, signal.SIGKILL)
             stopping = wait_entry(state, "slice_stopping", generation=generation)
@@ -95,7 +100,7 @@ def main() -> int:
                   f"{first['ts'] - t0:.3f} s", flush=True)
         for trial in range(args.trials):
             host_id = f"host-{1 + trial % (args.hosts - 1)}"
-            victim = reported_host(local.address, host_id)
+            victim = reported_host(local, host_id)
             t0 = time.time()
             signal_pid(victim.agent_pid, signal.SIGKILL)
             signal_group(victim.worker_pid, signal.SIGKILL)
@@ -110,7 +115,7 @@ def main() -> int:
             log.close()
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                st = fetch_status(local.address)
+                st = fetch_status(local.address, local.tls)
                 if st.phase == "running" and sum(h.state == "member" for h in st.hosts) == args.hosts:
                     break
                 time.sleep(0.05)

@@ -31,15 +31,15 @@ from elastic.procs import signal_pid
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def wait_running(address: str, hosts: int, after_step: int = 5) -> int:
+def wait_running(local, hosts: int, after_step: int = 5) -> int:
     """Wait until `hosts` members run and have made a few steps; the generation."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        st = fetch_status(address)
+        st = fetch_status(local.address, local.tls)
         members = [h for h in st.hosts if h.state == "member"]
         if st.phase == "running" and len(members) == hosts and slice_step(st) >= 0:
             start = slice_step(st)
-            while slice_step(fetch_status(address)) < start + after_step:
+            while slice_step(fetch_status(local.address, local.tls)) < start + after_step:
                 time.sleep(0.1)
             return st.generation
         time.sleep(0.1)
@@ -65,8 +65,8 @@ def main() -> int:
 
     try:
         for trial in range(args.trials):
-            generation = wait_running(local.address, args.hosts)
-            victim = reported_host(local.address, f"host-{trial % args.hosts}")
+            generation = wait_running(local, args.hosts)
+            victim = reported_host(local, f"host-{trial % args.hosts}")
             t0 = time.time()
             signal_pid(victim.worker_pid, signal.SIGSTOP)
             hang = wait_entry(state, "hang_detected", generation=generation, timeout_s=120)
@@ -77,9 +77,9 @@ def main() -> int:
                   f"(timeout {hang['timeout_s']:.1f} s, suspects {hang['suspects']}), first step "
                   f"{first['ts'] - t0:.2f} s", flush=True)
         for trial in range(args.trials):
-            generation = wait_running(local.address, args.hosts)
+            generation = wait_running(local, args.hosts)
             host_id = f"host-{1 + trial % (args.hosts - 1)}"
-            victim = reported_host(local.address, host_id)
+            victim = reported_host(local, host_id)
             t0 = time.time()
             signal_pid(victim.agent_pid, signal.SIGTERM)
             saved = wait_entry(state, "checkpoint_saved", generation=generation, preemption=True,

@@ -39,12 +39,12 @@ INTERVAL = 100
 PHASES = ("process_start", "distributed_init", "restore", "first_step")
 
 
-def wait_full(address: str, hosts: int, steps: int) -> None:
+def wait_full(local, hosts: int, steps: int) -> None:
     """Until all hosts are members of a running generation that made `steps` steps."""
     deadline = time.monotonic() + 300
     start = None
     while time.monotonic() < deadline:
-        st = fetch_status(address)
+        st = fetch_status(local.address, local.tls)
         members = [h for h in st.hosts if h.state == "member"]
         if st.phase == "running" and len(members) == hosts and slice_step(st) >= 0:
             start = slice_step(st) if start is None else start
@@ -73,24 +73,24 @@ def main() -> int:
     spec = load_spec(spec_path)
     state = work / "state"
     local = start_slice(str(spec_path), spec, args.hosts, 2, state)
-    chaos = Chaos(None, local.address, state, lambda h: restart_agent(local, h),
+    chaos = Chaos(None, local.address, local.tls, state, lambda h: restart_agent(local, h),
                   lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
                   keep_running=True)
     chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
     trial_of: dict[float, str] = {}
     try:
-        wait_full(local.address, args.hosts, args.warmup_steps)
+        wait_full(local, args.hosts, args.warmup_steps)
         for kind in args.kinds:
             for trial in range(args.trials):
-                wait_full(local.address, args.hosts, args.steps_between)
-                status = fetch_status(local.address)
+                wait_full(local, args.hosts, args.steps_between)
+                status = fetch_status(local.address, local.tls)
                 host = next(h for h in status.hosts
                             if h.host_id == f"host-{1 + trial % (args.hosts - 1)}")
                 t0 = time.time()
                 chaos.inject(kind, host, status)
                 trial_of[t0] = kind
                 print(f"{kind} {trial + 1}/{args.trials} on {host.host_id}", flush=True)
-        wait_full(local.address, args.hosts, args.steps_between)
+        wait_full(local, args.hosts, args.steps_between)
     finally:
         chaos.stop()
         stop_slice(local)

@@ -1,9 +1,12 @@
 """Benchmark: one `elasticd` against 1,000 / 5,000 / 10,000 simulated agents.
 
-Simulated agents are `grpc.aio` clients (many per process, no workers): each
-registers, opens its stream, heartbeats once a second (with its send time)
-and answers start/stop commands as a real agent would (a stop is
-acknowledged with a worker exit report at once). For each size:
+Simulated agents are `grpc.aio` clients (many per process, no workers), each
+with a connection of its own and, with TLS (the default), a host certificate
+of its own from the benchmark's CA: each registers, opens its stream,
+heartbeats once a second (with its send time) and answers start/stop
+commands as a real agent would (a stop is acknowledged with a worker exit
+report at once). `--insecure` runs the same in plaintext, to measure what
+mutual TLS costs. For each size:
 
 - controller CPU share over 20 s of steady heartbeats (its process's
   user+system time / wall time; 100 % = one core);
@@ -13,7 +16,7 @@ acknowledged with a worker exit report at once). For each size:
 - fan-out: `generation_started` -> the last agent received its start, and
   `slice_stopping` -> the last agent received its stop.
 
-    .venv/bin/python bench/scale.py --agents 1000 5000 10000
+    .venv/bin/python bench/scale.py --agents 1000 5000 10000 [--insecure]
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from common import machine, wait_entry, write_result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLIENT_PROCESSES = 4
-AGENTS_PER_CHANNEL = 100
 
 
 # --- the client side: many simulated agents in one process ------------------------------
@@ -89,8 +91,12 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
         task.cancel()
 
 
-async def client_main(address: str, job_id: str, first: int, count: int, out: str) -> None:
+async def client_main(address: str, job_id: str, first: int, count: int, out: str,
+                      ca_dir: str) -> None:
     sys.path.insert(0, str(REPO))
+    from elastic.security import tls
+    from elastic.security.certs import Authority
+    from elastic.security.identity import Role
     from elastic.v1 import control_pb2 as pb
     from elastic.v1 import control_pb2_grpc as pb_grpc
 
@@ -100,15 +106,26 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     loop.add_signal_handler(signal.SIGUSR1, silence.set)
     done = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, done.set)
-    # a connection of its own per channel (grpc shares one between channels of
-    # equal arguments), as real agents on separate hosts would have
+    # a connection of its own per agent (grpc shares one between channels of
+    # equal arguments), as real agents on separate hosts have: with TLS each
+    # holds its own host certificate (the controller binds a host id to the
+    # certificate of the connection), issued here from the benchmark's CA
     import grpc
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, count // AGENTS_PER_CHANNEL))]
+    hosts = [f"sim-{first + i:05d}" for i in range(count)]
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    if ca_dir == "-":
+        channels = [grpc.aio.insecure_channel(address, options=options) for _ in hosts]
+    else:
+        authority = Authority(ca_dir)
+        channels = []
+        for host in hosts:
+            cert, key, _ = authority.issue_pem(Role.HOST, host)
+            channels.append(grpc.aio.secure_channel(
+                address, grpc.ssl_channel_credentials(authority.ca_pem, key, cert),
+                options=[*options, *tls.SERVER_NAME_OPTIONS]))
     tasks = []
-    for i in range(count):
-        stub = pb_grpc.ControllerStub(channels[i % len(channels)])
-        host = f"sim-{first + i:05d}"
+    for i, host in enumerate(hosts):
+        stub = pb_grpc.ControllerStub(channels[i])
         task = asyncio.create_task(simulated_agent(
             stub, pb, host, job_id, received, silence if first + i == 0 else None))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or print(
@@ -131,10 +148,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_size(n: int, steady_s: float) -> dict:
+def run_size(n: int, steady_s: float, insecure: bool) -> dict:
     from elastic.controller.status import fetch_status
+    from elastic.security import certs
+    from elastic.security.identity import Role
+    from elastic.security.tls import TLSFiles
 
     work = pathlib.Path(tempfile.mkdtemp(prefix=f"elastic-scale-{n}-"))
+    pki = work / "pki"
+    if insecure:
+        security, operator, ca_dir = ["--insecure"], None, "-"
+    else:
+        certs.create_ca(pki)
+        security = ["--tls-dir", str(certs.issue(pki, Role.CONTROLLER, "bench").directory)]
+        operator = TLSFiles.in_dir(certs.issue(pki, Role.OPERATOR, "bench").directory)
+        ca_dir = str(pki)
     spec = work / "job.toml"
     spec.write_text(f"""
 [job]
@@ -147,13 +175,16 @@ max_hosts = {n}
 heartbeat_interval_s = 1.0
 heartbeat_timeout_s = 5.0
 stop_timeout_s = 30.0
+# the silent agent stands for a lost host: its simulated peers keep
+# stepping, which would otherwise carry it as a frozen agent
+carry_silent_hosts = false
 
 [hang]
 startup_timeout_s = 600.0
 """)
     state = work / "state"
     ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
-                            "--listen", "127.0.0.1:0", "--state-dir", str(state)],
+                            "--listen", "127.0.0.1:0", "--state-dir", str(state), *security],
                            stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
     clients = []
     try:
@@ -166,14 +197,15 @@ startup_timeout_s = 600.0
             count = min(per, n - k * per)
             clients.append((subprocess.Popen(
                 [sys.executable, __file__, "client", address, str(k * per), str(count),
-                 str(work / f"client{k}.json")], stderr=open(work / f"client{k}.log", "w")),
+                 str(work / f"client{k}.json"), ca_dir],
+                stderr=open(work / f"client{k}.log", "w")),
                 work / f"client{k}.json"))
         started = wait_entry(state, "generation_started", generation=1, timeout_s=600)
         time.sleep(3.0)  # let every start arrive and the heartbeats settle
         c0, t0 = cpu_seconds(ctl.pid), time.monotonic()
         time.sleep(steady_s)
         cpu_share = (cpu_seconds(ctl.pid) - c0) / (time.monotonic() - t0)
-        status = fetch_status(address, timeout_s=30)
+        status = fetch_status(address, operator, timeout_s=30)
         silent_at = time.time()
         clients[0][0].send_signal(signal.SIGUSR1)  # sim-00000 stops heartbeating
         lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60)
@@ -194,6 +226,7 @@ startup_timeout_s = 600.0
     starts, stops = received.get("start", {}), received.get("stop", {})
     return {
         "agents": n,
+        "tls": not insecure,
         "controller_cpu_share": round(cpu_share, 3),
         "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
         "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
@@ -207,20 +240,26 @@ startup_timeout_s = 600.0
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "client":
-        _, _, address, first, count, out = sys.argv
-        asyncio.run(client_main(address, "scale", int(first), int(count), out))
+        _, _, address, first, count, out, ca_dir = sys.argv
+        asyncio.run(client_main(address, "scale", int(first), int(count), out, ca_dir))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, nargs="+", default=[1000, 5000, 10000])
     parser.add_argument("--steady-s", type=float, default=20.0)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext gRPC (to measure what mutual TLS costs)")
+    parser.add_argument("--out", default=None,
+                        help="default bench/results/scale[_insecure].json")
     args = parser.parse_args()
+    args.out = args.out or str(REPO / "bench" / "results" /
+                               f"scale{'_insecure' if args.insecure else ''}.json")
     rows = []
     for n in args.agents:
-        row = run_size(n, args.steady_s)
+        row = run_size(n, args.steady_s, args.insecure)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(f"\n{'agents':>7} {'ctl CPU':>8} {'hb p50':>8} {'hb p99':>8} {'detect':>8} "
+    print(f"\n{'TLS' if not args.insecure else 'plaintext'}:")
+    print(f"{'agents':>7} {'ctl CPU':>8} {'hb p50':>8} {'hb p99':>8} {'detect':>8} "
           f"{'start fan-out':>14} {'stop fan-out':>13}")
     for r in rows:
         print(f"{r['agents']:>7} {100 * r['controller_cpu_share']:7.1f}% "

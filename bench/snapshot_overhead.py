@@ -36,7 +36,7 @@ def run(every: int, hosts: int, steps: int) -> tuple[list[float], list[float]]:
     local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
     try:
         deadline = time.monotonic() + 600
-        while slice_step(fetch_status(local.address)) < steps:
+        while slice_step(fetch_status(local.address, local.tls)) < steps:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not reach step {steps}")
             time.sleep(0.5)

@@ -46,14 +46,14 @@ def main() -> int:
     state = work / "state"
     local = start_slice(str(spec_path), spec, args.hosts, 2, state)
     chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+"))), local.address,
-                  state, lambda h: restart_agent(local, h), lambda h: local.agents[h].pid,
+                  local.tls, state, lambda h: restart_agent(local, h), lambda h: local.agents[h].pid,
                   spec.health.heartbeat_timeout_s)
     chaos.start()
     deadline = time.monotonic() + args.duration
     try:
         while time.monotonic() < deadline:
             time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
-            print(progress_line(local.address), flush=True)
+            print(progress_line(local.address, local.tls), flush=True)
     finally:
         chaos.stop()
         stop_slice(local)

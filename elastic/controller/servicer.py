@@ -125,7 +125,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     async def _peer(self, context) -> tuple[Identity | None, str]:
         """(identity, key for the caps): the certificate's identity, or
-        None and the peer's IP on a plaintext channel."""
+        None and the peer's connection (address and port) on a plaintext
+        channel, where nobody has an identity (many hosts may share an
+        address behind a NAT; only the total cap applies across them)."""
         try:
             identity = peer_identity(context)
         except IdentityError as e:
@@ -133,7 +135,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if identity is None:
             if self.authenticated:  # cannot happen with a TLS port: defensive
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate")
-            return None, context.peer().rsplit(":", 1)[0]
+            return None, context.peer()
         return identity, f"{identity.role.short}:{identity.name}"
 
     def _plausible(self) -> adm.Plausible:

@@ -137,75 +137,95 @@ def bundle_dir(directory: str | os.PathLike[str], role: Role, name: str) -> path
     return root / "controller" if sub is None else root / sub / name
 
 
+class Authority:
+    """The CA in `directory` (ca.pem, ca.key), loaded once to issue many
+    certificates (`issue_pem`). Raises CertError when there is no CA or it
+    cannot be read."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        root = pathlib.Path(directory)
+        try:
+            self.key = serialization.load_pem_private_key((root / CA_KEY).read_bytes(), None)
+            self.ca_pem = (root / CA_CERT).read_bytes()
+            self.cert = x509.load_pem_x509_certificate(self.ca_pem)
+        except FileNotFoundError as e:
+            raise CertError(f"no CA in {root} ({e.filename} missing): run `elasticd certs init "
+                            f"--dir {root}` first") from None
+        except ValueError as e:
+            raise CertError(f"the CA in {root} cannot be read: {e}") from None
+
+    def issue_pem(self, role: Role, name: str, sans: tuple[str, ...] = (), days: int = 365,
+                  now: datetime.datetime | None = None
+                  ) -> tuple[bytes, bytes, datetime.datetime]:
+        """A certificate for `name` in `role`: (certificate PEM, key PEM,
+        expiry in UTC). `sans`: extra DNS names or IP addresses (controller
+        only; it always gets CONTROLLER_SERVER_NAME). Raises CertError when
+        `name` is not a valid id, `days` is not positive or outlives the
+        CA, or `sans` are given for another role."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        try:
+            check_id(name, f"{role.short} name")
+        except ValueError as e:
+            raise CertError(str(e)) from None
+        if days < 1:
+            raise CertError(f"--days must be at least 1, got {days}")
+        if sans and role is not Role.CONTROLLER:
+            raise CertError("--san applies to controller certificates only")
+        now = now or _utcnow()
+        not_after = now + datetime.timedelta(days=days)
+        if not_after > self.cert.not_valid_after_utc:
+            raise CertError(f"a certificate valid for {days} days would outlive the CA "
+                            f"(valid until {self.cert.not_valid_after_utc:%Y-%m-%d}); use fewer "
+                            f"--days or a new CA")
+        key = _key()
+        usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([
+                       x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value),
+                       x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                   .issuer_name(self.cert.subject).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(not_after)
+                   .add_extension(x509.BasicConstraints(ca=False, path_length=None),
+                                  critical=True)
+                   .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False,
+                                                crl_sign=False, content_commitment=False,
+                                                key_encipherment=False, data_encipherment=False,
+                                                key_agreement=False, encipher_only=False,
+                                                decipher_only=False), critical=True)
+                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                       self.key.public_key()), critical=False))
+        if role is Role.CONTROLLER:
+            # serverAuth only here: a host or operator certificate cannot serve
+            usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
+            names = list(dict.fromkeys([CONTROLLER_SERVER_NAME, *sans]))
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
+        return _pem_cert(cert), _pem_key(key), not_after
+
+
 def issue(directory: str | os.PathLike[str], role: Role, name: str,
           sans: tuple[str, ...] = (), days: int = 365,
           now: datetime.datetime | None = None) -> Issued:
     """Issue a certificate for `name` in `role` from the CA in `directory`
-    and write its bundle (ca.pem, cert.pem, key.pem) to `bundle_dir`,
-    replacing an older one (that is how a certificate is renewed).
-
-    `sans`: extra DNS names or IP addresses (controller only; it always
-    gets CONTROLLER_SERVER_NAME). Raises CertError when there is no CA in
-    `directory`, `name` is not a valid id, `days` is not positive or
-    outlives the CA, or `sans` are given for another role."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    try:
-        check_id(name, f"{role.short} name")
-    except ValueError as e:
-        raise CertError(str(e)) from None
-    if days < 1:
-        raise CertError(f"--days must be at least 1, got {days}")
-    if sans and role is not Role.CONTROLLER:
-        raise CertError("--san applies to controller certificates only")
-    root = pathlib.Path(directory)
-    try:
-        ca_key = serialization.load_pem_private_key((root / CA_KEY).read_bytes(), None)
-        ca_pem = (root / CA_CERT).read_bytes()
-        ca = x509.load_pem_x509_certificate(ca_pem)
-    except FileNotFoundError as e:
-        raise CertError(f"no CA in {root} ({e.filename} missing): run `elasticd certs init "
-                        f"--dir {root}` first") from None
-    except ValueError as e:
-        raise CertError(f"the CA in {root} cannot be read: {e}") from None
-    now = now or _utcnow()
-    not_after = now + datetime.timedelta(days=days)
-    if not_after > ca.not_valid_after_utc:
-        raise CertError(f"a certificate valid for {days} days would outlive the CA "
-                        f"(valid until {ca.not_valid_after_utc:%Y-%m-%d}); use fewer --days "
-                        f"or a new CA")
-    key = _key()
-    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME,
-                                                           role.value),
-                                        x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-               .issuer_name(ca.subject).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(not_after)
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False,
-                                            crl_sign=False, content_commitment=False,
-                                            key_encipherment=False, data_encipherment=False,
-                                            key_agreement=False, encipher_only=False,
-                                            decipher_only=False), critical=True)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                   ca_key.public_key()), critical=False))
-    if role is Role.CONTROLLER:
-        # serverAuth only here: a host or operator certificate cannot serve
-        usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
-        names = list(dict.fromkeys([CONTROLLER_SERVER_NAME, *sans]))
-        builder = builder.add_extension(x509.SubjectAlternativeName([_san(n) for n in names]),
-                                        critical=False)
-    builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
-    out = private_dir(bundle_dir(root, role, name))
-    write_private(out / BUNDLE_KEY, _pem_key(key))
-    (out / BUNDLE_CERT).write_bytes(_pem_cert(cert))
-    (out / BUNDLE_CA).write_bytes(ca_pem)
+    (`Authority.issue_pem`) and write its bundle (ca.pem, cert.pem, key.pem)
+    to `bundle_dir`, replacing an older one (that is how a certificate is
+    renewed). Raises CertError as `Authority` and `issue_pem` do."""
+    authority = Authority(directory)
+    cert_pem, key_pem, not_after = authority.issue_pem(role, name, sans, days, now)
+    out = private_dir(bundle_dir(directory, role, name))
+    write_private(out / BUNDLE_KEY, key_pem)
+    (out / BUNDLE_CERT).write_bytes(cert_pem)
+    (out / BUNDLE_CA).write_bytes(authority.ca_pem)
     return Issued(out, role, name, not_after)
 
 
