@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="e.g. mtbf=60,seed=1,kinds=all,count=5 (see elastic.chaos)")
     chaos.add_argument("--duration-s", type=float, default=None,
                        help="stop after this long (default: until Ctrl-C or count faults)")
+    _tls_args(chaos, f"STATE_DIR/{LOCAL_OPERATOR_BUNDLE}")
 
     local = sub.add_parser("local", help="controller and N simulated hosts on this machine")
     local.add_argument("--config", required=True, help="job spec (TOML)")

@@ -253,6 +253,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_HOSTS = 100_000
 MAX_DEVICES_PER_HOST = 65_536
 MAX_DURATION_S = 365 * 86_400.0
+#: The longest SIGTERM -> SIGKILL grace an agent applies (seconds).
+MAX_STOP_GRACE_S = 3600.0
 
 _SECTIONS = {"job", "mesh", "health", "restart", "batch", "hang", "quarantine", "preemption"}
 _JOB_KEYS = {
@@ -396,7 +398,8 @@ def validate(spec: JobSpec) -> None:
          f"health.heartbeat_timeout_s ({h.heartbeat_timeout_s}) must be greater than "
          f"health.heartbeat_interval_s ({h.heartbeat_interval_s})"),
         (h.reconnect_grace_s > 0, "health.reconnect_grace_s must be > 0"),
-        (h.stop_grace_s >= 0, "health.stop_grace_s must be >= 0"),
+        (0 <= h.stop_grace_s <= MAX_STOP_GRACE_S,
+         f"health.stop_grace_s must be from 0 to {MAX_STOP_GRACE_S:g} s"),
         (h.stop_timeout_s > h.stop_grace_s,
          f"health.stop_timeout_s ({h.stop_timeout_s}) must be greater than "
          f"health.stop_grace_s ({h.stop_grace_s})"),

@@ -28,7 +28,7 @@ import time
 
 import grpc
 
-from elastic.agent.agent import default_snapshot_dir
+from elastic.agent import snapshot_dir
 from elastic.config import JobSpec
 from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
 from elastic.controller.server import ADDRESS_FILE
@@ -37,8 +37,7 @@ from elastic.chaos import Chaos, ChaosSpec
 from elastic.faults import Fault
 from elastic.report import summarize
 from elastic.security import certs
-from elastic.security.files import open_private, private_dir, remove_private_dir, \
-    write_private
+from elastic.security.files import open_private, private_dir, write_private
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
 
@@ -69,9 +68,10 @@ def _literal(text: str) -> str:
 
 def allow_args(spec: JobSpec, path: str) -> list[str]:
     """The allow-list flags of a simulated host's agent: exactly the job's
-    command head (program resolved on `path`, script resolved against the
-    job's workdir, or `-m module`), its workdir for `-m`, and the variables
-    of the job's env (the spec is the operator's own)."""
+    command head (program resolved on `path`, the real path of the script
+    in the job's workdir, or `-m module`), the workdir's real path for
+    `-m`, and the variables of the job's env (the spec is the operator's
+    own)."""
     argv, workdir = list(spec.command), spec.workdir
     program = argv[0] if "/" in argv[0] else (shutil.which(argv[0], path=path) or argv[0])
     head = [os.path.abspath(os.path.join(workdir, program))]
@@ -79,9 +79,9 @@ def allow_args(spec: JobSpec, path: str) -> list[str]:
     if rest[:1] == ["-m"] and len(rest) > 1:
         head += ["-m", rest[1]]
     elif rest and not rest[0].startswith("-"):
-        head.append(os.path.normpath(os.path.join(workdir, rest[0])))
+        head.append(os.path.realpath(os.path.join(workdir, rest[0])))
     args = ["--allow-worker", shlex.join(_literal(t) for t in head),
-            "--allow-workdir", _literal(os.path.normpath(workdir))]
+            "--allow-workdir", _literal(os.path.realpath(workdir))]
     for name in spec.env:
         args += ["--allow-env", _literal(name)]
     return args
@@ -151,6 +151,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int
     tls = None
     if insecure:
         security = ["--insecure"]
+        shutil.rmtree(state_dir / TLS_DIR, ignore_errors=True)  # no stale CA for the tools
     else:
         pki = certs.local_pki(state_dir / TLS_DIR, host_ids)
         security = ["--tls-dir", str(certs.bundle_dir(pki, Role.CONTROLLER, "localhost"))]
@@ -237,7 +238,7 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
     # a host killed by a fault and not started again left its snapshots in memory
     for host_dir in (local.state_dir / "agents").glob("*"):
         try:
-            remove_private_dir(default_snapshot_dir(str(host_dir)))
+            snapshot_dir.remove_recorded(host_dir)
         except OSError:
             pass
 

@@ -12,7 +12,7 @@ from elastic.security.text import clean_text
 from elastic.v1 import control_pb2 as pb
 
 HOST_H0 = Identity(Role.HOST, "h0", "aa")
-PLAUSIBLE = adm.Plausible(generation=5, highest_step=1_000)
+PLAUSIBLE = adm.Plausible(generation=5, known_step=1_000)
 
 
 def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.0.2",
@@ -87,12 +87,36 @@ def test_messages(msg, kind, reason):
         assert reason in refusal.reason
 
 
-def test_steps_are_measured_from_the_highest_step_reached():
-    fresh = adm.Plausible(generation=0, highest_step=-1)
+def test_steps_are_measured_from_the_step_the_job_is_known_to_have_reached():
+    fresh = adm.Plausible(generation=0, known_step=-1)
     assert fresh.step(adm.MAX_STEP_ADVANCE, "step") is None
     assert fresh.step(adm.MAX_STEP_ADVANCE + 1, "step").kind == "implausible"
-    resumed = adm.Plausible(generation=0, highest_step=50_000_000)  # from the journal
+    resumed = adm.Plausible(generation=0, known_step=50_000_000)  # from the journal
     assert resumed.step(50_000_000 + adm.MAX_STEP_ADVANCE, "step") is None
+
+
+@pytest.mark.parametrize("bound, incarnation, live, refused", [
+    (None, "i2", True, False),      # never registered
+    ("aa", "i2", True, False),      # the same certificate (an agent restart)
+    ("bb", "i2", False, False),     # another certificate, the old registration silent
+    ("bb", "i1", True, False),      # the same agent process, renewed certificate
+    ("bb", "i2", True, True),       # another certificate while the host is alive
+])
+def test_rebinding_a_host_id_to_another_certificate(bound, incarnation, live, refused):
+    refusal = adm.check_rebind(bound, "aa", incarnation, "i1", live)
+    assert (refusal is not None) == refused
+    assert refusal is None or refusal.kind == "denied"
+
+
+def test_budget_refills_at_its_rate_and_counts_what_it_refused():
+    budget = adm.Budget(rate_per_s=1.0, burst=2)
+    assert [budget.take("h", 0.0) for _ in range(4)] == [(True, 0), (True, 0), (False, 1),
+                                                         (False, 2)]
+    assert budget.take("h", 1.0) == (True, 2)   # one token back after a second
+    assert budget.take("other", 1.0) == (True, 0)
+    once_per_10s = adm.Budget(rate_per_s=0.1, burst=1)
+    assert once_per_10s.take("k", 0.0)[0] and not once_per_10s.take("k", 9.9)[0]
+    assert once_per_10s.take("k", 10.0) == (True, 1)
 
 
 @pytest.mark.parametrize("fields, expected", [
@@ -117,7 +141,8 @@ def test_worker_event_fields(fields, expected):
         assert isinstance(result, adm.Refusal) and expected in result.reason
 
 
-@pytest.mark.parametrize("text", ["[1, 2]", "not json", "x" * 20_000, "NaN"])
+@pytest.mark.parametrize("text", ["[1, 2]", "not json", "x" * 20_000, "NaN",
+                                  "[" * 2000 + "]" * 2000])
 def test_worker_event_fields_that_are_not_an_object(text):
     assert isinstance(adm.worker_event_fields(text, PLAUSIBLE), adm.Refusal)
 

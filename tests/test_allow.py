@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.security.allow import AllowList, check_launch
+from elastic.security.allow import AllowList, check_launch, matches
 
 PATH = {"python": "/opt/venv/bin/python", "python3": "/usr/bin/python3", "id": "/usr/bin/id",
         "trainer": "/opt/bin/trainer"}
@@ -37,16 +37,44 @@ ALLOW = AllowList.parse(["/opt/venv/bin/python /srv/jobs/*/train.py",
     ([], {}, "/srv/jobs/lm", "empty"),
 ])
 def test_check_launch(argv, env, workdir, refused):
-    reason = check_launch(ALLOW, argv, env, workdir, PATH.get)
-    assert (reason is None) == (refused is None), reason
-    if refused:
-        assert refused in reason
+    verdict = check_launch(ALLOW, argv, env, workdir, PATH.get)
+    if refused is None:
+        # what runs is the program that was checked, whatever PATH the worker gets
+        assert verdict == [PATH.get(argv[0], argv[0]), *argv[1:]], verdict
+    else:
+        assert isinstance(verdict, str) and refused in verdict, verdict
 
 
 def test_any_worker_still_guards_the_environment():
     anything = AllowList(any_worker=True)
-    assert check_launch(anything, ["id"], {}, "/", PATH.get) is None
+    assert check_launch(anything, ["id"], {}, "/", PATH.get) == ["/usr/bin/id"]
     assert "LD_AUDIT" in check_launch(anything, ["id"], {"LD_AUDIT": "x"}, "/", PATH.get)
+
+
+@pytest.mark.parametrize("text, pattern, expected", [
+    ("/srv/jobs/lm/train.py", "/srv/jobs/*/train.py", True),
+    ("/srv/jobs/lm/out/train.py", "/srv/jobs/*/train.py", False),   # * stays in a component
+    ("/srv/jobs/lm/out/train.py", "/srv/jobs/**/train.py", True),
+    ("/usr/bin/python3.11", "/usr/bin/python3.1?", True),
+    ("/a/b*c", "/a/b[*]c", True),                                     # a literal *
+    ("/a/bxc", "/a/b[*]c", False),
+    ("/a/bxc", "/a/b[!x]c", False),
+])
+def test_patterns(text, pattern, expected):
+    assert matches(text, pattern) is expected
+
+
+def test_scripts_and_workdirs_are_matched_by_their_real_path(tmp_path):
+    jobs, elsewhere = tmp_path / "jobs" / "lm", tmp_path / "elsewhere"
+    jobs.mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "train.py").write_text("")
+    (jobs / "data").symlink_to(elsewhere / "sub", target_is_directory=True)
+    (elsewhere / "sub").mkdir()
+    allow = AllowList.parse([f"/opt/venv/bin/python {tmp_path}/jobs/*/train.py"])
+    # textually jobs/lm/train.py, but the kernel opens elsewhere/train.py
+    verdict = check_launch(allow, ["python", "../train.py"], {}, str(jobs / "data"), PATH.get)
+    assert isinstance(verdict, str) and str(elsewhere / "train.py") in verdict
 
 
 def test_parse_refuses_relative_programs_and_warns_on_bare_interpreters():

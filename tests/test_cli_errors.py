@@ -157,17 +157,20 @@ def test_insecure_mode_is_journaled(tmp_path, proc_env):
         [sys.executable, "-m", "elastic.cli", "start", "--config", str(tiny_spec(tmp_path)),
          "--listen", "127.0.0.1:0", "--state-dir", str(state), "--insecure"],
         env=proc_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    def entries():
+    def journal():
         path = state / "events.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] \
             if path.exists() else []
     try:
-        wait_until(lambda: any(e["kind"] == "waiting_for_hosts" for e in entries()), 30,
+        wait_until(lambda: any(e["kind"] == "waiting_for_hosts" for e in journal()), 30,
                    "the controller to wait for hosts")
-    finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130
-    entries = entries()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    entries = journal()
     assert [e["kind"] for e in entries] == ["insecure_mode", "controller_started",
                                             "waiting_for_hosts", "controller_stopped"]
     assert "anyone who can reach the port" in entries[0]["reason"]

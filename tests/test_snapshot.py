@@ -3,6 +3,9 @@ multi-process restores are in tests/test_checkpoint.py)."""
 
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 import pytest
 
@@ -75,15 +78,23 @@ def test_write_read_round_trip_and_torn_files(tmp_path):
             read(path)
 
 
-def test_agents_keep_snapshots_in_memory_when_they_can(tmp_path):
-    from elastic.agent.agent import default_snapshot_dir
+def test_agents_keep_snapshots_in_memory_under_names_nobody_can_take_first(tmp_path):
+    from elastic.agent import snapshot_dir
 
     shm = tmp_path / "shm"
     shm.mkdir()
-    a, b = (default_snapshot_dir(str(tmp_path / h), shm=str(shm)) for h in ("h0", "h1"))
-    assert a.startswith(str(shm)) and b.startswith(str(shm)) and a != b
-    assert default_snapshot_dir(str(tmp_path / "h0"), shm=str(tmp_path / "none")) == \
-        str(tmp_path / "h0" / "snapshots")
+    a, b = (snapshot_dir.make(tmp_path / h, shm=str(shm)) for h in ("h0", "h1"))
+    assert a.parent == shm and b.parent == shm and a != b
+    assert stat.S_IMODE(os.stat(a).st_mode) == 0o700
+    (a / "step-1.snap").write_text("x")
+    again = snapshot_dir.make(tmp_path / "h0", shm=str(shm))  # a restarted agent
+    assert not a.exists() and again != a and again.parent == shm
+    snapshot_dir.empty(again)  # a new controller run: same directory, nothing in it
+    assert again.is_dir() and not any(again.iterdir())
+    assert snapshot_dir.make(tmp_path / "h2", shm=str(tmp_path / "none")) == \
+        tmp_path / "h2" / "snapshots"
+    snapshot_dir.remove_recorded(tmp_path / "h0")
+    assert not again.exists() and not (tmp_path / "h0" / snapshot_dir.RECORD).exists()
 
 
 def test_snapshots_outlive_donated_buffers_and_keep_the_last_two(tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -22,30 +21,19 @@ import uuid
 import grpc
 
 from elastic import config, transport
+from elastic.agent import snapshot_dir
 from elastic.agent.host import PortProber
 from elastic.agent.preemption import watch_metadata
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
 from elastic.security.allow import AllowList, check_launch
 from elastic.security.text import clean_text
-from elastic.security.files import fresh_private_dir, private_dir, remove_private_dir
+from elastic.security.files import private_dir
 from elastic.security.tls import TLSError, TLSFiles
 from elastic.worker import progress
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger("elastic-agent")
-
-
-def default_snapshot_dir(state_dir: str, shm: str = "/dev/shm") -> str:
-    """Where an agent keeps its worker's local snapshots unless told: on the
-    tmpfs at `shm` (host memory: a write costs ~2 ms per 7 MB there against
-    ~6 ms on a disk-backed directory, measured on this project's machine),
-    one directory per agent state directory; STATE_DIR/snapshots if `shm`
-    is not a writable directory."""
-    if os.path.isdir(shm) and os.access(shm, os.W_OK):
-        key = hashlib.sha1(os.path.abspath(state_dir).encode()).hexdigest()[:12]
-        return os.path.join(shm, f"elastic-snapshots-{key}")
-    return os.path.join(state_dir, "snapshots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +47,10 @@ class AgentSettings:
     base URL to watch for preemption notices (None: do not watch);
     preemption_grace_s: after a preemption notice, how long the agent waits
     for the controller to stop its worker before it stops it hard;
-    snapshot_dir: the worker's local snapshots (default: `default_snapshot_dir`),
-    wiped when the agent starts or stops and when a new controller run
-    starts a worker here; compile_cache_dir: the worker's executable cache
+    snapshot_dir: the worker's local snapshots (default: a fresh random
+    directory in /dev/shm, see elastic.agent.snapshot_dir), made when the
+    agent starts, emptied when a new controller run starts a worker here
+    and removed when the agent stops; compile_cache_dir: the worker's executable cache
     (elastic.worker.compile_cache; default STATE_DIR/compile-cache), which
     hosts of one machine type may share."""
 
@@ -102,17 +91,9 @@ class Agent:
         self._hard_stop = False
         self._seq = 0
         self._tasks: set[asyncio.Task] = set()
-        self.snapshot_dir = os.path.abspath(settings.snapshot_dir or
-                                            default_snapshot_dir(settings.state_dir))
+        self.snapshot_dir = ""  # made by prepare()
         self._snapshot_run = ""  # the controller run the snapshots belong to
         self._prepared = False
-
-    def _reset_snapshots(self) -> None:
-        """An empty private snapshot directory (a new agent or run: a host
-        that restarts keeps no state of the last one), made by us now, so
-        nothing planted at its predictable path (a symlink, another user's
-        directory) is written through. Raises OSError when it cannot be."""
-        fresh_private_dir(self.snapshot_dir)
 
     def prepare(self) -> None:
         """Before `run`: kill what an earlier agent process left and make
@@ -122,7 +103,9 @@ class Agent:
             log.warning("killed %d leftover process(es) of a previous agent: %s",
                         len(killed), killed)
         private_dir(self._cache_dir())
-        self._reset_snapshots()
+        # a host that restarts keeps no state of the last one
+        self.snapshot_dir = str(snapshot_dir.make(self.settings.state_dir,
+                                                  self.settings.snapshot_dir))
         self._prepared = True
 
     def _cache_dir(self) -> str:
@@ -236,21 +219,22 @@ class Agent:
                 config.ENV_CACHE_DIR: self._cache_dir(),
                 "PYTHONUNBUFFERED": "1"}
 
-    def _refusal(self, launch: pb.StartWorker) -> str | None:
-        """Why this host must not run `launch` (its allow-list), or None
-        (cleaned: it quotes what the controller sent)."""
-        refusal = check_launch(self.settings.allow, list(launch.argv), dict(launch.env),
+    def _vet(self, launch: pb.StartWorker) -> list[str] | str:
+        """The argv this host runs for `launch` (its program the absolute
+        path the allow-list checked), or why it must not run it (cleaned:
+        it quotes what the controller sent)."""
+        verdict = check_launch(self.settings.allow, list(launch.argv), dict(launch.env),
                                launch.workdir, shutil.which)
-        return clean_text(refusal, 2000) if refusal else None
+        return clean_text(verdict, 2000) if isinstance(verdict, str) else verdict
 
     async def _start(self, start: pb.StartWorker) -> None:
-        refusal = self._refusal(start)
-        if refusal:
+        argv = self._vet(start)
+        if isinstance(argv, str):
             log.error("refusing to start the worker of generation %d: %s", start.generation,
-                      refusal)
+                      argv)
             await self.supervisor.refuse(start.generation, f"elastic-agent on "
                                          f"{self.settings.host_id} refused to start the worker: "
-                                         f"{refusal}")
+                                         f"{argv}")
             return
         host, _, port = start.coordinator_address.rpartition(":")
         if start.process_id == 0 and port.isdigit():
@@ -260,7 +244,7 @@ class Agent:
         if run != self._snapshot_run:  # (a file an old worker still writes has the old
             self._snapshot_run = run   # run id: never restored, deleted at the next restore)
             try:
-                self._reset_snapshots()
+                snapshot_dir.empty(self.snapshot_dir)
             except OSError as e:
                 log.error("cannot make a private snapshot directory %s: %s",
                           self.snapshot_dir, e)
@@ -271,7 +255,7 @@ class Agent:
         self._prestart_next = start.prestart_next
         if not start.prestart_next:
             self.supervisor.discard_prestarted()
-        await self.supervisor.start(start.generation, list(start.argv), env, start.workdir)
+        await self.supervisor.start(start.generation, argv, env, start.workdir)
         self._heartbeat()  # the controller learns of the new worker before its first step
 
     def _command_problem(self, message: pb.ControllerMessage) -> str | None:
@@ -290,7 +274,7 @@ class Agent:
                         f"{s.num_processes}")
         elif kind == "stop":
             grace = message.stop.grace_s
-            if not (math.isfinite(grace) and 0 <= grace <= 3600):
+            if not (math.isfinite(grace) and 0 <= grace <= config.MAX_STOP_GRACE_S):
                 return f"stop with a grace of {grace} s"
         elif kind is None:
             return "a command without a body"
@@ -342,16 +326,16 @@ class Agent:
         log.info("registered with %s as %s (incarnation %s), job %s, generation %d",
                  self.settings.controller, self.settings.host_id, self.incarnation,
                  reply.job_id, reply.generation)
-        refusal = self._refusal(reply.launch) if reply.HasField("launch") else "no launch"
-        if reply.HasField("launch") and refusal:
-            log.error("this host will refuse the job's worker: %s", refusal)
-        if refusal is None and not self.supervisor.running and not self.preemption:
+        argv = self._vet(reply.launch) if reply.HasField("launch") else "no launch"
+        if reply.HasField("launch") and isinstance(argv, str):
+            log.error("this host will refuse the job's worker: %s", argv)
+        if not isinstance(argv, str) and not self.supervisor.running and not self.preemption:
             # A host without a worker (new, restarted, left out of the slice):
             # a process ready for its first start, as after any start. Awaited
             # (spawning takes milliseconds) so it exists before a start can come.
             self._prestart_next = True
             await self.supervisor.prestart_next(
-                (list(reply.launch.argv), self._worker_env(reply.launch), reply.launch.workdir))
+                (argv, self._worker_env(reply.launch), reply.launch.workdir))
         call = stub.Connect()
         self._outbox = outbox = asyncio.Queue()
         self._heartbeat()
@@ -427,7 +411,7 @@ class Agent:
         finally:
             await self.supervisor.close()
             try:
-                remove_private_dir(self.snapshot_dir)
+                snapshot_dir.remove_recorded(self.settings.state_dir)
             except OSError as e:
                 log.error("cannot remove the snapshot directory %s: %s", self.snapshot_dir, e)
             connection.cancel()

@@ -11,6 +11,7 @@ import sys
 from elastic.agent.agent import Agent, AgentSettings
 from elastic.agent.host import default_address, discover_devices
 from elastic.agent.preemption import GCE_METADATA_URL
+from elastic.config import MAX_STOP_GRACE_S
 
 #: This host's certificate bundle unless told (as the systemd unit has it).
 DEFAULT_TLS_DIR = "/etc/elastic/host"
@@ -93,8 +94,9 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         parser.error(str(e))
     if args.devices is not None and not 1 <= args.devices <= 65_536:
         parser.error(f"--devices must be from 1 to 65536, got {args.devices}")
-    if not (math.isfinite(args.stop_grace_s) and 0 <= args.stop_grace_s <= 3600):
-        parser.error(f"--stop-grace-s must be from 0 to 3600 seconds, got {args.stop_grace_s}")
+    if not (math.isfinite(args.stop_grace_s) and 0 <= args.stop_grace_s <= MAX_STOP_GRACE_S):
+        parser.error(f"--stop-grace-s must be from 0 to {MAX_STOP_GRACE_S:g} seconds, got "
+                     f"{args.stop_grace_s}")
     if not (math.isfinite(args.preemption_grace_s) and 0 < args.preemption_grace_s <= 3600):
         parser.error(f"--preemption-grace-s must be from 0 to 3600 seconds, got "
                      f"{args.preemption_grace_s}")

@@ -4,14 +4,14 @@ and the path object Orbax writes through (etils.epath): local paths today;
 
 from __future__ import annotations
 
-from etils import epath
+import os
 
 
 class StorageError(RuntimeError):
     """A checkpoint directory that cannot be used; the message says why."""
 
 
-def resolve(directory: str) -> epath.Path:
+def resolve(directory: str) -> "epath.Path":  # noqa: F821 (etils, imported when used)
     """The path Orbax should use for `directory` (a local path or gs://bucket/dir).
 
     Raises StorageError for an empty directory, an unsupported scheme, or gs://
@@ -28,4 +28,21 @@ def resolve(directory: str) -> epath.Path:
         except ImportError:
             raise StorageError(f"checkpoint directory {directory!r} needs gcsfs: "
                                f"pip install 'elastic[gcs]'") from None
+    from etils import epath
+
     return epath.Path(directory)
+
+
+def latest_local_step(directory: str | None) -> int:
+    """The highest step of a committed Orbax checkpoint in the local
+    `directory` (a subdirectory named by its step; a save cut short leaves
+    `<step>.orbax-checkpoint-tmp...`, which does not count), -1 if there is
+    none, the directory is unreadable, or it is not local (gs:// goes
+    through the storage client, not listed here)."""
+    if not directory or "://" in directory:
+        return -1
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return -1
+    return max((int(n) for n in names if n.isdigit()), default=-1)

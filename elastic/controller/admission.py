@@ -9,7 +9,15 @@ Three kinds of refusal (`Refusal.kind`):
   text or maps beyond their bounds, numbers out of range, NaN);
 - "implausible": well formed but impossible now (a report about a
   generation the controller never started, a step more than
-  MAX_STEP_ADVANCE past the highest step the job has reached).
+  MAX_STEP_ADVANCE past the step the job is known to have reached). The
+  servicer refuses such reports, but only ignores the numbers of a
+  heartbeat or registration, which still count as signs of life.
+
+The known step (`Plausible.known_step`) is never raised by one host's word:
+it is the highest of what the journal and checkpoint directory recorded
+before this controller started, the committed step (which only the host of
+rank 0 reports), and the lowest step the members of the running generation
+reached.
 
 Free text (stderr tails, reasons) is not refused but cleaned: control
 characters other than newline and tab are replaced and the length is
@@ -24,13 +32,13 @@ import math
 import re
 from collections.abc import Mapping
 
+from elastic.controller.journal import RESERVED_FIELDS
 from elastic.security.identity import Identity, Role, id_problem
 from elastic.security.text import clean_text
 
-#: How far past the highest step the job has reached (any host, any
-#: generation, the journal of earlier controller runs included) a reported
-#: step may be: far more than any honest jump (a slice resumes at most at
-#: the last committed step), far less than a poisoned 10^18.
+#: How far past the step the job is known to have reached a reported step
+#: may be: far more than any honest jump (a slice resumes at most at the
+#: last committed step), far less than a poisoned 10^18.
 MAX_STEP_ADVANCE = 10_000_000
 MAX_DEVICES = 65_536
 MAX_ADDRESS_CHARS = 255
@@ -38,12 +46,13 @@ MAX_STDERR_CHARS = 8_000
 MAX_REASON_CHARS = 1_000
 MAX_METRICS = 64
 MAX_EVENT_FIELDS = 32
-MAX_EVENT_JSON_BYTES = 16_384
-MAX_FIELD_TEXT_CHARS = 512
+MAX_EVENT_JSON_BYTES = 4_096
+MAX_FIELD_TEXT_CHARS = 256
 #: Seconds a duration reported by a worker may be (a week).
 MAX_DURATION_S = 7 * 86_400.0
-#: Journal fields no worker event may set (the journal writer's own).
-RESERVED_FIELDS = frozenset({"ts", "kind", "generation", "host", "reason"})
+#: Reports (progress, exit reports, worker events: all that may journal a
+#: line) one host may send: per second sustained, and in a burst.
+REPORTS_PER_S, REPORT_BURST = 20.0, 200
 
 _ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]%-]+")
 _METRIC = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}")
@@ -100,20 +109,21 @@ def check_header(header, job_id: str, registering: bool = False) -> Refusal | No
 @dataclasses.dataclass(frozen=True)
 class Plausible:
     """What is possible now: the controller's current generation and the
-    highest step the job is known to have reached (-1: none)."""
+    step the job is known to have reached (-1: none; see the module doc)."""
 
     generation: int
-    highest_step: int
+    known_step: int
 
     def step(self, step: int, what: str) -> Refusal | None:
         """Refusal for a step below -1 or more than MAX_STEP_ADVANCE past
-        the highest known step."""
+        the known step."""
         if step < -1:
             return Refusal("invalid", f"{what} {step} is below -1")
-        limit = max(self.highest_step, 0) + MAX_STEP_ADVANCE
+        limit = max(self.known_step, 0) + MAX_STEP_ADVANCE
         if step > limit:
             return Refusal("implausible", f"{what} {step} is more than {MAX_STEP_ADVANCE:,} past "
-                                          f"the highest step reached ({self.highest_step})")
+                                          f"the step the job is known to have reached "
+                                          f"({self.known_step})")
         return None
 
     def report_generation(self, generation: int, what: str) -> Refusal | None:
@@ -212,8 +222,8 @@ def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusa
         return Refusal("invalid", f"event fields exceed {MAX_EVENT_JSON_BYTES} bytes")
     try:
         fields = json.loads(fields_json or "{}")
-    except ValueError:
-        return Refusal("invalid", "event fields are not JSON")
+    except (ValueError, RecursionError):
+        return Refusal("invalid", "event fields are not JSON (or nest too deeply)")
     if not isinstance(fields, dict) or len(fields) > MAX_EVENT_FIELDS:
         return Refusal("invalid", f"event fields must be an object of at most "
                                   f"{MAX_EVENT_FIELDS} fields")
@@ -242,10 +252,51 @@ def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusa
     return clean
 
 
+def check_rebind(bound: str | None, fingerprint: str, incarnation: str,
+                 registered_incarnation: str | None, live: bool) -> Refusal | None:
+    """A registration of a host id that registered before with the
+    certificate `bound` (its SHA-256; None if never), now with
+    `fingerprint`: refused while that registration is `live` (heard within
+    the heartbeat timeout), unless it is the same certificate or the same
+    agent process (`incarnation`) reconnecting with a renewed one."""
+    if bound is None or bound == fingerprint or not live or \
+            incarnation == registered_incarnation:
+        return None
+    return Refusal("denied", f"this host id is registered and alive with another certificate "
+                             f"(sha256 {bound[:16]}); a new one is accepted once that "
+                             f"registration has been silent for the heartbeat timeout")
+
+
+class Budget:
+    """A token bucket per key: `take(key, now)` spends one of `burst`
+    tokens, refilled at `rate_per_s` (seconds of the caller's clock).
+    Returns (allowed, refused since the last allowed take). With
+    rate_per_s = 1 / T and burst = 1: at most one per T seconds."""
+
+    def __init__(self, rate_per_s: float, burst: float, max_keys: int = 100_000) -> None:
+        self.rate_per_s, self.burst, self.max_keys = rate_per_s, burst, max_keys
+        self._buckets: dict = {}  # key -> [tokens, last refill, refused since allowed]
+
+    def take(self, key, now: float) -> tuple[bool, int]:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self.max_keys:
+                self._buckets.clear()
+            bucket = self._buckets[key] = [float(self.burst), now, 0]
+        bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate_per_s)
+        bucket[1] = now
+        if bucket[0] < 1.0:
+            bucket[2] += 1
+            return False, bucket[2]
+        bucket[0] -= 1.0
+        refused, bucket[2] = bucket[2], 0
+        return True, refused
+
+
 class StreamLimits:
     """Caps on concurrent calls: at most `per_peer` streams per peer (its
-    certificate's identity, or its IP on a plaintext channel) and `total`
-    in all. `acquire(peer)` takes a slot (False when none is left);
+    certificate's identity; on a plaintext channel, where nobody has one,
+    its connection) and `total` in all. `acquire(peer)` takes a slot (False when none is left);
     `release(peer)` gives it back."""
 
     def __init__(self, per_peer: int, total: int) -> None:

@@ -25,11 +25,15 @@ class Controller:
       (With thousands of hosts the gap grows to 5x the time a pass takes.)
     initial_generation: the last generation a previous controller of this
       job started (from its journal), so generations never repeat.
+    known_step: the highest step the job had reached before this
+      controller started (its journal, its checkpoint directory; -1 if
+      none): where the plausibility of reported steps starts.
     """
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
-                 tick_s: float = 0.1, initial_generation: int = 0) -> None:
+                 tick_s: float = 0.1, initial_generation: int = 0, known_step: int = -1) -> None:
         self.spec = spec
+        self.known_step = known_step
         self.clock = clock
         self.tick_s = tick_s
         self.view = ClusterView()

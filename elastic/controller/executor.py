@@ -11,6 +11,8 @@ import dataclasses
 import logging
 import uuid
 
+import grpc
+
 from elastic import config
 from elastic.clock import Clock
 from elastic.config import JobSpec
@@ -22,20 +24,37 @@ from elastic.v1 import control_pb2 as pb
 log = logging.getLogger("elasticd")
 
 
+#: Messages an agent's stream may have waiting for it; an agent that does
+#: not read its stream (flow control holds them back) is disconnected
+#: rather than let them grow without bound.
+MAX_OUTBOX = 1024
+
+
 @dataclasses.dataclass
 class Session:
-    """One agent registration: the incarnation it belongs to and the outbox its
+    """One agent registration: the incarnation it belongs to, the SHA-256
+    of the certificate it registered with ("" without TLS) and the outbox its
     stream (Connect, at most one) drains.
 
     `close(code, details)` ends the stream with that gRPC status."""
 
     host_id: str
     incarnation: str
+    fingerprint: str = ""
     outbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     close_status: tuple | None = None
     attached: bool = False
 
     def send(self, message: pb.ControllerMessage) -> None:
+        """Queue `message`; past MAX_OUTBOX waiting, close the stream
+        (RESOURCE_EXHAUSTED) instead."""
+        if self.close_status is not None:
+            return
+        if self.outbox.qsize() >= MAX_OUTBOX:
+            self.close(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"more than {MAX_OUTBOX} messages wait for this agent; it does not read "
+                       f"its stream")
+            return
         self.outbox.put_nowait(message)
 
     def close(self, code=None, details: str = "") -> None:

@@ -17,6 +17,7 @@ torn last line, binary garbage, a line that is not an object with a numeric
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -118,27 +119,57 @@ def load_journal(state_dir: str | os.PathLike[str]) -> tuple[list[dict], int]:
     """(entries, skipped): the entries of `<state_dir>/events.jsonl` in
     order, and how many non-empty lines were not entries (a torn last line
     included). Raises OSError when the file exists but cannot be read."""
-    tail = JournalTail(state_dir)
-    entries = tail.read()
-    return entries, tail.skipped + bool(tail._partial.strip())
+    entries: list[dict] = []
+    skipped = 0
+    for entry in _lines(state_dir):
+        if entry is None:
+            skipped += 1
+        else:
+            entries.append(entry)
+    return entries, skipped
+
+
+def _lines(state_dir: str | os.PathLike[str]) -> Iterator[dict | None]:
+    """Each non-empty line of the journal as an entry, or None for one that
+    is not; read line by line (a journal may be large)."""
+    path = pathlib.Path(state_dir) / JOURNAL_NAME
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                yield parse_line(line)
 
 
 def read_journal(state_dir: str | os.PathLike[str]) -> Iterator[dict]:
-    """Entries of `<state_dir>/events.jsonl` in order; lines that are not
-    entries (a torn last line, garbage) are skipped."""
-    yield from load_journal(state_dir)[0]
+    """Entries of `<state_dir>/events.jsonl` in order, read line by line;
+    lines that are not entries (a torn last line, garbage) are skipped."""
+    return (e for e in _lines(state_dir) if e is not None)
 
 
-def last_generation(entries: list[dict]) -> int:
-    """The highest generation a controller of this job started
-    (`generation_started` lines; 0 if none), so that a restarted controller
-    never reuses a generation number (fencing stays sound)."""
-    return max((e["generation"] for e in entries if e["kind"] == "generation_started"),
-               default=0)
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What a journal tells a controller that starts on it:
+    generation: the highest generation a controller of this job started
+      (`generation_started`; 0 if none), so that generations never repeat
+      and fencing stays sound;
+    step: the highest training or checkpoint step recorded (-1 if none);
+    committed_step: the newest committed checkpoint step (-1 if none)."""
+
+    generation: int = 0
+    step: int = -1
+    committed_step: int = -1
 
 
-def highest_step(entries: list[dict]) -> int:
-    """The highest training or checkpoint step the journal records (-1 if
-    none): where a restarted controller's plausibility bound starts."""
-    steps = [e.get("step") for e in entries]
-    return max((s for s in steps if isinstance(s, int) and not isinstance(s, bool)), default=-1)
+def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
+    """Scan the journal line by line (never all of it in memory)."""
+    generation, step, committed = 0, -1, -1
+    for e in read_journal(state_dir):
+        value = e.get("step")
+        if isinstance(value, int) and not isinstance(value, bool):
+            step = max(step, value)
+            if e["kind"] == "checkpoint_committed":
+                committed = max(committed, value)
+        if e["kind"] == "generation_started":
+            generation = max(generation, e["generation"])
+    return Recorded(generation, step, committed)

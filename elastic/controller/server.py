@@ -11,8 +11,8 @@ from elastic import transport
 from elastic.clock import Clock, SystemClock
 from elastic.config import JobSpec
 from elastic.controller.core import Controller
-from elastic.controller.journal import JournalWriter, highest_step, last_generation, \
-    load_journal
+from elastic.checkpoint.storage import latest_local_step
+from elastic.controller.journal import JournalWriter, recorded
 from elastic.controller.servicer import ControllerServicer, add_servicer
 from elastic.security.files import private_dir
 from elastic.security.tls import TLSFiles
@@ -52,11 +52,13 @@ class ControllerServer:
         self.spec = spec.with_checkpoint_dir(str((self.state_dir / "checkpoints").resolve()))
         self.listen = listen
         self.tls = tls
-        entries, _ = load_journal(self.state_dir)
+        before = recorded(self.state_dir)
         self.journal = JournalWriter(self.state_dir)
-        self.controller = Controller(self.spec, self.journal, clock or SystemClock(), tick_s,
-                                     initial_generation=last_generation(entries))
-        self.controller.view.highest_step = highest_step(entries)
+        self.controller = Controller(
+            self.spec, self.journal, clock or SystemClock(), tick_s,
+            initial_generation=before.generation,
+            known_step=max(before.step, latest_local_step(self.spec.checkpoint_dir)))
+        self.controller.view.committed_step = before.committed_step
         self.server = transport.aio_server()
         self.servicer = ControllerServicer(self.controller, authenticated=tls is not None)
         add_servicer(self.servicer, self.server)

@@ -2,15 +2,18 @@
 
 Before a message becomes an event it passes, in order: the caps on
 concurrent calls per peer and in total (RESOURCE_EXHAUSTED), the peer's
-identity (a host certificate speaks only for its own host id; status is for
-operator and controller certificates: PERMISSION_DENIED), the checks of
+identity (a host certificate speaks only for its own host id, a stream only
+with the certificate its host registered with; status is for operator and
+controller certificates: PERMISSION_DENIED), the checks of
 `elastic.controller.admission` (INVALID_ARGUMENT, or a `Rejected` message on
-a stream), and fencing: a message from an incarnation that a newer
-registration replaced ends its stream with FAILED_PRECONDITION; a report
-about a worker of an older generation is answered with `Rejected`.
-Refusals are journaled as `message_refused`, at most one line per host and
-kind of refusal every REFUSAL_JOURNAL_INTERVAL_S (the next says how many
-were not journaled).
+a stream), a budget of reports per host, and fencing: a message from an
+incarnation that a newer registration replaced ends its stream with
+FAILED_PRECONDITION; a report about a worker of an older generation is
+answered with `Rejected`. Committed checkpoint steps count only from the
+host of rank 0 of the latest generation (the one process that reports
+commits). Refusals are journaled as `message_refused`, at most one line per
+host and kind every REFUSAL_JOURNAL_INTERVAL_S (the next says how many were
+not journaled).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ CALLS_PER_PEER = 8
 #: Seconds a new stream may take to send its first message.
 FIRST_MESSAGE_TIMEOUT_S = 10.0
 REFUSAL_JOURNAL_INTERVAL_S = 10.0
+#: How often (seconds) the step the job is known to have reached is recomputed.
+KNOWN_STEP_REFRESH_S = 1.0
+UNDECODABLE = adm.Refusal("invalid", "the bytes received are not a valid message")
 
 
 def add_servicer(servicer: "ControllerServicer", server) -> None:
@@ -68,16 +74,12 @@ def add_servicer(servicer: "ControllerServicer", server) -> None:
         (grpc.method_handlers_generic_handler("elastic.v1.Controller", handlers),))
 
 
-UNDECODABLE = adm.Refusal("invalid", "the bytes received are not a valid message")
-
-
 def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
     """The policy's view of a WorkerStatus message (text cleaned and capped)."""
     return v.WorkerObs(
         generation=status.generation, state=_STATES.get(status.state, v.WorkerState.IDLE),
         pid=status.pid, exit_code=status.exit_code, signal=status.signal,
-        stderr_tail=clean_text(status.stderr_tail, adm.MAX_STDERR_CHARS,
-                                   keep_newlines=True),
+        stderr_tail=clean_text(status.stderr_tail, adm.MAX_STDERR_CHARS, keep_newlines=True),
         stopped_on_request=status.stopped_on_request,
         step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics),
         suspended=status.suspended)
@@ -118,10 +120,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self.calls = adm.StreamLimits(CALLS_PER_PEER, 4 * total)
         # host id -> fingerprint of the certificate it registered with
         self.certificates: dict[str, str] = {}
-        # (host or peer, refusal kind) -> (last journaled at, refusals since)
-        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
+        self._journal_budget = adm.Budget(1.0 / REFUSAL_JOURNAL_INTERVAL_S, 1)
+        self._report_budget = adm.Budget(adm.REPORTS_PER_S, adm.REPORT_BURST)
+        self._known_step, self._known_at = -1, float("-inf")
 
-    # --- who is calling ------------------------------------------------------
+    # --- who is calling, and what is plausible ------------------------------
 
     async def _peer(self, context) -> tuple[Identity | None, str]:
         """(identity, key for the caps): the certificate's identity, or
@@ -139,33 +142,63 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return identity, f"{identity.role.short}:{identity.name}"
 
     def _plausible(self) -> adm.Plausible:
-        c = self.controller
-        return adm.Plausible(c.state.generation, c.view.highest_step)
-
-    def _refused(self, who: str, refusal: adm.Refusal, incarnation: str = "") -> None:
-        """Journal a refusal, rate-limited per (who, kind)."""
+        """The current generation and the step the job is known to have
+        reached: the most of what this controller started with, the
+        committed step and the lowest step of the running generation's
+        members (recomputed at most every KNOWN_STEP_REFRESH_S; O(members))."""
         c = self.controller
         now = c.clock.monotonic()
-        key = (who, refusal.kind)
-        last, count = self._refusals.get(key, (float("-inf"), 0))
-        if now - last < REFUSAL_JOURNAL_INTERVAL_S:
-            self._refusals[key] = (last, count + 1)
+        if now - self._known_at >= KNOWN_STEP_REFRESH_S:
+            steps = [r.worker.step for r in map(c.view.get, c.state.members)
+                     if r is not None and r.worker.generation == c.state.generation]
+            slice_step = min(steps) if steps and min(steps) >= 0 else -1
+            self._known_step = max(c.known_step, c.view.committed_step, slice_step)
+            self._known_at = now
+        return adm.Plausible(c.state.generation, self._known_step)
+
+    def _reports_commits(self, host: str) -> bool:
+        """Whether `host` holds rank 0 of the latest generation: the one host
+        whose worker reports committed checkpoint steps."""
+        members = self.controller.state.members
+        return bool(members) and members[0] == host
+
+    def _refused(self, who: str, refusal: adm.Refusal, treatment: str = "refused") -> None:
+        """Journal a refusal as `message_refused`, at most one line per
+        (who, kind) every REFUSAL_JOURNAL_INTERVAL_S."""
+        c = self.controller
+        allowed, suppressed = self._journal_budget.take((who, refusal.kind), c.clock.monotonic())
+        if not allowed:
             return
-        if len(self._refusals) > 10_000:
-            self._refusals.clear()
-        self._refusals[key] = (now, 0)
-        more = f" ({count} more refused since the last line)" if count else ""
+        more = f" ({suppressed} more since the last line)" if suppressed else ""
         c.executor.record("message_refused", c.state.generation,
-                          f"{refusal.kind}: {refusal.reason}{more}", who[:128] or None,
-                          {"refusal": refusal.kind, "suppressed": count})
+                          f"{refusal.kind}: {refusal.reason} ({treatment}){more}",
+                          who[:128] or None, {"refusal": refusal.kind, "suppressed": suppressed})
 
     async def _refuse(self, context, who: str, refusal: adm.Refusal) -> None:
         self._refused(who, refusal)
         await context.abort(_CODES[refusal.kind], refusal.reason)
 
+    def _observed(self, host: str, status: pb.WorkerStatus, plausible: adm.Plausible,
+                  what: str) -> v.WorkerObs | adm.Refusal:
+        """The WorkerObs of a registration's or heartbeat's worker, its
+        implausible steps set to unknown (-1: the message still counts as a
+        sign of life) and its committed step ignored unless `host` reports
+        commits; a Refusal when it is malformed."""
+        refusal = adm.check_worker(status, plausible, what)
+        obs = worker_obs(status)
+        if refusal is not None and refusal.kind != "implausible":
+            return refusal
+        if refusal is not None:
+            self._refused(host, refusal, "its steps are ignored, the message counts")
+            obs.step = obs.committed_step = -1
+        if not self._reports_commits(host):
+            obs.committed_step = -1
+        return obs
+
     # --- the calls -----------------------------------------------------------
 
-    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+    async def Register(self, request: pb.RegisterRequest | None, context
+                       ) -> pb.RegisterResponse:
         peer, key = await self._peer(context)
         if not self.calls.acquire(key):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -178,24 +211,22 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def _register(self, request, context, peer: Identity | None,
                         key: str) -> pb.RegisterResponse:
         c = self.controller
+        who = peer.name if peer else key
         if request is None:
-            await self._refuse(context, peer.name if peer else key, UNDECODABLE)
-        h = request.header
-        refusal = adm.check_register(request, c.spec.job_id, peer, self._plausible())
-        if refusal:
-            await self._refuse(context, peer.name if peer else key, refusal)
+            await self._refuse(context, who, UNDECODABLE)
+        h, plausible = request.header, self._plausible()
+        refusal = adm.check_register(request, c.spec.job_id, peer, plausible)
+        if refusal is not None and refusal.kind != "implausible":
+            await self._refuse(context, who, refusal)
         fingerprint = peer.fingerprint if peer else ""
-        bound = self.certificates.get(h.host_id)
         record = c.view.get(h.host_id)
-        if bound is not None and bound != fingerprint and record is not None and \
-                h.host_id not in c.state.lost and \
-                c.clock.monotonic() - record.last_heartbeat_at < \
-                c.spec.health.heartbeat_timeout_s:
-            await self._refuse(context, h.host_id, adm.Refusal(
-                "denied", f"host {h.host_id} is registered and alive with another certificate "
-                          f"(sha256 {bound[:16]}); a new one is accepted once that "
-                          f"registration is lost (health.heartbeat_timeout_s = "
-                          f"{c.spec.health.heartbeat_timeout_s:g} s)"))
+        live = record is not None and h.host_id not in c.state.lost and \
+            c.clock.monotonic() - record.last_heartbeat_at < c.spec.health.heartbeat_timeout_s
+        refusal = adm.check_rebind(self.certificates.get(h.host_id), fingerprint, h.incarnation,
+                                   record.incarnation if record else None, live)
+        if refusal:
+            await self._refuse(context, h.host_id, refusal)
+        worker = self._observed(h.host_id, request.worker, plausible, "registration")
         self.certificates[h.host_id] = fingerprint
         # The session (and its outbox) exists from registration on, so commands
         # decided before the agent opens its stream wait for it there.
@@ -203,12 +234,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
                            f"host {h.host_id} registered again (incarnation {h.incarnation})")
-        c.sessions[h.host_id] = Session(h.host_id, h.incarnation)
+        c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint)
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
             address=request.address, failure_domain=request.failure_domain or h.host_id,
-            agent_pid=request.agent_pid, free_port=request.free_port,
-            worker=worker_obs(request.worker)))
+            agent_pid=request.agent_pid, free_port=request.free_port, worker=worker))
         health = c.spec.health
         reply = pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
                                     heartbeat_interval_s=health.heartbeat_interval_s,
@@ -217,7 +247,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             reply.launch.CopyFrom(c.executor.launch())
         return reply
 
-    async def GetStatus(self, request: pb.StatusRequest, context) -> pb.JobStatus:
+    async def GetStatus(self, request, context) -> pb.JobStatus:
         peer, key = await self._peer(context)
         refusal = adm.check_status_peer(peer)
         if refusal:
@@ -243,6 +273,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     async def _connect(self, context, peer: Identity | None, key: str) -> None:
         c = self.controller
+        who = peer.name if peer else key
         try:
             first = await asyncio.wait_for(context.read(), self.first_message_timeout_s)
         except TimeoutError:
@@ -252,11 +283,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if first is grpc.aio.EOF:
             return
         if first is None:
-            await self._refuse(context, peer.name if peer else key, UNDECODABLE)
+            await self._refuse(context, who, UNDECODABLE)
         refusal = adm.check_header(first.header, c.spec.job_id) or \
             adm.check_identity(peer, first.header.host_id)
         if refusal:
-            await self._refuse(context, peer.name if peer else key, refusal)
+            await self._refuse(context, who, refusal)
         refusal = fence(c, first.header)
         if refusal:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
@@ -267,6 +298,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no open registration of host {host} incarnation "
                                 f"{first.header.incarnation}; call Register first")
+        if peer is not None and peer.fingerprint != session.fingerprint:
+            await self._refuse(context, host, adm.Refusal(
+                "denied", f"the stream's certificate (sha256 {peer.fingerprint[:16]}) is not the "
+                          f"one host {host} registered with"))
         session.attached = True
         reader = asyncio.create_task(self._read(context, session, first))
         try:
@@ -306,6 +341,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 message = await context.read()
         except (asyncio.CancelledError, grpc.RpcError):
             pass
+        except Exception as e:  # noqa: BLE001 - a bug must end this stream, not hang it
+            log.exception("stream of host %s failed", session.host_id)
+            session.close(grpc.StatusCode.INTERNAL, f"the controller failed on a message: {e}")
+            return
         session.close()
 
     def _reject(self, session: Session, reason: str) -> None:
@@ -316,37 +355,42 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     def _handle(self, session: Session, message: pb.AgentMessage) -> None:
         c, h = self.controller, message.header
-        kind = message.WhichOneof("body")
-        refusal = adm.check_message(message, self._plausible())
+        kind, plausible = message.WhichOneof("body"), self._plausible()
+        refusal = adm.check_message(message, plausible)
+        if kind == "heartbeat" and (refusal is None or refusal.kind == "implausible"):
+            hb = message.heartbeat
+            worker = self._observed(h.host_id, hb.worker, plausible, "heartbeat")
+            if hb.sent_at:
+                c.heartbeat_latency_s.append(c.clock.time() - hb.sent_at)
+            c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
+                                         clean_text(hb.preemption, adm.MAX_REASON_CHARS)))
+            return
+        if refusal is None and not self._report_budget.take(h.host_id, c.clock.monotonic())[0]:
+            refusal = adm.Refusal("implausible", f"more than {adm.REPORTS_PER_S:g} reports a "
+                                                 f"second (a burst of {adm.REPORT_BURST})")
         if refusal:
             self._refused(h.host_id, refusal)
             self._reject(session, f"{kind} refused: {refusal.reason}")
-            return
-        if kind == "heartbeat":
-            hb = message.heartbeat
-            if hb.sent_at:
-                c.heartbeat_latency_s.append(c.clock.time() - hb.sent_at)
-            c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker_obs(hb.worker),
-                                         hb.free_port,
-                                         clean_text(hb.preemption, adm.MAX_REASON_CHARS)))
             return
         if h.generation < c.state.generation:
             # A report about a worker of an older generation: refused, so it can
             # never count for the current one. Its heartbeats still carry the truth.
             self._reject(session, f"{kind} of generation {h.generation} refused: the current "
                                   f"generation is {c.state.generation}")
-            c.submit(v.StaleReportRefused(h.host_id, h.incarnation, h.generation,
-                                          c.state.generation, kind))
+            if self._journal_budget.take((h.host_id, "stale"), c.clock.monotonic())[0]:
+                c.submit(v.StaleReportRefused(h.host_id, h.incarnation, h.generation,
+                                              c.state.generation, kind))
             return
         if kind == "worker_exited":
             c.submit(v.WorkerExited(h.host_id, h.incarnation, worker_obs(message.worker_exited)))
         elif kind == "progress":
             p = message.progress
+            committed = p.committed_step if self._reports_commits(h.host_id) else -1
             c.submit(v.ProgressReported(h.host_id, h.incarnation, h.generation, p.step,
-                                        p.committed_step, dict(p.metrics)))
+                                        committed, dict(p.metrics)))
         elif kind == "worker_event":
             e = message.worker_event
-            fields = adm.worker_event_fields(e.fields_json, self._plausible())
+            fields = adm.worker_event_fields(e.fields_json, plausible)
             if isinstance(fields, adm.Refusal):
                 self._refused(h.host_id, fields)
                 self._reject(session, f"worker_event refused: {fields.reason}")

@@ -191,10 +191,6 @@ class ClusterView:
     def __init__(self) -> None:
         self.hosts: collections.OrderedDict[str, HostRecord] = collections.OrderedDict()
         self.last_registration_at = float("-inf")
-        # The highest training or checkpoint step any worker reported (the
-        # journal of earlier controller runs included): what makes a new
-        # report plausible (elastic.controller.admission).
-        self.highest_step = -1
         # Latest committed checkpoint step any worker reported, and when.
         self.committed_step = -1
         self.committed_at = float("-inf")
@@ -223,10 +219,8 @@ class ClusterView:
         self.hosts.move_to_end(record.host_id)
 
 
-def _merge_worker(view: ClusterView, record: HostRecord, reported: WorkerObs,
-                  now: float) -> bool:
+def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
     """Take the agent's report; True when something a decision reads changed."""
-    view.highest_step = max(view.highest_step, reported.step, reported.committed_step)
     old = record.worker
     changed = (old.generation != reported.generation or old.state is not reported.state
                or (old.step < 0 <= reported.step))
@@ -274,7 +268,6 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             agent_pid=event.agent_pid, registered_at=now, last_heartbeat_at=now,
             free_port=event.free_port, worker=event.worker)
         view.hosts[event.host_id] = record
-        view.highest_step = max(view.highest_step, event.worker.step, event.worker.committed_step)
         view.last_registration_at = now
         view.disconnected.pop(event.host_id, None)
         if old is not None and old.incarnation == event.incarnation:
@@ -294,7 +287,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         record.free_port = event.free_port or record.free_port
         facts = _note_commit(view, record, event.worker.generation,
                              event.worker.committed_step, now)
-        changed = _merge_worker(view, record, event.worker, now)
+        changed = _merge_worker(record, event.worker, now)
         if event.preemption and not record.preemption:
             record.preemption, record.preempted_at = event.preemption, now
             facts.append(Fact("preemption_notice", event.host_id, event.worker.generation,
@@ -305,7 +298,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         return True, []
     if isinstance(event, WorkerExited):
         view._touch(record, now)
-        _merge_worker(view, record, event.worker, now)
+        _merge_worker(record, event.worker, now)
         w = event.worker
         how = "on request" if w.stopped_on_request else "by itself"
         tail = w.stderr_tail.strip().splitlines()[-1:] if w.stderr_tail.strip() else []
@@ -321,7 +314,6 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         if event.generation != w.generation:
             return False, []
         facts = _note_commit(view, record, event.generation, event.committed_step, now)
-        view.highest_step = max(view.highest_step, event.step, event.committed_step)
         first = w.step < 0 <= event.step
         if first:
             record.first_step_at = now

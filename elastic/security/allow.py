@@ -3,23 +3,26 @@ even a controller that was taken over cannot make a host run what its
 operator did not allow (pure; the agent applies it to every start and
 pre-start).
 
-An allow-list entry is a command head of shell-style patterns (fnmatch,
-where `*` also matches `/`), matched token by token against the start of
-the worker's argv after resolution; the rest of argv (the program's own
-arguments) is free:
+An allow-list entry is a command head of patterns, matched token by token
+against the start of the worker's argv after resolution; the rest of argv
+(the program's own arguments) is free. In a pattern `*` and `?` match
+within one path component, `**` across components, `[...]` a character.
 
-- token 0 is the program as the agent would run it: resolved through the
-  agent's PATH unless it holds a `/` (then against the working directory);
+- token 0 is the program as the agent will run it: found through the
+  agent's PATH unless it holds a `/` (then taken against the working
+  directory); the agent then runs exactly that absolute path, so the job's
+  environment cannot make another program of the same name run;
 - a later token that starts with `-`, or follows `-m`, `-c`, `-W` or `-X`,
   is compared as is;
-- any other later token is a path (the script), resolved against the
-  working directory.
+- any other later token is a path (the script), compared by its real path
+  (symlinks and `..` resolved as the kernel will when it opens it).
 
 So `/opt/venv/bin/python /srv/jobs/*/train.py` allows `python train.py
 --steps 10` started in /srv/jobs/lm, and nothing else: not `python -c ...`,
-not another script. An entry of a Python interpreter alone allows any code
-(the agent warns). `python -m module` puts the working directory first on
-sys.path, so such a start also needs the directory allowed (`workdirs`).
+not another script, not /srv/jobs/lm/out/train.py. An entry of a Python
+interpreter alone allows any code (the agent warns). `python -m module` puts
+the working directory first on sys.path, so such a start also needs the
+directory's real path allowed (`workdirs`).
 
 The job's environment may not set variables that make a loader or an
 interpreter run other code (DENIED_ENV: LD_PRELOAD, PYTHONPATH, PATH, ...)
@@ -30,7 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import os
+import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 
@@ -95,6 +100,38 @@ class AllowList:
                 for head in self.workers if len(head) == 1 and _is_python(head[0])]
 
 
+@functools.lru_cache(maxsize=1024)
+def _regex(pattern: str) -> re.Pattern:
+    """`pattern` as a regular expression: `**` any characters, `*` and `?`
+    any within one path component, `[...]` (`[!...]`) a character class."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        c = pattern[i]
+        close = pattern.find("]", i + 2) if c == "[" else -1
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif close != -1:
+            body = pattern[i + 1:close]
+            body = "^" + body[1:] if body.startswith("!") else body
+            out.append("[" + body.replace("\\", "\\\\").replace("[", "\\[") + "]")
+            i = close
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + r"\Z", re.DOTALL)
+
+
+def matches(text: str, pattern: str) -> bool:
+    """Whether `text` matches the allow-list `pattern` (see the module doc)."""
+    return _regex(pattern).match(text) is not None
+
+
 def _resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
              ) -> list[str] | str:
     """argv with the program and path tokens resolved, or why it cannot be."""
@@ -112,16 +149,18 @@ def _resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | Non
         if token.startswith("-") or takes_value:
             resolved.append(token)
         else:
-            resolved.append(os.path.normpath(os.path.join(workdir, token)))
+            resolved.append(os.path.realpath(os.path.join(workdir, token)))
         takes_value = token in _OPTIONS_WITH_VALUE
     return resolved
 
 
 def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], workdir: str,
-                 which: Callable[[str], str | None]) -> str | None:
-    """Why this agent must not start `argv` in `workdir` with the job's
-    `env` (a sentence naming the flag that would allow it), or None.
-    `which(name)` finds a program on the agent's PATH (shutil.which)."""
+                 which: Callable[[str], str | None]) -> list[str] | str:
+    """The argv to run — `argv` with its program replaced by the absolute
+    path that was checked — if this agent may start `argv` in `workdir`
+    with the job's `env`; else why not (a sentence naming the flag that
+    would allow it). `which(name)` finds a program on the agent's PATH
+    (shutil.which)."""
     if not argv or any("\0" in a for a in argv) or "\0" in workdir or \
             any("\0" in k or "\0" in v or "=" in k or not k for k, v in env.items()):
         return "the command, its directory or environment is empty or holds NUL or '=' in a name"
@@ -132,21 +171,22 @@ def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], 
         if denied and not any(fnmatch.fnmatchcase(name, p) for p in allow.env):
             return (f"the job's environment sets {name}, which can make the worker run other "
                     f"code; allow it on this host with --allow-env {name}")
-    if allow.any_worker:
-        return None
     resolved = _resolve(argv, workdir, which)
     if isinstance(resolved, str):
         return resolved
+    run = [resolved[0], *argv[1:]]
+    if allow.any_worker:
+        return run
     shown = " ".join(shlex.quote(t) for t in resolved[:4])
     for head in allow.workers:
-        if len(head) <= len(resolved) and all(fnmatch.fnmatchcase(token, pattern)
+        if len(head) <= len(resolved) and all(matches(token, pattern)
                                               for token, pattern in zip(resolved, head)):
             first_option_or_script = next(
                 (t for t in resolved[1:] if t == "-m" or not t.startswith("-")), None)
             if first_option_or_script == "-m" and not any(
-                    fnmatch.fnmatchcase(os.path.normpath(workdir), p) for p in allow.workdirs):
+                    matches(os.path.realpath(workdir), p) for p in allow.workdirs):
                 return (f"`{shown}` runs a module with {workdir} first on its import path; "
                         f"allow the directory with --allow-workdir")
-            return None
+            return run
     return (f"`{shown}` is not in this host's allow-list; allow it with --allow-worker "
             f"(e.g. --allow-worker {shlex.quote(' '.join(resolved[:2]))})")
