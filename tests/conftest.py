@@ -8,6 +8,7 @@ kills leftovers and fails the test if it finds any.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -90,6 +91,24 @@ def proc_env():
         except OSError:
             pass
     assert not left, f"processes left behind by the test: {left}"
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """Yield `proc`; on the way out, SIGKILL it if it still runs, and reap it."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def stop(proc: subprocess.Popen, sig: int, timeout_s: float = 30.0) -> int:
+    """Send `sig` to `proc` and return its exit code (subprocess.TimeoutExpired
+    after `timeout_s` seconds)."""
+    proc.send_signal(sig)
+    return proc.wait(timeout_s)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):

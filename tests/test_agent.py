@@ -9,7 +9,7 @@ import sys
 
 from elastic import config
 from elastic.agent.supervisor import kill_leftovers
-from tests.conftest import LocalJob, alive, tiny_spec, wait_until
+from tests.conftest import LocalJob, alive, reaped, stop, tiny_spec, wait_until
 
 
 def test_restarted_agent_kills_leftovers_of_previous_incarnation(tmp_path, proc_env):
@@ -53,20 +53,13 @@ def test_agent_ignores_sighup(tmp_path, proc_env):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path / "agent.log"
-    with open(log, "wb") as out:
-        agent = subprocess.Popen(
+    with open(log, "wb") as out, reaped(subprocess.Popen(
             [sys.executable, "-m", "elastic.agent.main", "--controller", f"127.0.0.1:{port}",
              "--host-id", "h0", "--state-dir", str(tmp_path / "agent"), "--insecure",
-             "--allow-any-worker"], env=proc_env, stdout=out, stderr=subprocess.STDOUT)
-    try:
+             "--allow-any-worker"], env=proc_env, stdout=out, stderr=subprocess.STDOUT)) as agent:
         wait_until(lambda: "retrying" in log.read_text(), 30, "the agent to dial")
         agent.send_signal(signal.SIGHUP)
         wait_until(lambda: "SIGHUP ignored" in log.read_text(), 10, "the agent to note SIGHUP")
         assert agent.poll() is None
-        agent.send_signal(signal.SIGINT)
-        assert agent.wait(30) == 0
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+        assert stop(agent, signal.SIGINT) == 0
     assert "INSECURE" in log.read_text()

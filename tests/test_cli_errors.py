@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import tiny_spec, wait_until, write_spec
+from tests.conftest import reaped, stop, tiny_spec, wait_until, write_spec
 
 
 def elasticd(env, *args, timeout=60):
@@ -121,12 +121,11 @@ def test_agent_bad_inputs(tmp_path, proc_env, pki):
 
 def test_the_controller_journals_how_it_ends_and_ignores_sighup(tmp_path, proc_env, pki):
     state = tmp_path / "state"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elastic.cli", "start", "--config", str(tiny_spec(tmp_path)),
-         "--listen", "127.0.0.1:0", "--state-dir", str(state),
-         "--tls-dir", str(pki.controller.cert.parent)],
-        env=proc_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(subprocess.Popen(
+            [sys.executable, "-m", "elastic.cli", "start", "--config", str(tiny_spec(tmp_path)),
+             "--listen", "127.0.0.1:0", "--state-dir", str(state),
+             "--tls-dir", str(pki.controller.cert.parent)],
+            env=proc_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)) as proc:
         wait_until(lambda: (state / "controller.addr").exists(), 30, "the controller's address")
         proc.send_signal(signal.SIGHUP)
 
@@ -138,13 +137,7 @@ def test_the_controller_journals_how_it_ends_and_ignores_sighup(tmp_path, proc_e
                           "--tls-dir", str(pki.operator.cert.parent))
         assert status.returncode == 0 and json.loads(status.stdout)["jobId"] == "test"
         assert proc.poll() is None
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 143
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+        assert stop(proc, signal.SIGTERM) == 143
     assert kinds()[-1] == "controller_stopped"
     assert not (state / "controller.addr").exists()
     assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
@@ -153,23 +146,17 @@ def test_the_controller_journals_how_it_ends_and_ignores_sighup(tmp_path, proc_e
 
 def test_insecure_mode_is_journaled(tmp_path, proc_env):
     state = tmp_path / "state"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elastic.cli", "start", "--config", str(tiny_spec(tmp_path)),
-         "--listen", "127.0.0.1:0", "--state-dir", str(state), "--insecure"],
-        env=proc_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     def journal():
         path = state / "events.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] \
             if path.exists() else []
-    try:
+    with reaped(subprocess.Popen(
+            [sys.executable, "-m", "elastic.cli", "start", "--config", str(tiny_spec(tmp_path)),
+             "--listen", "127.0.0.1:0", "--state-dir", str(state), "--insecure"],
+            env=proc_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)) as proc:
         wait_until(lambda: any(e["kind"] == "waiting_for_hosts" for e in journal()), 30,
                    "the controller to wait for hosts")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert stop(proc, signal.SIGINT) == 130
     entries = journal()
     assert [e["kind"] for e in entries] == ["insecure_mode", "controller_started",
                                             "waiting_for_hosts", "controller_stopped"]
