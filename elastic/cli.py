@@ -127,9 +127,9 @@ def _client_tls(args):
     """The TLS files `status` and `chaos` use (None with --insecure)."""
     from elastic.security.tls import TLSError, TLSFiles
 
-    if getattr(args, "insecure", False):
+    if args.insecure:
         return None
-    directory = args.tls_dir if getattr(args, "tls_dir", None) else None
+    directory = args.tls_dir
     if directory is None:
         local = pathlib.Path(args.state_dir) / LOCAL_OPERATOR_BUNDLE
         directory = local if local.is_dir() else OPERATOR_TLS_DIR

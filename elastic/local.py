@@ -36,7 +36,7 @@ from elastic.controller.status import fetch_status, slice_step
 from elastic.chaos import Chaos, ChaosSpec
 from elastic.faults import Fault
 from elastic.report import summarize
-from elastic.security import certs
+from elastic.security import allow, certs
 from elastic.security.files import open_private, private_dir, write_private
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
@@ -62,7 +62,7 @@ TLS_DIR = "tls"
 
 
 def _literal(text: str) -> str:
-    """`text` as an fnmatch pattern matching only itself."""
+    """`text` as an allow-list pattern matching only itself."""
     return re.sub(r"([*?[])", r"[\1]", text)
 
 
@@ -73,13 +73,15 @@ def allow_args(spec: JobSpec, path: str) -> list[str]:
     `-m`, and the variables of the job's env (the spec is the operator's
     own)."""
     argv, workdir = list(spec.command), spec.workdir
-    program = argv[0] if "/" in argv[0] else (shutil.which(argv[0], path=path) or argv[0])
-    head = [os.path.abspath(os.path.join(workdir, program))]
-    rest = argv[1:]
-    if rest[:1] == ["-m"] and len(rest) > 1:
-        head += ["-m", rest[1]]
-    elif rest and not rest[0].startswith("-"):
-        head.append(os.path.realpath(os.path.join(workdir, rest[0])))
+    resolved = allow.resolve(argv, workdir, lambda name: shutil.which(name, path=path))
+    if isinstance(resolved, str):  # not on the PATH: the agent will say so at the start
+        resolved = argv
+    if resolved[1:2] == ["-m"]:
+        head = resolved[:3]  # program -m module
+    elif len(resolved) > 1 and not resolved[1].startswith("-"):
+        head = resolved[:2]  # program script
+    else:
+        head = resolved[:1]
     args = ["--allow-worker", shlex.join(_literal(t) for t in head),
             "--allow-workdir", _literal(os.path.realpath(workdir))]
     for name in spec.env:

@@ -74,8 +74,7 @@ def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str,
         if tls is None:
             port = server.add_insecure_port(address)
         else:
-            credentials, _ = tls_.server_credentials(tls)
-            port = server.add_secure_port(address, credentials)
+            port = server.add_secure_port(address, tls_.server_credentials(tls))
     except RuntimeError as e:
         raise RuntimeError(f"cannot listen on {address}: {e}") from None
     if port == 0:

@@ -97,15 +97,17 @@ class Agent:
 
     def prepare(self) -> None:
         """Before `run`: kill what an earlier agent process left and make
-        the private directories. Raises OSError when they cannot be made."""
+        the private directories (the state directory, a new snapshot
+        directory, the compile cache). Raises OSError when they cannot be
+        made."""
         killed = kill_leftovers(os.path.abspath(self.settings.state_dir), self.incarnation)
         if killed:
             log.warning("killed %d leftover process(es) of a previous agent: %s",
                         len(killed), killed)
-        private_dir(self._cache_dir())
         # a host that restarts keeps no state of the last one
         self.snapshot_dir = str(snapshot_dir.make(self.settings.state_dir,
                                                   self.settings.snapshot_dir))
+        private_dir(self._cache_dir())
         self._prepared = True
 
     def _cache_dir(self) -> str:
@@ -246,10 +248,9 @@ class Agent:
             try:
                 snapshot_dir.empty(self.snapshot_dir)
             except OSError as e:
-                log.error("cannot make a private snapshot directory %s: %s",
-                          self.snapshot_dir, e)
+                log.error("cannot empty the snapshot directory %s: %s", self.snapshot_dir, e)
                 await self.supervisor.refuse(start.generation, f"elastic-agent on "
-                                             f"{self.settings.host_id}: cannot make a private "
+                                             f"{self.settings.host_id}: cannot empty its "
                                              f"snapshot directory {self.snapshot_dir}: {e}")
                 return
         self._prestart_next = start.prestart_next
@@ -362,23 +363,22 @@ class Agent:
     async def _connect_forever(self) -> None:
         delay = 0.1
         while True:
+            channel = None
             try:  # certificates are read again at every connect (renewals)
                 channel = transport.aio_channel(self.settings.controller, self.settings.tls)
-            except TLSError as e:
-                log.error("cannot connect: %s", e)
-                delay = min(delay * 2, 5.0)
-                await asyncio.sleep(delay)
-                continue
-            try:
                 await self._session(channel)
                 log.info("controller closed the stream; reconnecting")
                 delay = 0.1
+            except TLSError as e:
+                log.error("cannot connect: %s", e)
+                delay = min(delay * 2, 5.0)
             except grpc.RpcError as e:
                 log.warning("controller %s: %s: %s", self.settings.controller,
                             e.code().name, e.details())
                 delay = min(delay * 2, 5.0)
             finally:
-                await channel.close()
+                if channel is not None:
+                    await channel.close()
             await asyncio.sleep(delay)
 
     # --- lifecycle ---------------------------------------------------------

@@ -124,8 +124,6 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from elastic.security.files import private_dir
-
     settings = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s agent[{settings.host_id}] %(levelname)s %(message)s")
@@ -136,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     for warning in settings.allow.warnings():
         log.warning("%s", warning)
     try:
-        private_dir(settings.state_dir)
         agent = Agent(settings)
         agent.prepare()
     except OSError as e:

@@ -81,13 +81,12 @@ class JournalTail:
     """Reads a journal incrementally, for watching a running job: `read()`
     returns every entry so far, parsing only what was appended since the last
     call (a torn last line waits for its end). `new()` returns only those.
-    `skipped` counts lines that were not entries."""
+    Lines that are not entries are left out."""
 
     def __init__(self, state_dir: str | os.PathLike[str], from_end: bool = False) -> None:
         self.path = pathlib.Path(state_dir) / JOURNAL_NAME
         self.offset = self.path.stat().st_size if from_end and self.path.exists() else 0
         self.entries: list[dict] = []
-        self.skipped = 0
         self._partial = b""
 
     def new(self) -> list[dict]:
@@ -102,9 +101,7 @@ class JournalTail:
         fresh = []
         for line in lines:
             entry = parse_line(line)
-            if entry is None:
-                self.skipped += bool(line.strip())
-            else:
+            if entry is not None:
                 fresh.append(entry)
         self.entries += fresh
         return fresh

@@ -15,7 +15,7 @@ from elastic.checkpoint.storage import latest_local_step
 from elastic.controller.journal import JournalWriter, recorded
 from elastic.controller.servicer import ControllerServicer, add_servicer
 from elastic.security.files import private_dir
-from elastic.security.tls import TLSFiles
+from elastic.security.tls import TLSError, TLSFiles
 
 log = logging.getLogger("elasticd")
 
@@ -119,8 +119,6 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     at every new connection anyway; the job spec is not reloaded). Every
     exit, an unexpected error included, journals `controller_stopped`.
     Raises StartError when the controller cannot start."""
-    from elastic.security.tls import TLSError
-
     try:
         server = ControllerServer(spec, listen, state_dir, tls)
         await server.start()

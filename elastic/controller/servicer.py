@@ -178,18 +178,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self._refused(who, refusal)
         await context.abort(_CODES[refusal.kind], refusal.reason)
 
-    def _observed(self, host: str, status: pb.WorkerStatus, plausible: adm.Plausible,
-                  what: str) -> v.WorkerObs | adm.Refusal:
-        """The WorkerObs of a registration's or heartbeat's worker, its
-        implausible steps set to unknown (-1: the message still counts as a
-        sign of life) and its committed step ignored unless `host` reports
-        commits; a Refusal when it is malformed."""
-        refusal = adm.check_worker(status, plausible, what)
+    def _observed(self, host: str, status: pb.WorkerStatus,
+                  implausible: adm.Refusal | None) -> v.WorkerObs:
+        """The WorkerObs of a registration's or heartbeat's worker, whose
+        admission found it `implausible` (or not): then its steps are set to
+        unknown (-1: the message still counts as a sign of life). Its
+        committed step is ignored unless `host` reports commits."""
         obs = worker_obs(status)
-        if refusal is not None and refusal.kind != "implausible":
-            return refusal
-        if refusal is not None:
-            self._refused(host, refusal, "its steps are ignored, the message counts")
+        if implausible is not None:
+            self._refused(host, implausible, "its steps are ignored, the message counts")
             obs.step = obs.committed_step = -1
         if not self._reports_commits(host):
             obs.committed_step = -1
@@ -215,9 +212,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if request is None:
             await self._refuse(context, who, UNDECODABLE)
         h, plausible = request.header, self._plausible()
-        refusal = adm.check_register(request, c.spec.job_id, peer, plausible)
-        if refusal is not None and refusal.kind != "implausible":
-            await self._refuse(context, who, refusal)
+        refusal_of_worker = adm.check_register(request, c.spec.job_id, peer, plausible)
+        if refusal_of_worker is not None and refusal_of_worker.kind != "implausible":
+            await self._refuse(context, who, refusal_of_worker)
         fingerprint = peer.fingerprint if peer else ""
         record = c.view.get(h.host_id)
         live = record is not None and h.host_id not in c.state.lost and \
@@ -226,7 +223,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                                    record.incarnation if record else None, live)
         if refusal:
             await self._refuse(context, h.host_id, refusal)
-        worker = self._observed(h.host_id, request.worker, plausible, "registration")
+        worker = self._observed(h.host_id, request.worker, refusal_of_worker)
         self.certificates[h.host_id] = fingerprint
         # The session (and its outbox) exists from registration on, so commands
         # decided before the agent opens its stream wait for it there.
@@ -359,7 +356,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         refusal = adm.check_message(message, plausible)
         if kind == "heartbeat" and (refusal is None or refusal.kind == "implausible"):
             hb = message.heartbeat
-            worker = self._observed(h.host_id, hb.worker, plausible, "heartbeat")
+            worker = self._observed(h.host_id, hb.worker, refusal)
             if hb.sent_at:
                 c.heartbeat_latency_s.append(c.clock.time() - hb.sent_at)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,

@@ -132,9 +132,12 @@ def matches(text: str, pattern: str) -> bool:
     return _regex(pattern).match(text) is not None
 
 
-def _resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
-             ) -> list[str] | str:
-    """argv with the program and path tokens resolved, or why it cannot be."""
+def resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
+            ) -> list[str] | str:
+    """argv as the allow-list sees it — the program resolved (see the
+    module doc), later path tokens by their real path against `workdir`,
+    options and their values as they are — or why it cannot be (the
+    program is not on the PATH `which` searches)."""
     program = argv[0]
     if "/" in program:
         path = os.path.normpath(os.path.join(workdir, program))
@@ -171,7 +174,7 @@ def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], 
         if denied and not any(fnmatch.fnmatchcase(name, p) for p in allow.env):
             return (f"the job's environment sets {name}, which can make the worker run other "
                     f"code; allow it on this host with --allow-env {name}")
-    resolved = _resolve(argv, workdir, which)
+    resolved = resolve(argv, workdir, which)
     if isinstance(resolved, str):
         return resolved
     run = [resolved[0], *argv[1:]]

@@ -199,14 +199,13 @@ class _Reloader:
 
 
 def server_credentials(files: TLSFiles, roles: tuple[Role, ...] = (Role.CONTROLLER,)
-                       ) -> tuple[grpc.ServerCredentials, Credentials]:
+                       ) -> grpc.ServerCredentials:
     """Mutual-TLS server credentials from `files` (client certificates
     required, checked against the CA bundle), reloaded when the files
-    change. Returns them with the checked material. Raises TLSError."""
+    change. Raises TLSError."""
     reloader = _Reloader(files, roles)
-    creds = grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader,
-                                                require_client_authentication=True)
-    return creds, reloader.credentials
+    return grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader,
+                                               require_client_authentication=True)
 
 
 def channel_credentials(files: TLSFiles, roles: tuple[Role, ...]) -> grpc.ChannelCredentials:
