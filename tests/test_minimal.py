@@ -39,7 +39,9 @@ def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
     committed = max(e["step"] for e in journal if e["kind"] == "checkpoint_committed"
                     and e["ts"] < restored["ts"])
     assert restored["source"] == "snapshot" and restored["step"] >= committed, restored
+    # at most one snapshot interval is lost: 10 when the kill lands while the
+    # step-60 snapshot is still being written (the restore takes step 50)
     [incident] = account(journal).incidents
-    assert incident.lost_steps < 10, incident
+    assert incident.lost_steps <= 10, incident
     # and the agents took their snapshots with them when they stopped
     assert not any(r.exists() for r in records) and not any(d.exists() for d in snapshot_dirs)

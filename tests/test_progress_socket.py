@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from elastic.worker.progress import ProgressReceiver, ProgressReporter, decode
+from elastic.worker.progress import ProgressReceiver, ProgressReporter, Report, decode
 
 
 def test_reports_from_another_user_are_dropped(proc_env):
@@ -26,11 +26,16 @@ def test_reports_from_another_user_are_dropped(proc_env):
         receiver = ProgressReceiver(address, lambda data: (received.append(data), got.set()))
         receiver.attach(asyncio.get_running_loop())
         try:
-            forged = ("from elastic.worker.progress import ProgressReporter; "
-                      f"ProgressReporter({address!r}, 7).step(10**9)")
+            # the other user sends a well-formed report with the standard
+            # library only (it may not be able to read this checkout)
+            payload = Report(7, step=10**9).encode()
+            forged = ("import socket, sys; s = socket.socket(socket.AF_UNIX, "
+                      "socket.SOCK_DGRAM); s.sendto(bytes.fromhex(sys.argv[1]), "
+                      "b'\\0' + sys.argv[2][1:].encode())")
             await asyncio.to_thread(subprocess.run, [
                 setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                "-c", forged], env=proc_env, check=True, timeout=60)
+                "-I", "-c", forged, payload.hex(), address], env=proc_env, check=True,
+                timeout=60)
             ProgressReporter(address, 7).step(3, loss=1.5)  # this user: the worker's
             await asyncio.wait_for(got.wait(), 10)
             return receiver.dropped
