@@ -14,6 +14,7 @@ Example (units are in the key names; all keys but `job.command` are optional)::
     min_hosts = 2
     max_hosts = 4
     hosts_per_failure_domain = 1
+    device_kind = "tpu"                  # optional: only hosts reporting this kind
     checkpoint_dir = "/data/ckpt"        # default: <state-dir>/checkpoints
 
     [mesh]                               # named axes in order; one may be -1
@@ -36,6 +37,7 @@ Example (units are in the key names; all keys but `job.command` are optional)::
     window_s = 3600.0
     crash_loop_failures = 3
     grow = "after_checkpoint"            # "never" | "after_checkpoint" | "immediately"
+    waiting_timeout_s = 1800.0           # no slice could start this long: job fails
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ from collections.abc import Mapping
 from typing import Any
 
 GROW_POLICIES = ("never", "after_checkpoint", "immediately")
+#: A device kind as agents report it and `job.device_kind` names it
+#: ("cpu", "tpu", "NVIDIA H100 80GB HBM3"): at most 64 plain characters.
+DEVICE_KIND = re.compile(r"[A-Za-z0-9 ._()+-]{1,64}")
 
 
 class SpecError(ValueError):
@@ -147,6 +152,9 @@ class RestartSpec:
     grow: when a slice running below `max_hosts` restarts bigger because a
       host is waiting: "never", "after_checkpoint" (after the next committed
       checkpoint, so no work is lost) or "immediately".
+    waiting_timeout_s: the longest the controller stays waiting for a slice
+      it can start (too few hosts, or none whose devices fit the mesh)
+      before it ends the job as failed; 0 waits forever.
     prestart_workers: keep one worker process per host pre-started (Python
       with JAX, Orbax and the program's packages imported, ~200 MB) so that a
       restart skips process start and imports (~1.9 s of a ~4 s restart with
@@ -160,6 +168,7 @@ class RestartSpec:
     crash_loop_failures: int = 3
     grow: str = "after_checkpoint"
     prestart_workers: bool = True
+    waiting_timeout_s: float = 1800.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +227,13 @@ class BatchSpec:
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """One job: what every host runs and how the controller keeps it running."""
+    """One job: what every host runs and how the controller keeps it running.
+
+    devices_per_host: when set, every host's worker puts exactly this many
+      devices in the mesh (hosts with fewer are left out, hosts with more use
+      that many); unset, the planner picks it (elastic.policy.mesh).
+    device_kind: when set, only hosts reporting this device kind can join.
+    """
 
     command: tuple[str, ...]
     job_id: str = "job"
@@ -228,6 +243,7 @@ class JobSpec:
     max_hosts: int = 1
     hosts_per_failure_domain: int = 1
     devices_per_host: int | None = None
+    device_kind: str = ""
     checkpoint_dir: str | None = None
     mesh: MeshSpec = MeshSpec()
     health: HealthSpec = HealthSpec()
@@ -260,7 +276,7 @@ _SECTIONS = {"job", "mesh", "health", "restart", "batch", "hang", "quarantine", 
 _JOB_KEYS = {
     "id": str, "command": list, "env": dict, "workdir": str, "min_hosts": int,
     "max_hosts": int, "hosts_per_failure_domain": int, "devices_per_host": int,
-    "checkpoint_dir": str,
+    "device_kind": str, "checkpoint_dir": str,
 }
 
 
@@ -393,6 +409,10 @@ def validate(spec: JobSpec) -> None:
          f"(job.hosts_per_failure_domain = {spec.hosts_per_failure_domain})"),
         (spec.devices_per_host is None or spec.devices_per_host >= 1,
          "job.devices_per_host must be at least 1"),
+        (not spec.device_kind or DEVICE_KIND.fullmatch(spec.device_kind) is not None,
+         f"job.device_kind {spec.device_kind[:80]!r} is not a device kind (1 to 64 letters, "
+         f"digits, spaces and ._()+-)"),
+        (r.waiting_timeout_s >= 0, "restart.waiting_timeout_s must be >= 0 (0 waits forever)"),
         (h.heartbeat_interval_s > 0, "health.heartbeat_interval_s must be > 0"),
         (h.heartbeat_timeout_s > h.heartbeat_interval_s,
          f"health.heartbeat_timeout_s ({h.heartbeat_timeout_s}) must be greater than "
@@ -473,7 +493,10 @@ ENV_JOB_ID = "ELASTIC_JOB_ID"
 ENV_HOST_ID = "ELASTIC_HOST_ID"
 ENV_MESH = "ELASTIC_MESH"
 ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
+# Devices each process puts in the mesh (the plan's count, the same on every
+# host), and the devices this host has (it may have more than the mesh uses).
 ENV_DEVICES_PER_HOST = "ELASTIC_DEVICES_PER_HOST"
+ENV_HOST_DEVICES = "ELASTIC_HOST_DEVICES"
 ENV_PROGRESS_SOCKET = "ELASTIC_PROGRESS_SOCKET"
 ENV_CACHE_DIR = "ELASTIC_CACHE_DIR"
 ENV_JAX_HEARTBEAT_TIMEOUT_S = "ELASTIC_JAX_HEARTBEAT_TIMEOUT_S"
@@ -491,12 +514,18 @@ ENV_INCARNATION = "ELASTIC_AGENT_INCARNATION"
 # The only variables that differ between two generations' workers on a host;
 # a pre-started worker process (elastic.worker.prestart) may have been spawned
 # before their values were known, every other variable must match its launch.
-PER_GENERATION_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_NUM_PROCESSES, ENV_GENERATION)
+PER_GENERATION_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_NUM_PROCESSES, ENV_GENERATION,
+                      ENV_DEVICES_PER_HOST, ENV_HOST_DEVICES)
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerEnv:
-    """What the agent told this worker process. Built by `from_environ`."""
+    """What the agent told this worker process. Built by `from_environ`.
+
+    devices_per_host: devices this process puts in the mesh; host_devices:
+    devices this host has (>= devices_per_host; the CPU device count of a
+    simulated host).
+    """
 
     coordinator_address: str
     process_id: int
@@ -507,6 +536,7 @@ class WorkerEnv:
     mesh: MeshSpec
     checkpoint_dir: str
     devices_per_host: int
+    host_devices: int
     progress_socket: str | None
     batch: BatchSpec = BatchSpec()
     cache_dir: str | None = None
@@ -539,6 +569,7 @@ class WorkerEnv:
             mesh=MeshSpec.from_text(need(ENV_MESH)),
             checkpoint_dir=need(ENV_CHECKPOINT_DIR),
             devices_per_host=int(need(ENV_DEVICES_PER_HOST)),
+            host_devices=int(env.get(ENV_HOST_DEVICES) or need(ENV_DEVICES_PER_HOST)),
             progress_socket=env.get(ENV_PROGRESS_SOCKET) or None,
             batch=BatchSpec(env.get(ENV_BATCH_MODE, "global"), env.get(ENV_LR_SCALING, "linear")),
             cache_dir=env.get(ENV_CACHE_DIR) or None,

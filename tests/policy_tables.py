@@ -21,9 +21,11 @@ def spec(**kw) -> JobSpec:
 
 
 def register(view: ClusterView, host: str, now: float = T0, domain: str | None = None,
-             devices: int = 2, incarnation: str | None = None) -> None:
-    observe(view, Registered(host, incarnation or f"inc-{host}", devices, "10.0.0.1",
-                             domain or host, 100, 5000 + int(host[-1]), WorkerObs()), now)
+             devices: int = 2, incarnation: str | None = None, kind: str = "cpu") -> list:
+    """Register `host` (its journal facts returned)."""
+    return observe(view, Registered(host, incarnation or f"inc-{host}", devices, "10.0.0.1",
+                                    domain or host, 100, 5000 + int(host[-1]), WorkerObs(),
+                                    kind), now)[1]
 
 
 def worker(view: ClusterView, host: str, now: float, generation: int, state: WorkerState,
@@ -49,6 +51,8 @@ def running_slice(view: ClusterView, hosts: list[str], now: float = T0,
                   generation: int = 1, progressed: bool = True, **kw) -> SliceState:
     for h in hosts:
         worker(view, h, now, generation, WorkerState.RUNNING, step=5 if progressed else -1)
+    kw.setdefault("devices_per_host", min(view.hosts[h].devices for h in hosts))
+    kw.setdefault("device_kind", view.hosts[hosts[0]].device_kind)
     return SliceState(phase=Phase.RUNNING if progressed else Phase.STARTING,
                       generation=generation, phase_since=now, members=tuple(hosts),
                       incarnations=tuple(view.hosts[h].incarnation for h in hosts),

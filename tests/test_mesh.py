@@ -72,3 +72,97 @@ def test_plan_reason_mentions_incomplete_domains():
 def test_check_satisfiable(job, problem):
     found = check_satisfiable(job)
     assert (found is None) if problem is None else (problem in found)
+
+
+# --- hosts that differ: device counts and kinds ----------------------------------------
+
+def mixed(*counts, kinds=None, per_domain: int = 1) -> list[Candidate]:
+    """Hosts h0, h1, ... with these device counts (and kinds, default "cpu")."""
+    kinds = kinds or ["cpu"] * len(counts)
+    return [Candidate(f"h{i}", f"d{i // per_domain}", n, k)
+            for i, (n, k) in enumerate(zip(counts, kinds))]
+
+
+def typed(mesh: str, kind: str = "", **kw) -> JobSpec:
+    import dataclasses
+    return dataclasses.replace(spec(mesh, **kw), device_kind=kind)
+
+
+@pytest.mark.parametrize("case,job,candidates,hosts,per_host,shape,left_out", [
+    # the issue's case: one host lost a chip; the other three run without it
+    ("one degraded host left out", spec("data=-1,model=2", max_hosts=4), mixed(2, 2, 2, 1),
+     ("h0", "h1", "h2"), 2, (3, 2), {"h3": "reports 1 device; the slice's hosts use 2"}),
+    # 2x2 = 4 devices either way: whole hosts win (fewer hosts, none idle)
+    ("a tie goes to whole hosts", spec("data=-1,model=2", max_hosts=4), mixed(2, 2, 1, 1),
+     ("h0", "h1"), 2, (2, 2), {"h2": "reports 1 device; the slice's hosts use 2",
+                               "h3": "reports 1 device; the slice's hosts use 2"}),
+    # 4 hosts x 1 device beat 1 host x 2: the 2-device host uses one of them
+    ("a subset of every host when it puts more devices in the mesh",
+     spec("data=-1,model=2", max_hosts=4), mixed(2, 1, 1, 1),
+     ("h0", "h1", "h2", "h3"), 1, (2, 2), {}),
+    ("hosts with exactly the count are taken first", spec("data=-1", max_hosts=2, devices=2),
+     mixed(4, 2, 2), ("h1", "h2"), 2, (4,), {}),
+    ("fixed mesh: one 4-device host beats two 2-device ones",
+     spec("data=2,model=2", max_hosts=4), mixed(4, 2, 2), ("h0",), 4, (2, 2),
+     {"h1": "reports 2 devices; the slice's hosts use 4",
+      "h2": "reports 2 devices; the slice's hosts use 4"}),
+    ("job.devices_per_host = 1 makes every host use one", spec("data=-1", devices=1),
+     mixed(2, 2, 1), ("h0", "h1", "h2"), 1, (3,), {}),
+    ("job.devices_per_host = 2 leaves the 1-device host out", spec("data=-1", devices=2),
+     mixed(2, 2, 1), ("h0", "h1"), 2, (4,), {"h2": "reports 1 device; the slice's hosts use 2"}),
+    ("the kind with more devices", spec("data=-1"), mixed(2, 2, 2, 2, 2,
+                                                          kinds=["a", "a", "b", "b", "b"]),
+     ("h2", "h3", "h4"), 2, (6,),
+     {"h0": "reports devices of kind 'a'; the slice runs on 'b'",
+      "h1": "reports devices of kind 'a'; the slice runs on 'b'"}),
+    ("job.device_kind chooses", typed("data=-1", kind="a"),
+     mixed(2, 2, 2, 2, 2, kinds=["a", "a", "b", "b", "b"]), ("h0", "h1"), 2, (4,),
+     {h: "reports devices of kind 'b'; job.device_kind is 'a'" for h in ("h2", "h3", "h4")}),
+    # a TPU slice with one short host: the whole domain waits out, the other runs
+    ("a domain with a degraded host is left out whole",
+     spec("data=-1,model=2", per_domain=2, max_hosts=4), mixed(2, 2, 2, 1, per_domain=2),
+     ("h0", "h1"), 2, (2, 2), {"h2": "h3 in its failure domain d1 does not fit",
+                               "h3": "reports 1 device; the slice's hosts use 2"}),
+])
+def test_plan_with_hosts_that_differ(case, job, candidates, hosts, per_host, shape, left_out):
+    plan = plan_mesh(job, candidates)
+    assert (plan.hosts, plan.devices_per_host, plan.shape) == (hosts, per_host, shape), \
+        (case, plan.reason)
+    assert dict(plan.left_out) == left_out, case
+    for host in left_out:
+        assert host in plan.reason or len(left_out) > 1
+
+
+def test_plan_reason_says_which_option_it_chose_and_why():
+    tie = plan_mesh(spec("data=-1,model=2", max_hosts=4), mixed(2, 2, 1, 1))
+    assert "chosen over 4 hosts x 1 device (as many devices, on fewer hosts)" in tie.reason
+    more = plan_mesh(spec("data=-1,model=2", max_hosts=4), mixed(2, 2, 2, 1))
+    assert "chosen over 4 hosts x 1 device (more devices)" in more.reason
+    assert "left out: h3 (reports 1 device; the slice's hosts use 2)" in more.reason
+    subset = plan_mesh(spec("data=-1,model=2", max_hosts=4), mixed(2, 1, 1, 1))
+    assert "1 host uses 1 of its devices (h0)" in subset.reason
+
+
+@pytest.mark.parametrize("job,candidates,expected", [
+    (spec("data=-1,model=5", min_hosts=2), mixed(2, 2, 1),
+     "mesh data=-1,model=5 fits no slice of 2 to 3 of the 3 ready hosts (hosts with 1, 2 "
+     "devices"),
+    (spec("data=4,model=2", min_hosts=1), mixed(2, 2, 1),
+     "mesh data=4,model=2 fits no slice"),
+    (typed("data=-1", kind="tpu"), mixed(2, 2), "none of the 2 ready reports devices of kind "
+                                                "'tpu' (job.device_kind)"),
+])
+def test_a_spec_no_set_of_hosts_satisfies_says_why(job, candidates, expected):
+    plan = plan_mesh(job, candidates)
+    assert plan.hosts == () and expected in plan.reason, plan.reason
+
+
+def test_planning_thousands_of_mixed_hosts_is_linear_enough():
+    import time
+    candidates = mixed(*([8] * 3000 + [7] * 20 + [4] * 5))
+    t = time.perf_counter()
+    plan = plan_mesh(spec("data=-1,model=8", max_hosts=4096), candidates)
+    elapsed = time.perf_counter() - t
+    assert len(plan.hosts) == 3000 and plan.devices_per_host == 8
+    assert len(plan.left_out) == 25
+    assert elapsed < 5.0  # generous: a pass of the controller; ~0.05 s here

@@ -53,13 +53,15 @@ class Journal:
 
 @dataclasses.dataclass(frozen=True)
 class StartWorker:
-    """Tell `host` to start its worker as `process_id` of `num_processes`."""
+    """Tell `host` to start its worker as `process_id` of `num_processes`,
+    putting `devices_per_host` of its devices in the mesh (0: all)."""
 
     host: str
     generation: int
     process_id: int
     num_processes: int
     coordinator_address: str
+    devices_per_host: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,10 @@ class SliceState:
       SIGKILL to the workers still waiting (instead of letting the grace run).
     host_failures / quarantined: failures attributed to each host, and the
       hosts set aside (host -> (until, reason)).
+    devices_per_host / device_kind: what each member puts in the mesh.
+    left_out: host -> why the last plan could not use it (another device
+      kind, too few devices, an incomplete failure domain); journaled when
+      it changes.
     """
 
     phase: Phase = Phase.WAITING
@@ -130,6 +136,9 @@ class SliceState:
     waiting_journaled_at: float = float("-inf")
     host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+    devices_per_host: int = 0
+    device_kind: str = ""
+    left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
     exit_code: int | None = None
 
 
@@ -252,12 +261,35 @@ def _usable(record: HostRecord, state: SliceState) -> bool:
             and record.host_id not in state.quarantined and not record.preemption)
 
 
+def _candidate(record: HostRecord) -> Candidate:
+    return Candidate(record.host_id, record.failure_domain, record.devices, record.device_kind)
+
+
+def _note_left_out(state: SliceState, plan: MeshPlan, actions: list[Action]) -> SliceState:
+    """Keep the plan's left-out hosts in the state; journal each one whose
+    reason is new. (Not counted as a failure of anyone: the host is fine,
+    it only does not fit this slice.)"""
+    if dict(plan.left_out) == dict(state.left_out):
+        return state
+    for host, why in sorted(plan.left_out.items()):
+        if state.left_out.get(host) != why:
+            actions.append(Journal("host_left_out", state.generation, why, host,
+                                   {"devices_per_host": plan.devices_per_host,
+                                    "device_kind": plan.kind}))
+    return dataclasses.replace(state, left_out=dict(plan.left_out))
+
+
 def _enter(state: SliceState, phase: Phase, now: float, reason: str, **changes) -> SliceState:
     return dataclasses.replace(state, phase=phase, phase_since=now, reason=reason, **changes)
 
 
 def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
              actions: list[Action]) -> SliceState:
+    limit = spec.restart.waiting_timeout_s
+    if limit and now - state.phase_since >= limit:
+        return _fail(state, now, actions,
+                     f"no slice could start for {now - state.phase_since:.0f} s "
+                     f"(restart.waiting_timeout_s = {limit:g}); last: {state.reason}")
     heartbeating = len(view.hosts) - len(state.lost)
     if heartbeating < spec.min_hosts:  # O(1): no plan can start (thousands registering)
         reason = f"waiting for hosts: {heartbeating} heartbeating, min_hosts is {spec.min_hosts}"
@@ -265,8 +297,7 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             actions.append(Journal("waiting_for_hosts", state.generation, reason))
             return dataclasses.replace(state, reason=reason, waiting_journaled_at=now)
         return dataclasses.replace(state, reason=reason)
-    candidates = [Candidate(r.host_id, r.failure_domain, r.devices)
-                  for r in view.hosts.values() if _usable(r, state)]
+    candidates = [_candidate(r) for r in view.hosts.values() if _usable(r, state)]
     plan = plan_mesh(spec, candidates)
     if not plan.hosts:
         # journaled on entering the wait and then at most every 30 s (status
@@ -296,13 +327,17 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     reason = f"generation {generation} on {plan.reason}, coordinator {plan.hosts[0]} at {address}"
     actions.append(Journal("generation_started", generation, reason, None, {
         "hosts": list(plan.hosts), "mesh_shape": list(plan.shape),
+        "devices_per_host": plan.devices_per_host, "device_kind": plan.kind,
         "coordinator": address, "restarts": state.restarts}))
+    state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
     for rank, host in enumerate(plan.hosts):
-        actions.append(StartWorker(host, generation, rank, len(plan.hosts), address))
-    return _enter(state, Phase.STARTING, now, reason, generation=generation,
+        actions.append(StartWorker(host, generation, rank, len(plan.hosts), address,
+                                   plan.devices_per_host))
+    return _enter(state, Phase.STARTING, now, reason,
                   coordinator=address, members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
                                                          for h in plan.hosts),
                   progressed=False, grow_ready_since=None,
+                  devices_per_host=plan.devices_per_host, device_kind=plan.kind,
                   waiting_journaled_at=float("-inf"))
 
 
@@ -327,13 +362,22 @@ def _survivors_plan(state: SliceState, spec: JobSpec, candidates: list[Candidate
 
 def _member_failure(state: SliceState, view: ClusterView, host: str,
                     incarnation: str) -> tuple[float, str] | None:
-    """(when, why) if `host` failed in the current generation, else None."""
+    """(when, why) if `host` failed in the current generation, else None.
+    A member whose agent now counts fewer devices than the generation puts
+    in the mesh (a chip failed), or another kind, has failed too: its worker
+    cannot go on, and the next plan leaves it out or shrinks the mesh."""
     record = view.get(host)
     if record is None or host in state.lost:
         return (record.last_heartbeat_at if record else 0.0), f"host {host} lost"
     if record.incarnation != incarnation:
         return record.registered_at, (f"agent of host {host} restarted (incarnation "
                                       f"{incarnation} -> {record.incarnation})")
+    if state.devices_per_host and (record.devices < state.devices_per_host
+                                   or record.device_kind != state.device_kind):
+        kind = f" {record.device_kind}" if record.device_kind != state.device_kind else ""
+        return record.devices_changed_at, (
+            f"host {host} now reports {record.devices}{kind} device(s); generation "
+            f"{state.generation} uses {state.devices_per_host} per host")
     w = record.worker
     if w.generation == state.generation and w.state is WorkerState.EXITED and not w.succeeded:
         return record.exited_at, f"worker on host {host} exited with {w.describe_exit()}"
@@ -407,11 +451,11 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
             or len(view.hosts) <= len(state.members) or state.phase is not Phase.RUNNING:
         return state
     members = set(state.members)
-    candidates = [Candidate(r.host_id, r.failure_domain, r.devices)
-                  for r in view.hosts.values()
+    candidates = [_candidate(r) for r in view.hosts.values()
                   if r.host_id in members or _usable(r, state)]
     plan = plan_mesh(spec, candidates)
-    if len(plan.hosts) <= len(state.members):
+    state = _note_left_out(state, plan, actions)
+    if plan.devices <= len(state.members) * state.devices_per_host:
         return dataclasses.replace(state, grow_ready_since=None) \
             if state.grow_ready_since is not None else state
     ready_since = state.grow_ready_since if state.grow_ready_since is not None else now
@@ -419,6 +463,8 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     if policy == "after_checkpoint" and view.committed_at <= ready_since:
         return state
     why = (f"grow from {len(state.members)} to {len(plan.hosts)} hosts"
+           + (f" ({plan.devices_per_host} devices each)"
+              if plan.devices_per_host != state.devices_per_host else "")
            + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else ""))
     return _begin_stop(state, now, spec, actions, "grow", why, ())
 

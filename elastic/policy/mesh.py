@@ -1,25 +1,40 @@
-"""Mesh planner: which hosts a generation uses and the mesh shape it gets.
+"""Mesh planner: which hosts a generation uses, how many devices of each,
+and the mesh shape it gets.
 
 Pure: no devices, no JAX. A TPU slice (a failure domain of several hosts)
 cannot run with one host missing, so hosts are taken in whole failure
 domains only; a plain GPU or CPU host is a domain of one.
+
+Hosts differ: a chip fails, a GPU falls off the bus, a host comes back from
+repair with another count, a pool mixes accelerator kinds. One mesh needs
+the same device count on every process and one kind of device, so the
+planner considers, for each device kind and each device count `d` some host
+reports, the slice of whole failure domains whose hosts all have at least
+`d` devices of that kind, each using `d` of them. It takes the option that
+puts the most devices in the mesh; among equals, the one with more devices
+per host (fewer hosts, so fewer devices left idle on the hosts it uses).
+Hosts that fit no chosen option are left out, each with the reason. Kinetic's
+multi-host guide lists this "topology mismatch" among the common failures of
+multi-host JAX jobs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from elastic.config import JobSpec, MeshSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A host that could join: its id, failure domain and device count."""
+    """A host that could join: its id, failure domain, device count and
+    device kind ("" when its agent does not say)."""
 
     host_id: str
     failure_domain: str
     devices: int
+    kind: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +44,26 @@ class MeshPlan:
     hosts: host ids in rank order (rank 0 hosts the JAX coordinator).
     shape: mesh axis sizes in the spec's order, -1 resolved.
     reason: one line saying why.
+    devices_per_host: devices each host's worker puts in the mesh (a host
+      with more uses the first that many); 0 in an empty plan.
+    kind: the device kind of the slice's hosts.
+    left_out: host -> why, for candidates the plan cannot use: another
+      device kind, fewer devices than the slice uses per host, or an
+      incomplete failure domain. (Hosts left over only because the mesh or
+      `max_hosts` needs no more are not listed: they are spares.)
     """
 
     hosts: tuple[str, ...]
     shape: tuple[int, ...]
     reason: str
+    devices_per_host: int = 0
+    kind: str = ""
+    left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def devices(self) -> int:
+        """Devices in the mesh."""
+        return len(self.hosts) * self.devices_per_host
 
 
 def mesh_shape(mesh: MeshSpec, total_devices: int) -> tuple[int, ...] | None:
@@ -52,43 +82,163 @@ def mesh_shape(mesh: MeshSpec, total_devices: int) -> tuple[int, ...] | None:
     return tuple(size for _, size in mesh.axes) if fixed == total_devices else None
 
 
-def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
-    """Choose the largest valid set of whole failure domains.
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
-    A domain counts only when all `spec.hosts_per_failure_domain` of its hosts
-    are candidates. Domains are taken in sorted order of their name; hosts in a
-    domain in sorted order of their id; ranks are dense. The plan uses at most
-    `spec.max_hosts` hosts and at least `spec.min_hosts`; it uses the device
-    count of the fewest-device host for every host (a mesh needs the same
-    count per host). An empty plan carries the reason (below min_hosts, or no
-    host count that fits the mesh).
-    """
-    per_domain = spec.hosts_per_failure_domain
-    domains: dict[str, list[Candidate]] = {}
-    for c in candidates:
-        domains.setdefault(c.failure_domain, []).append(c)
-    whole = [sorted(members, key=lambda c: c.host_id)
-             for _, members in sorted(domains.items())
-             if len(members) == per_domain]
-    partial = len(domains) - len(whole)
-    note = f" ({partial} incomplete failure domain(s) left out)" if partial else ""
-    usable = len(whole) * per_domain
-    if usable < spec.min_hosts:
-        return MeshPlan((), (), f"waiting for hosts: {usable} usable in whole failure domains, "
-                                f"min_hosts is {spec.min_hosts}{note}")
-    max_domains = min(len(whole), spec.max_hosts // per_domain)
-    for n_domains in range(max_domains, 0, -1):
-        hosts = [c for domain in whole[:n_domains] for c in domain]
+
+def _kind_text(kind: str) -> str:
+    return kind or "unreported kind"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    hosts: tuple[Candidate, ...]
+    shape: tuple[int, ...]
+    per_host: int
+    kind: str
+
+    @property
+    def devices(self) -> int:
+        return len(self.hosts) * self.per_host
+
+    def describe(self) -> str:
+        return f"{_plural(len(self.hosts), 'host')} x {_plural(self.per_host, 'device')}"
+
+
+def _best_slice(spec: JobSpec, domains: Sequence[tuple[str, list[Candidate]]], kind: str,
+                per_host: int) -> _Option | None:
+    """The most hosts, in whole failure domains of `kind` hosts with at least
+    `per_host` devices each, whose devices fit the mesh; None if none does.
+    When not every domain is needed, those whose hosts have exactly
+    `per_host` devices are taken first (no device left idle), then by name;
+    the ones taken are ranked by name."""
+    size = spec.hosts_per_failure_domain
+    whole = [(sum(c.devices - per_host for c in members), name, members)
+             for name, members in domains
+             if len(members) == size and all(c.kind == kind and c.devices >= per_host
+                                             for c in members)]
+    whole.sort(key=lambda entry: entry[:2])
+    for n_domains in range(min(len(whole), spec.max_hosts // size), 0, -1):
+        hosts = tuple(c for _, _, members in sorted(whole[:n_domains], key=lambda e: e[1])
+                      for c in members)
         if len(hosts) < spec.min_hosts:
-            break
-        devices = min(c.devices for c in hosts)
-        shape = mesh_shape(spec.mesh, devices * len(hosts))
+            return None
+        shape = mesh_shape(spec.mesh, per_host * len(hosts))
         if shape is not None:
-            axes = ", ".join(f"{name}={size}" for name, size in zip(spec.mesh.names, shape))
-            return MeshPlan(tuple(c.host_id for c in hosts), shape,
-                            f"{len(hosts)} hosts x {devices} devices, mesh ({axes}){note}")
-    return MeshPlan((), (), f"no host count from {spec.min_hosts} to {usable} fits mesh "
-                            f"{spec.mesh.to_text()}{note}")
+            return _Option(hosts, shape, per_host, kind)
+    return None
+
+
+def _left_out(spec: JobSpec, domains: Sequence[tuple[str, list[Candidate]]],
+              chosen: _Option | None) -> dict[str, str]:
+    """Why each candidate outside `chosen` cannot be in it (spares omitted)."""
+    size = spec.hosts_per_failure_domain
+    why: dict[str, str] = {}
+    for name, members in domains:
+        misfits = {}
+        for c in members:
+            if spec.device_kind and c.kind != spec.device_kind:
+                misfits[c.host_id] = (f"reports devices of kind {_kind_text(c.kind)!r}; "
+                                      f"job.device_kind is {spec.device_kind!r}")
+            elif chosen is not None and c.kind != chosen.kind:
+                misfits[c.host_id] = (f"reports devices of kind {_kind_text(c.kind)!r}; the "
+                                      f"slice runs on {_kind_text(chosen.kind)!r}")
+            elif chosen is not None and c.devices < chosen.per_host:
+                misfits[c.host_id] = (f"reports {_plural(c.devices, 'device')}; the slice's "
+                                      f"hosts use {chosen.per_host}")
+        why.update(misfits)
+        if len(members) != size:
+            for c in members:
+                why.setdefault(c.host_id, f"failure domain {name} has {len(members)} of its "
+                                          f"{size} hosts ready")
+        elif misfits:
+            first = sorted(misfits)[0]
+            for c in members:
+                why.setdefault(c.host_id, f"{first} in its failure domain {name} does not fit")
+    if chosen is not None:
+        for c in chosen.hosts:
+            why.pop(c.host_id, None)
+    return why
+
+
+def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
+    """Choose the hosts, the devices per host and the mesh shape.
+
+    Options: for each device kind (only `spec.device_kind` when set) and each
+    per-host device count (only `spec.devices_per_host` when set, else every
+    count some host of that kind reports), the largest slice of whole failure
+    domains (all `spec.hosts_per_failure_domain` hosts present, all of that
+    kind with at least that many devices) between `spec.min_hosts` and
+    `spec.max_hosts` hosts whose device total fits the mesh. The plan is the
+    option with the most devices in the mesh; ties go to more devices per
+    host, then to the kind first in sorted order. Ranks are dense, in domain
+    order (see `_best_slice`), hosts of a domain by id. An empty plan says
+    why nothing fits. O(candidates x distinct counts).
+    """
+    grouped: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        grouped.setdefault(c.failure_domain, []).append(c)
+    domains = [(name, sorted(members, key=lambda c: c.host_id))
+               for name, members in sorted(grouped.items())]
+    kinds = sorted({c.kind for c in candidates})
+    if spec.device_kind:
+        kinds = [k for k in kinds if k == spec.device_kind]
+    options = []
+    for kind in kinds:
+        counts = ({spec.devices_per_host} if spec.devices_per_host else
+                  {c.devices for c in candidates if c.kind == kind})
+        for per_host in sorted(counts, reverse=True):
+            option = _best_slice(spec, domains, kind, per_host)
+            if option is not None:
+                options.append(option)
+    best = max(options, key=lambda o: (o.devices, o.per_host), default=None)
+    left_out = _left_out(spec, domains, best)
+    incomplete = sum(len(members) != spec.hosts_per_failure_domain for _, members in domains)
+    note = f" ({incomplete} incomplete failure domain(s) left out)" if incomplete else ""
+    if best is None:
+        return MeshPlan((), (), _no_fit(spec, candidates, domains) + note, left_out=left_out)
+    axes = ", ".join(f"{name}={size}" for name, size in zip(spec.mesh.names, best.shape))
+    reason = f"{best.describe()}, mesh ({axes})"
+    partial = [c for c in best.hosts if c.devices > best.per_host]
+    if partial:
+        reason += (f"; {_plural(len(partial), 'host')} "
+                   f"{'uses' if len(partial) == 1 else 'use'} {best.per_host} of "
+                   f"{'its' if len(partial) == 1 else 'their'} devices "
+                   f"({', '.join(c.host_id for c in partial[:3])}"
+                   f"{', ...' if len(partial) > 3 else ''})")
+    runner_up = max((o for o in options if o is not best and
+                     (o.per_host, o.kind) != (best.per_host, best.kind)),
+                    key=lambda o: (o.devices, o.per_host), default=None)
+    if runner_up is not None:
+        why = ("more devices" if runner_up.devices < best.devices
+               else "as many devices, on fewer hosts")
+        reason += f"; chosen over {runner_up.describe()} ({why})"
+    if left_out:
+        first = sorted(left_out)[0]
+        more = f" and {len(left_out) - 1} more" if len(left_out) > 1 else ""
+        reason += f"; left out: {first} ({left_out[first]}){more}"
+    return MeshPlan(tuple(c.host_id for c in best.hosts), best.shape, reason + note,
+                    best.per_host, best.kind, left_out)
+
+
+def _no_fit(spec: JobSpec, candidates: Sequence[Candidate],
+            domains: Sequence[tuple[str, list[Candidate]]]) -> str:
+    """Why no option fits: too few hosts, or no device total fits the mesh."""
+    size = spec.hosts_per_failure_domain
+    usable = sum(len(members) for _, members in domains if len(members) == size)
+    if usable < spec.min_hosts:
+        return (f"waiting for hosts: {usable} usable in whole failure domains, "
+                f"min_hosts is {spec.min_hosts}")
+    if spec.device_kind and not any(c.kind == spec.device_kind for c in candidates):
+        return (f"waiting for hosts: none of the {len(candidates)} ready reports devices "
+                f"of kind {spec.device_kind!r} (job.device_kind)")
+    counts = sorted({c.devices for c in candidates})
+    shown = ", ".join(str(n) for n in counts[:8]) + (", ..." if len(counts) > 8 else "")
+    per_host = (f"job.devices_per_host = {spec.devices_per_host}" if spec.devices_per_host
+                else f"hosts with {shown} devices")
+    return (f"mesh {spec.mesh.to_text()} fits no slice of {spec.min_hosts} to "
+            f"{min(usable, spec.max_hosts)} of the {len(candidates)} ready hosts "
+            f"({per_host}, in whole failure domains of {size})")
 
 
 def check_satisfiable(spec: JobSpec) -> str | None:

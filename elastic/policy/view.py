@@ -85,6 +85,9 @@ class HostRecord:
     # Why the host is being taken away ("" if it is not), and since when.
     preemption: str = ""
     preempted_at: float = 0.0
+    device_kind: str = ""
+    # When its agent last reported a different device count or kind (0: never).
+    devices_changed_at: float = 0.0
 
 
 # --- events (made by the servicer from messages) ---------------------------
@@ -100,17 +103,22 @@ class Registered:
     agent_pid: int
     free_port: int
     worker: WorkerObs
+    device_kind: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class HeartbeatReceived:
     """A heartbeat: the whole worker status, a free port for a coordinator,
-    and the preemption reason once the host is being taken away."""
+    the preemption reason once the host is being taken away, and the host's
+    device count and kind as its agent counts them now (devices 0: not
+    reported)."""
     host_id: str
     incarnation: str
     worker: WorkerObs
     free_port: int
     preemption: str = ""
+    devices: int = 0
+    device_kind: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +260,20 @@ def _note_commit(view: ClusterView, record: HostRecord, generation: int,
                  f"checkpoint step {committed_step} committed", {"step": committed_step})]
 
 
+def _devices_changed(record: HostRecord, devices: int, kind: str, now: float) -> list[Fact]:
+    """The journal fact for a host whose agent now reports other devices
+    than `devices` of `kind` (none if it does not); notes when."""
+    if (devices, kind) == (record.devices, record.device_kind):
+        return []
+    record.devices_changed_at = now
+    was = f"{devices} {kind}".strip()
+    now_has = f"{record.devices} {record.device_kind}".strip()
+    return [Fact("host_devices_changed", record.host_id, record.worker.generation,
+                 f"its agent now counts {now_has} device(s); it had {was}",
+                 {"devices": record.devices, "device_kind": record.device_kind,
+                  "previous_devices": devices, "previous_device_kind": kind})]
+
+
 def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fact]]:
     """Fold `event` (received at `now`) into `view`.
 
@@ -266,18 +288,23 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             host_id=event.host_id, incarnation=event.incarnation, devices=event.devices,
             address=event.address, failure_domain=event.failure_domain,
             agent_pid=event.agent_pid, registered_at=now, last_heartbeat_at=now,
-            free_port=event.free_port, worker=event.worker)
+            free_port=event.free_port, worker=event.worker, device_kind=event.device_kind)
         view.hosts[event.host_id] = record
         view.last_registration_at = now
         view.disconnected.pop(event.host_id, None)
         if old is not None and old.incarnation == event.incarnation:
             record.exited_at, record.first_step_at = old.exited_at, old.first_step_at
-            return True, []  # a reconnect of the same agent process
+            record.devices_changed_at = old.devices_changed_at
+            # a reconnect of the same agent process, which may have counted
+            # its devices again meanwhile
+            return True, _devices_changed(record, old.devices, old.device_kind, now)
         replaced = f", replacing incarnation {old.incarnation}" if old else ""
+        kind = f" ({event.device_kind})" if event.device_kind else ""
         return True, [Fact("host_registered", event.host_id, event.worker.generation,
-                           f"{event.devices} devices at {event.address}, failure domain "
+                           f"{event.devices} devices{kind} at {event.address}, failure domain "
                            f"{event.failure_domain}{replaced}",
                            {"incarnation": event.incarnation, "devices": event.devices,
+                            "device_kind": event.device_kind,
                             "agent_pid": event.agent_pid})]
     record = view.hosts.get(event.host_id)
     if record is None or record.incarnation != event.incarnation:
@@ -288,6 +315,11 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         facts = _note_commit(view, record, event.worker.generation,
                              event.worker.committed_step, now)
         changed = _merge_worker(record, event.worker, now)
+        if event.devices and (event.devices, event.device_kind) != (record.devices,
+                                                                     record.device_kind):
+            old = record.devices, record.device_kind
+            record.devices, record.device_kind = event.devices, event.device_kind
+            facts += _devices_changed(record, *old, now)
         if event.preemption and not record.preemption:
             record.preemption, record.preempted_at = event.preemption, now
             facts.append(Fact("preemption_notice", event.host_id, event.worker.generation,
