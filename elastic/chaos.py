@@ -16,6 +16,10 @@ Fault kinds (each journaled as `fault_injected`):
   host comes back after its agent exits;
 - kill-during-save: SIGKILL a worker right after a checkpoint save starts
   (the async write is in flight);
+- lose-device: take one device node away from a host (elastic.simdevices: a
+  chip that failed; its agent reports fewer devices at its next heartbeat)
+  and give it back after heartbeat_timeout_s + 2 s (repaired); skipped on a
+  host with one device left;
 - partition: cut a host off the network. Only where the tool put the host in
   a network namespace of its own; `elasticd local` hosts share the root
   namespace, so it is skipped with a journaled message (`fault_skipped`).
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import random
 import signal
 import threading
@@ -33,6 +38,7 @@ from collections.abc import Callable
 
 import grpc
 
+from elastic import simdevices
 from elastic.controller.journal import JournalTail, JournalWriter
 from elastic.controller.status import fetch_status, slice_step
 from elastic.faults import Fault
@@ -40,7 +46,7 @@ from elastic.procs import alive, signal_group, signal_pid
 from elastic.security.tls import TLSFiles
 
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
-               "kill-during-save", "partition")
+               "kill-during-save", "partition", "lose-device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +250,16 @@ class Chaos(threading.Thread):
             signal_pid(agent, signal.SIGSTOP)
             self._record(kind, host, status, [agent])
             self._later(self.away_s, lambda: signal_pid(agent, signal.SIGCONT))
+        elif kind == "lose-device":
+            path = simdevices.device_dir(pathlib.Path(self.state_dir), h)
+            name = simdevices.remove_device(path)
+            if name is None:
+                self.journal.write(time.time(), "fault_skipped", status.generation,
+                                   "lose-device: the host has one device left", h,
+                                   {"fault": kind})
+                return
+            self._record(kind, host, status, [], f"device {name} removed")
+            self._later(self.away_s, lambda: simdevices.restore_device(path, name))
         elif kind == "preempt":
             signal_pid(agent, signal.SIGTERM)
             self._record(kind, host, status, [agent])

@@ -75,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     local = sub.add_parser("local", help="controller and N simulated hosts on this machine")
     local.add_argument("--config", required=True, help="job spec (TOML)")
     local.add_argument("--hosts", type=int, default=4)
-    local.add_argument("--devices-per-host", type=int, default=2)
+    local.add_argument("--devices-per-host", default="2", metavar="D[,D...]",
+                       help="devices of each simulated host: one count for all, or one per "
+                            "host, e.g. 2,2,2,1 for a host with a failed chip (default 2)")
     local.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
     local.add_argument("--quiet", action="store_true", help="do not print the journal")
     local.add_argument("--fault", action="append", default=[], metavar="KIND:HOST@TRIGGER",
@@ -263,8 +265,19 @@ def _local(args) -> int:
     from elastic.faults import parse_fault
     from elastic.local import run_local
 
-    if not 1 <= args.hosts <= 256 or not 1 <= args.devices_per_host <= 256:
-        raise UsageError("--hosts and --devices-per-host must be from 1 to 256")
+    from elastic.local import host_devices
+
+    if not 1 <= args.hosts <= 256:
+        raise UsageError("--hosts must be from 1 to 256")
+    parts = args.devices_per_host.split(",")
+    if not all(part.strip().isdigit() for part in parts):
+        raise UsageError(f"--devices-per-host {args.devices_per_host!r}: expected a count, or "
+                         f"one count per host separated by commas")
+    counts = [int(part) for part in parts]
+    try:
+        devices = host_devices(args.hosts, counts[0] if len(counts) == 1 else counts)
+    except ValueError as e:
+        raise UsageError(f"--devices-per-host: {e}") from None
     spec = _load(args.config)
     try:
         faults = [parse_fault(text) for text in args.fault]
@@ -272,7 +285,7 @@ def _local(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        return run_local(args.config, spec, args.hosts, args.devices_per_host, args.state_dir,
+        return run_local(args.config, spec, args.hosts, devices, args.state_dir,
                          quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,
                          chaos=chaos, insecure=args.insecure)
     except NotADirectoryError as e:

@@ -3,7 +3,8 @@ machine, simulated hosts for trying a job and for tests.
 
 Layout under the state directory: `events.jsonl` (the journal),
 `controller.log`, `hosts/<host-id>.log` (each agent and its worker's
-output), `local.json` (controller address and every agent's command line and
+output), `hosts/<host-id>/dev` (its device nodes, see elastic.simdevices),
+`local.json` (controller address and every agent's command line and
 pid, for tools and tests that act on the slice).
 
 The controller and agents share this launcher's process group; each worker
@@ -25,9 +26,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import grpc
 
+from elastic import simdevices
 from elastic.agent import snapshot_dir
 from elastic.config import JobSpec
 from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
@@ -89,15 +92,19 @@ def allow_args(spec: JobSpec, path: str) -> list[str]:
     return args
 
 
-def agent_argv(address: str, host_id: str, devices: int, failure_domain: str,
+def agent_argv(address: str, host_id: str, failure_domain: str,
                state_dir: pathlib.Path, spec: JobSpec, insecure: bool = False,
                metadata_url: str | None = None) -> list[str]:
-    """The command line of one simulated host's agent: its own certificate
-    bundle under STATE_DIR/tls (or --insecure) and an allow-list of exactly
-    the job's command (`allow_args`). `metadata_url` may hold "{host}",
-    replaced by the host id (one fake metadata path per host)."""
+    """The command line of one simulated host's agent: its device nodes in
+    STATE_DIR/hosts/HOST/dev (elastic.simdevices; counted like a real
+    host's, kind "cpu"), its own certificate bundle under STATE_DIR/tls
+    (or --insecure) and an allow-list of exactly the job's command
+    (`allow_args`). `metadata_url` may hold "{host}", replaced by the host
+    id (one fake metadata path per host)."""
     argv = [sys.executable, "-m", "elastic.agent.main", "--controller", address,
-            "--host-id", host_id, "--devices", str(devices), "--address", "127.0.0.1",
+            "--host-id", host_id, "--address", "127.0.0.1",
+            "--device-dir", str(simdevices.device_dir(state_dir, host_id)),
+            "--device-kind", "cpu",
             "--failure-domain", failure_domain, "--job-id", spec.job_id,
             "--state-dir", str(state_dir / "agents" / host_id),
             # one machine: its simulated hosts share one executable cache, as
@@ -136,16 +143,32 @@ def _wait_for_address(state_dir: pathlib.Path, controller: subprocess.Popen,
     return None
 
 
-def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
-                state_dir: pathlib.Path, metadata_url: str | None = None,
-                insecure: bool = False) -> LocalSlice:
+def host_devices(hosts: int, devices_per_host: int | Sequence[int]) -> list[int]:
+    """Each simulated host's device count: one count for all, or one per
+    host. Raises ValueError when a list's length is not `hosts` or a count
+    is not from 1 to 256."""
+    counts = [devices_per_host] * hosts if isinstance(devices_per_host, int) \
+        else list(devices_per_host)
+    if len(counts) != hosts:
+        raise ValueError(f"{len(counts)} device counts for {hosts} hosts; give one count, or "
+                         f"one per host")
+    if not all(1 <= n <= 256 for n in counts):
+        raise ValueError(f"device counts must be from 1 to 256, got {counts}")
+    return counts
+
+
+def start_slice(spec_path: str, spec: JobSpec, hosts: int,
+                devices_per_host: int | Sequence[int], state_dir: pathlib.Path,
+                metadata_url: str | None = None, insecure: bool = False) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
-    `hosts` agents.
+    `hosts` agents, each with `devices_per_host` devices (one count, or
+    one per host: a host with a failed chip has fewer).
 
     Raises RuntimeError when the controller exits or does not listen within
     30 s (its log says why); NotADirectoryError / PermissionError when the
-    state directory cannot be made private."""
+    state directory cannot be made private; ValueError for bad device counts."""
+    counts = host_devices(hosts, devices_per_host)
     private_dir(state_dir)
     private_dir(state_dir / "hosts")
     (state_dir / ADDRESS_FILE).unlink(missing_ok=True)
@@ -173,7 +196,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int
     per_domain = spec.hosts_per_failure_domain
     agents, argvs = {}, {}
     for i, host_id in enumerate(host_ids):
-        argv = agent_argv(address, host_id, devices_per_host, f"domain-{i // per_domain}",
+        simdevices.set_devices(simdevices.device_dir(state_dir, host_id), counts[i])
+        argv = agent_argv(address, host_id, f"domain-{i // per_domain}",
                           state_dir, spec, insecure, metadata_url)
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -347,7 +371,8 @@ def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None,
     return 0
 
 
-def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
+def run_local(spec_path: str, spec: JobSpec, hosts: int,
+              devices_per_host: int | Sequence[int],
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
               progress_every_s: float = 5.0, metadata_url: str | None = None,
               chaos: ChaosSpec | None = None, insecure: bool = False) -> int:
@@ -374,8 +399,11 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int, devices_per_host: int,
     try:
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
                             insecure)
+        counts = host_devices(hosts, devices_per_host)
+        devices = (f"{counts[0]} devices" if len(set(counts)) == 1
+                   else f"{'/'.join(map(str, counts))} devices")
         print(f"elasticd local: controller at {local.address}, {hosts} hosts x "
-              f"{devices_per_host} devices, state in {state}", flush=True)
+              f"{devices}, state in {state}", flush=True)
         if faults or chaos:
             injector = Chaos(chaos, local.address, local.tls, state,
                              lambda h: restart_agent(local, h),

@@ -74,10 +74,11 @@ def pki(tmp_path_factory) -> PKI:
     return PKI(tmp_path_factory.mktemp("pki"))
 
 
-@pytest.fixture
-def proc_env():
-    """Environment for processes a test starts; fails the test if any of
-    them (or their descendants) is still alive 10 s after the test."""
+@contextlib.contextmanager
+def guarded_env():
+    """Yield an environment for processes to start; on the way out, fail
+    (AssertionError) if any of them (or their descendants) is still alive
+    10 s later, after killing them."""
     tag = uuid.uuid4().hex
     env = dict(os.environ, ELASTIC_TEST_TAG=tag, PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -91,6 +92,14 @@ def proc_env():
         except OSError:
             pass
     assert not left, f"processes left behind by the test: {left}"
+
+
+@pytest.fixture
+def proc_env():
+    """Environment for processes a test starts; fails the test if any of
+    them (or their descendants) is still alive 10 s after the test."""
+    with guarded_env() as env:
+        yield env
 
 
 @contextlib.contextmanager
@@ -299,3 +308,58 @@ def local_job(tmp_path, proc_env):
     yield start
     for job in jobs:
         job.close()
+
+
+def lm_samples(path: pathlib.Path) -> list[dict]:
+    """The per-step lines a reference-model run wrote with --sample-log."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+#: How far a disturbed run's final loss may be from the undisturbed run's
+#: (why 1e-3 nats: tests/test_training.py's docstring).
+LM_TOLERANCE_NATS = 1e-3
+
+
+def assert_matches_reference(samples: list[dict], reference: dict[int, dict]) -> float:
+    """Check a disturbed run against `lm_reference`: every step drew the
+    same samples, every step of the reference was trained, and the final
+    loss is within LM_TOLERANCE_NATS. Returns the largest per-step loss
+    difference (nats)."""
+    seen = set()
+    worst = 0.0
+    for line in samples:
+        step = line["step"]
+        assert line["ids"] == reference[step]["ids"], f"step {step} drew other samples"
+        worst = max(worst, abs(line["loss"] - reference[step]["loss"]))
+        seen.add(step)
+    assert seen == set(reference)
+    final, final_ref = samples[-1]["loss"], reference[max(reference)]["loss"]
+    assert abs(final - final_ref) <= LM_TOLERANCE_NATS, (final_ref, final)
+    return worst
+
+
+def lm_run_spec(tmp_path: pathlib.Path, name: str, grow: str = "never") -> pathlib.Path:
+    """The reference model for 40 steps (checkpoints every 10), logging its
+    samples and loss per step to tmp_path/NAME-samples.jsonl; 2 to 4 hosts."""
+    return lm_spec(tmp_path / f"{name}.toml", "lm-test",
+                   ["--steps", "40", "--checkpoint-every", "10", "--eval-every", "1000",
+                    "--sample-log", str(tmp_path / f"{name}-samples.jsonl")],
+                   min_hosts=2, max_hosts=4, heartbeat_timeout_s=2.0,
+                   job_extra=f'checkpoint_dir = "{tmp_path / (name + "-ckpt")}"', grow=grow)
+
+
+@pytest.fixture(scope="session")
+def lm_reference(tmp_path_factory) -> dict[int, dict]:
+    """step -> sample line of an undisturbed run of `lm_run_spec` on 4 hosts
+    x 2 devices, run once per session for the tests that compare a disturbed
+    run with it."""
+    tmp = tmp_path_factory.mktemp("lm-reference")
+    with guarded_env() as env:
+        job = LocalJob(lm_run_spec(tmp, "ref"), tmp / "state", env, hosts=4, devices=2)
+        try:
+            assert job.wait(240) == 0, job.output()
+        finally:
+            job.close()
+    reference = {s["step"]: s for s in lm_samples(tmp / "ref-samples.jsonl")}
+    assert sorted(reference) == list(range(40))
+    return reference

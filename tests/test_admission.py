@@ -16,10 +16,11 @@ PLAUSIBLE = adm.Plausible(generation=5, known_step=1_000)
 
 
 def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.0.2",
-             domain="", free_port=0, pid=7, **worker) -> pb.RegisterRequest:
+             domain="", free_port=0, pid=7, kind="", **worker) -> pb.RegisterRequest:
     return pb.RegisterRequest(
         header=pb.Header(job_id=job, host_id=host, incarnation=incarnation),
-        devices=devices, address=address, failure_domain=domain, free_port=free_port,
+        devices=devices, device_kind=kind, address=address, failure_domain=domain,
+        free_port=free_port,
         agent_pid=pid, worker=pb.WorkerStatus(**{"step": -1, "committed_step": -1, **worker}))
 
 
@@ -37,6 +38,9 @@ def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.
     (register(incarnation=""), HOST_H0, "invalid", "incarnation '' is not valid"),
     (register(devices=0), HOST_H0, "invalid", "reports 0 devices"),
     (register(devices=10**6), HOST_H0, "invalid", "need 1 to 65536"),
+    (register(kind="NVIDIA H100 80GB HBM3"), HOST_H0, None, None),
+    (register(kind="tpu\n"), HOST_H0, "invalid", "device kind 'tpu\\n'"),
+    (register(kind="x" * 65), HOST_H0, "invalid", "a kind is 1 to 64"),
     (register(address="a b"), HOST_H0, "invalid", "is not a host name or IP"),
     (register(address="[fe80::1%eth0]"), HOST_H0, None, None),
     (register(domain="rack/1"), HOST_H0, "invalid", "failure domain 'rack/1'"),
@@ -64,6 +68,11 @@ def message(generation=5, **body) -> pb.AgentMessage:
      "heartbeat: step 1000000000000000000 is more than"),
     (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(generation=9))), None, None),
     (message(heartbeat=pb.Heartbeat(sent_at=float("nan"))), "invalid", "sent_at finite"),
+    (message(heartbeat=pb.Heartbeat(devices=1, device_kind="tpu")), None, None),
+    (message(heartbeat=pb.Heartbeat(devices=-1)), "invalid", "heartbeat reports -1 devices"),
+    (message(heartbeat=pb.Heartbeat(device_kind="tpu")), "invalid", "reports 0 devices"),
+    (message(heartbeat=pb.Heartbeat(devices=2, device_kind="<script>")), "invalid",
+     "device kind '<script>'"),
     (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(metrics={"loss": float("inf")}))),
      "invalid", "metric loss is inf"),
     (message(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(metrics={"a\nb": 1.0}))),

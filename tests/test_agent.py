@@ -63,3 +63,28 @@ def test_agent_ignores_sighup(tmp_path, proc_env):
         assert agent.poll() is None
         assert stop(agent, signal.SIGINT) == 0
     assert "INSECURE" in log.read_text()
+
+
+def test_devices_are_counted_from_device_nodes(tmp_path):
+    from elastic import simdevices
+    from elastic.agent.host import Devices, discover_devices
+
+    dev, proc = tmp_path / "dev", tmp_path / "proc"
+    dev.mkdir()
+    assert discover_devices(str(dev), str(proc)) == Devices(1, "cpu")
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (dev / name).touch()
+    assert discover_devices(str(dev), str(proc)) == Devices(2, "gpu")  # no driver info
+    info = proc / "driver/nvidia/gpus/0000:04:00.0/information"
+    info.parent.mkdir(parents=True)
+    info.write_text("Model: \t\t NVIDIA H100 80GB HBM3\nIRQ: 42\n")
+    assert discover_devices(str(dev), str(proc)) == Devices(2, "NVIDIA H100 80GB HBM3")
+    # TPU nodes come first; a simulated host's nodes are TPU-style
+    simdevices.set_devices(dev, 4)
+    assert discover_devices(str(dev), str(proc)) == Devices(4, "tpu")
+    assert simdevices.remove_device(dev) == "accel3"
+    assert discover_devices(str(dev), str(proc)).count == 3
+    simdevices.restore_device(dev, "accel3")
+    simdevices.set_devices(dev, 1)
+    assert discover_devices(str(dev), str(proc)).count == 1
+    assert simdevices.remove_device(dev) is None  # a host keeps one

@@ -1,42 +1,26 @@
-"""The reference model trains through a host failure on a rebuilt mesh and
-ends where an undisturbed run ends.
+"""The reference model trains through a host failure on a rebuilt mesh and ends
+where an undisturbed run ends.
 
-Tolerance on the final loss: 1e-3 nats. Both runs see the same samples at
-every step (asserted exactly) and the same padded-mean loss; what may differ is
-float32 summation order (4 data shards before the failure, 3 after, so
-gradients are reduced in another order), which Adam can amplify a little each
-step. Measured on this machine (2026-11-21): per-step losses of recomputed and
-later steps differ by at most 5e-7 nats from the undisturbed run, and the final
-losses were equal. 1e-3 is three orders above that noise and one below what a
-real fault causes at this point of training (a skipped or repeated batch, or a
-wrong restored state, moves the loss by 1e-2 nats or more).
+Tolerance on the final loss (conftest.LM_TOLERANCE_NATS): 1e-3 nats. Both runs
+see the same samples at every step (asserted exactly) and the same padded-mean
+loss; what may differ is float32 summation order (4 data shards before the
+failure, 3 after, so gradients are reduced in another order), which Adam can
+amplify a little each step. Measured on this machine (2026-11-21): per-step
+losses of recomputed and later steps differ by at most 5e-7 nats from the
+undisturbed run, and the final losses were equal. 1e-3 is three orders above
+that noise and one below what a real fault causes at this point of training (a
+skipped or repeated batch, or a wrong restored state, moves the loss by 1e-2
+nats or more).
 """
 
 from __future__ import annotations
 
-import json
-
-from tests.conftest import lm_spec
-
-TOLERANCE_NATS = 1e-3
+from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples
 
 
-def spec(tmp_path, name: str):
-    return lm_spec(tmp_path / f"{name}.toml", "lm-test",
-                   ["--steps", "40", "--checkpoint-every", "10", "--eval-every", "1000",
-                    "--sample-log", str(tmp_path / f"{name}-samples.jsonl")],
-                   min_hosts=2, max_hosts=4, heartbeat_timeout_s=2.0,
-                   job_extra=f'checkpoint_dir = "{tmp_path / (name + "-ckpt")}"', grow="never")
-
-
-def samples(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def test_training_through_a_lost_host_matches_undisturbed_run(tmp_path, local_job):
-    reference = local_job(spec(tmp_path, "ref"), hosts=4, devices=2, name="ref")
-    assert reference.wait(240) == 0, reference.output()
-    faulty = local_job(spec(tmp_path, "fault"), hosts=4, devices=2, name="fault",
+def test_training_through_a_lost_host_matches_undisturbed_run(tmp_path, local_job,
+                                                              lm_reference):
+    faulty = local_job(lm_run_spec(tmp_path, "fault"), hosts=4, devices=2, name="fault",
                        faults=("kill-host:host-1@step=25",))
     assert faulty.wait(240) == 0, faulty.output()
 
@@ -56,16 +40,8 @@ def test_training_through_a_lost_host_matches_undisturbed_run(tmp_path, local_jo
     else:
         assert restored["step"] == max(committed)
 
-    ref = {s["step"]: s for s in samples(tmp_path / "ref-samples.jsonl")}
-    assert sorted(ref) == list(range(40))
-    seen = set()
-    for line in samples(tmp_path / "fault-samples.jsonl"):
-        assert line["ids"] == ref[line["step"]]["ids"], f"step {line['step']} drew other samples"
-        seen.add(line["step"])
-    assert seen == set(range(40))
-    final_ref, final_fault = ref[39]["loss"], samples(tmp_path / "fault-samples.jsonl")[-1]["loss"]
-    assert abs(final_ref - final_fault) <= TOLERANCE_NATS, (final_ref, final_fault)
+    assert_matches_reference(lm_samples(tmp_path / "fault-samples.jsonl"), lm_reference)
     # the step right after the restore recomputes the checkpointed step's successor
-    recomputed = [s for s in samples(tmp_path / "fault-samples.jsonl")
+    recomputed = [s for s in lm_samples(tmp_path / "fault-samples.jsonl")
                   if s["generation"] == 2 and s["step"] == restored["step"] + 1]
     assert recomputed

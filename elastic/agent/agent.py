@@ -22,7 +22,7 @@ import grpc
 
 from elastic import config, transport
 from elastic.agent import snapshot_dir
-from elastic.agent.host import PortProber
+from elastic.agent.host import Devices, PortProber, discover_devices
 from elastic.agent.preemption import watch_metadata
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
 from elastic.security.allow import AllowList, check_launch
@@ -38,7 +38,10 @@ log = logging.getLogger("elastic-agent")
 
 @dataclasses.dataclass(frozen=True)
 class AgentSettings:
-    """controller: "HOST:PORT"; devices: accelerator count of this host;
+    """controller: "HOST:PORT"; devices / device_kind: this host's
+    accelerators at start; device_dir: where to count them again at every
+    heartbeat (None: `devices` is fixed, e.g. given on the command line);
+    device_kind_fixed: keep `device_kind` whatever a recount finds;
     address: where peers reach this host; state_dir: where leftovers are
     tracked; tls: this host's certificate bundle (None: plaintext, trusting
     whatever answers at `controller`); allow: the workers this host may run
@@ -69,6 +72,9 @@ class AgentSettings:
     preemption_grace_s: float = 25.0
     snapshot_dir: str | None = None
     compile_cache_dir: str | None = None
+    device_kind: str = "cpu"
+    device_dir: str | None = None
+    device_kind_fixed: bool = False
 
 
 class Agent:
@@ -94,6 +100,21 @@ class Agent:
         self.snapshot_dir = ""  # made by prepare()
         self._snapshot_run = ""  # the controller run the snapshots belong to
         self._prepared = False
+        self.devices = Devices(settings.devices, settings.device_kind)
+
+    def _recount_devices(self) -> None:
+        """Count the device nodes again (when not fixed); a change rides on
+        the next heartbeat, and the controller re-plans a slice this host
+        can no longer serve."""
+        if self.settings.device_dir is None:
+            return
+        found = discover_devices(self.settings.device_dir)
+        if self.settings.device_kind_fixed:
+            found = Devices(found.count, self.settings.device_kind)
+        if found.count != self.devices.count or found.kind != self.devices.kind:
+            log.warning("this host now has %d %s device(s); it had %d %s", found.count,
+                        found.kind, self.devices.count, self.devices.kind)
+            self.devices = found
 
     def prepare(self) -> None:
         """Before `run`: kill what an earlier agent process left and make
@@ -127,14 +148,17 @@ class Agent:
 
     def _heartbeat(self) -> None:
         self._seq += 1
+        self._recount_devices()
         running = self.supervisor.running
         self.supervisor.status.suspended = running and self.supervisor.suspended()
         free_port = 0 if running or self.preemption else self.ports.probe()
         self._post(heartbeat=pb.Heartbeat(seq=self._seq, worker=self.supervisor.status,
                                           free_port=free_port, preemption=self.preemption,
-                                          sent_at=time.time()))
+                                          sent_at=time.time(), devices=self.devices.count,
+                                          device_kind=self.devices.kind))
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
+        self._recount_devices()  # a chip failure often shows first as a crash
         self._post(worker_exited=status)
         self._heartbeat()  # offers a fresh coordinator port for the next generation
         if self._leave_after_stop:  # preempted by SIGTERM: leave once the report is out
@@ -215,7 +239,8 @@ class Agent:
                 config.ENV_NUM_PROCESSES: str(start.num_processes),
                 config.ENV_GENERATION: str(start.generation),
                 config.ENV_HOST_ID: self.settings.host_id,
-                config.ENV_DEVICES_PER_HOST: str(self.settings.devices),
+                config.ENV_DEVICES_PER_HOST: str(start.devices_per_host or self.devices.count),
+                config.ENV_HOST_DEVICES: str(self.devices.count),
                 config.ENV_PROGRESS_SOCKET: self.progress_address,
                 config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
                 config.ENV_CACHE_DIR: self._cache_dir(),
@@ -305,7 +330,8 @@ class Agent:
     def _register_request(self) -> pb.RegisterRequest:
         s = self.settings
         return pb.RegisterRequest(
-            header=self._header(), devices=s.devices, address=s.address,
+            header=self._header(), devices=self.devices.count,
+            device_kind=self.devices.kind, address=s.address,
             failure_domain=s.failure_domain, agent_pid=os.getpid(),
             worker=self.supervisor.status,
             free_port=0 if self.supervisor.running else self.ports.probe())

@@ -4,22 +4,55 @@ TPU's chips from the agent would lock them away from the worker)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
+import os
 import re
 import socket
 
+from elastic.config import DEVICE_KIND
 
-def discover_devices() -> int:
-    """Accelerator devices on this host, counted from device nodes only:
-    TPU `/dev/accel*` or `/dev/vfio/<n>`, NVIDIA GPU `/dev/nvidia<n>`; 1 for a
-    host with none (a CPU host is one device)."""
-    for pattern, regex in (("/dev/accel*", r"/dev/accel\d+$"),
-                           ("/dev/vfio/*", r"/dev/vfio/\d+$"),
-                           ("/dev/nvidia*", r"/dev/nvidia\d+$")):
-        found = [p for p in glob.glob(pattern) if re.match(regex, p)]
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    """A host's accelerators: how many and what kind ("tpu", a GPU's model
+    name such as "NVIDIA H100 80GB HBM3", "cpu" for a host with none)."""
+
+    count: int
+    kind: str
+
+
+def _nvidia_model(proc_root: str) -> str:
+    """The model name the NVIDIA driver gives its first GPU, in the charset
+    of a device kind; "gpu" when it cannot be read."""
+    for info in sorted(glob.glob(os.path.join(proc_root, "driver/nvidia/gpus/*/information"))):
+        try:
+            with open(info, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith("Model:"):
+                        model = re.sub(r"[^A-Za-z0-9 ._()+-]", "", line[6:]).strip()[:64]
+                        if DEVICE_KIND.fullmatch(model):
+                            return model
+        except OSError:
+            continue
+    return "gpu"
+
+
+def discover_devices(dev_root: str = "/dev", proc_root: str = "/proc") -> Devices:
+    """Accelerator devices on this host, counted from device nodes only (so
+    the agent never opens a chip its worker needs): TPU `accel<n>` or
+    `vfio/<n>`, NVIDIA GPU `nvidia<n>` under `dev_root`. A host with none is
+    one "cpu" device. Called again at every heartbeat: a node that vanishes
+    (a chip the driver gave up on) lowers the count the controller plans with.
+    """
+    for pattern, regex, kind in (("accel*", r"accel\d+$", "tpu"),
+                                 ("vfio/*", r"vfio/\d+$", "tpu"),
+                                 ("nvidia*", r"nvidia\d+$", "")):
+        found = [p for p in glob.glob(os.path.join(dev_root, pattern))
+                 if re.search(r"(^|/)" + regex, p)]
         if found:
-            return len(found)
-    return 1
+            return Devices(len(found), kind or _nvidia_model(proc_root))
+    return Devices(1, "cpu")
 
 
 def default_address() -> str:

@@ -11,7 +11,7 @@ import sys
 from elastic.agent.agent import Agent, AgentSettings
 from elastic.agent.host import default_address, discover_devices
 from elastic.agent.preemption import GCE_METADATA_URL
-from elastic.config import MAX_STOP_GRACE_S
+from elastic.config import DEVICE_KIND, MAX_DEVICES_PER_HOST, MAX_STOP_GRACE_S
 
 #: This host's certificate bundle unless told (as the systemd unit has it).
 DEFAULT_TLS_DIR = "/etc/elastic/host"
@@ -37,8 +37,16 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
                         help="this host's id, stable across restarts; must be the CN of its "
                              "certificate")
     parser.add_argument("--devices", type=int, default=None,
-                        help="accelerator devices on this host (default: count device nodes, "
-                             "never opening them; 1 when there are none)")
+                        help="accelerator devices on this host, fixed (default: count the "
+                             "device nodes under --device-dir, never opening them, again at "
+                             "every heartbeat; 1 when there are none)")
+    parser.add_argument("--device-dir", default="/dev",
+                        help="where to count device nodes: accel<n>, vfio/<n>, nvidia<n> "
+                             "(default %(default)s)")
+    parser.add_argument("--device-kind", default=None,
+                        help="what kind of device this host has, e.g. 'tpu-v5e' (default: "
+                             "'tpu', the NVIDIA driver's model name, or 'cpu'); a slice runs "
+                             "on one kind")
     parser.add_argument("--address", default=None,
                         help="address peers reach this host at (default: the hostname's)")
     parser.add_argument("--failure-domain", default=None,
@@ -92,8 +100,11 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
                                 args.allow_any_worker)
     except ValueError as e:
         parser.error(str(e))
-    if args.devices is not None and not 1 <= args.devices <= 65_536:
-        parser.error(f"--devices must be from 1 to 65536, got {args.devices}")
+    if args.devices is not None and not 1 <= args.devices <= MAX_DEVICES_PER_HOST:
+        parser.error(f"--devices must be from 1 to {MAX_DEVICES_PER_HOST}, got {args.devices}")
+    if args.device_kind is not None and not DEVICE_KIND.fullmatch(args.device_kind):
+        parser.error(f"--device-kind {args.device_kind[:80]!r} is not a device kind (1 to 64 "
+                     f"letters, digits, spaces and ._()+-)")
     if not (math.isfinite(args.stop_grace_s) and 0 <= args.stop_grace_s <= MAX_STOP_GRACE_S):
         parser.error(f"--stop-grace-s must be from 0 to {MAX_STOP_GRACE_S:g} seconds, got "
                      f"{args.stop_grace_s}")
@@ -114,9 +125,12 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         if identity.name != args.host_id:
             parser.error(f"the certificate in {args.tls_dir} is for host {identity.name}; "
                          f"--host-id is {args.host_id}")
+    found = discover_devices(args.device_dir)
     return AgentSettings(
         controller=args.controller, host_id=args.host_id,
-        devices=args.devices or discover_devices(), address=args.address or default_address(),
+        devices=args.devices or found.count, device_kind=args.device_kind or found.kind,
+        device_dir=None if args.devices else args.device_dir,
+        device_kind_fixed=args.device_kind is not None, address=args.address or default_address(),
         failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir, tls=tls,
         allow=allow, job_id=args.job_id, stop_grace_s=args.stop_grace_s,
         metadata_url=args.gce_metadata, preemption_grace_s=args.preemption_grace_s,

@@ -32,6 +32,7 @@ import math
 import re
 from collections.abc import Mapping
 
+from elastic.config import DEVICE_KIND, MAX_DEVICES_PER_HOST as MAX_DEVICES
 from elastic.controller.journal import RESERVED_FIELDS
 from elastic.security.identity import Identity, Role, id_problem
 from elastic.security.text import clean_text
@@ -40,7 +41,6 @@ from elastic.security.text import clean_text
 #: may be: far more than any honest jump (a slice resumes at most at the
 #: last committed step), far less than a poisoned 10^18.
 MAX_STEP_ADVANCE = 10_000_000
-MAX_DEVICES = 65_536
 MAX_ADDRESS_CHARS = 255
 MAX_STDERR_CHARS = 8_000
 MAX_REASON_CHARS = 1_000
@@ -162,6 +162,16 @@ def check_worker(status, plausible: Plausible, what: str) -> Refusal | None:
     return _metrics(status.metrics)
 
 
+def _devices(count: int, kind: str, what: str) -> Refusal | None:
+    """A device count (1 to MAX_DEVICES) and kind ("" or elastic.config.DEVICE_KIND)."""
+    if not 1 <= count <= MAX_DEVICES:
+        return Refusal("invalid", f"{what} reports {count} devices; need 1 to {MAX_DEVICES}")
+    if kind and not DEVICE_KIND.fullmatch(kind):
+        return Refusal("invalid", f"{what} reports device kind {kind[:40]!r}; a kind is 1 to "
+                                  f"64 letters, digits, spaces and ._()+-")
+    return None
+
+
 def check_register(request, job_id: str, peer: Identity | None,
                    plausible: Plausible) -> Refusal | None:
     """A RegisterRequest from `peer`."""
@@ -169,9 +179,9 @@ def check_register(request, job_id: str, peer: Identity | None,
     refusal = check_header(h, job_id, registering=True) or check_identity(peer, h.host_id)
     if refusal:
         return refusal
-    if not 1 <= request.devices <= MAX_DEVICES:
-        return Refusal("invalid", f"host {h.host_id} reports {request.devices} devices; "
-                                  f"need 1 to {MAX_DEVICES}")
+    refusal = _devices(request.devices, request.device_kind, f"host {h.host_id}")
+    if refusal:
+        return refusal
     if request.address and (len(request.address) > MAX_ADDRESS_CHARS
                             or not _ADDRESS.fullmatch(request.address)):
         return Refusal("invalid", f"address {request.address[:40]!r} is not a host name or IP")
@@ -198,6 +208,10 @@ def check_message(message, plausible: Plausible) -> Refusal | None:
         hb = message.heartbeat
         if not 0 <= hb.free_port <= 65535 or not math.isfinite(hb.sent_at):
             return Refusal("invalid", "heartbeat: free_port must be 0-65535, sent_at finite")
+        if hb.devices or hb.device_kind:
+            refusal = _devices(hb.devices, hb.device_kind, "heartbeat")
+            if refusal:
+                return refusal
         return check_worker(hb.worker, plausible, "heartbeat")
     if kind == "worker_exited":
         return check_worker(message.worker_exited, plausible, "exit report")

@@ -127,6 +127,7 @@ class Executor:
                 start.generation, start.process_id = action.generation, action.process_id
                 start.num_processes = action.num_processes
                 start.coordinator_address = action.coordinator_address
+                start.devices_per_host = action.devices_per_host
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation, start=start))
             elif isinstance(action, d.StopWorker):

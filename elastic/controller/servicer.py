@@ -235,7 +235,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
             address=request.address, failure_domain=request.failure_domain or h.host_id,
-            agent_pid=request.agent_pid, free_port=request.free_port, worker=worker))
+            agent_pid=request.agent_pid, free_port=request.free_port, worker=worker,
+            device_kind=request.device_kind))
         health = c.spec.health
         reply = pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
                                     heartbeat_interval_s=health.heartbeat_interval_s,
@@ -360,7 +361,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             if hb.sent_at:
                 c.heartbeat_latency_s.append(c.clock.time() - hb.sent_at)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
-                                         clean_text(hb.preemption, adm.MAX_REASON_CHARS)))
+                                         clean_text(hb.preemption, adm.MAX_REASON_CHARS),
+                                         hb.devices, hb.device_kind))
             return
         if refusal is None and not self._report_budget.take(h.host_id, c.clock.monotonic())[0]:
             refusal = adm.Refusal("implausible", f"more than {adm.REPORTS_PER_S:g} reports a "

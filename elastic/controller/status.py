@@ -43,6 +43,10 @@ def job_status(controller) -> pb.JobStatus:
                     f"still trains with the slice (health.carry_silent_hosts)")
         elif record.host_id in ranks:
             host_state = "stopping" if state.phase.value == "stopping" else "member"
+            if 0 < state.devices_per_host < record.devices:
+                note = f"uses {state.devices_per_host} of its {record.devices} devices"
+        elif record.host_id in state.left_out:
+            host_state, note = "left out", state.left_out[record.host_id]
         else:
             host_state = "waiting"
         w = record.worker
@@ -52,7 +56,8 @@ def job_status(controller) -> pb.JobStatus:
             heartbeat_age_s=max(0.0, now - record.last_heartbeat_at), step=w.step,
             rank=ranks.get(record.host_id, -1), failure_domain=record.failure_domain,
             incarnation=record.incarnation, worker_state=w.state.value,
-            address=record.address, metrics=w.metrics, note=note))
+            address=record.address, metrics=w.metrics, note=note,
+            device_kind=record.device_kind))
     ettr = account(controller.journal_tail.read(), now=controller.clock.time()).ettr
     latencies = sorted(controller.heartbeat_latency_s)
     p50 = latencies[len(latencies) // 2] if latencies else 0.0
@@ -74,7 +79,8 @@ def format_status(status: pb.JobStatus) -> str:
     header = ("HOST", "STATE", "RANK", "DEVICES", "AGENT PID", "WORKER PID", "WORKER",
               "HEARTBEAT AGE", "STEP", "LOSS")
     rows = [header] + [
-        (h.host_id, h.state, str(h.rank) if h.rank >= 0 else "-", str(h.devices),
+        (h.host_id, h.state, str(h.rank) if h.rank >= 0 else "-",
+         f"{h.devices} {h.device_kind}".rstrip(),
          str(h.agent_pid), str(h.worker_pid or "-"), h.worker_state,
          f"{h.heartbeat_age_s:.1f} s", str(h.step) if h.step >= 0 else "-",
          f"{h.metrics['loss']:.4f}" if "loss" in h.metrics else "-")

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from elastic.config import WorkerEnv
+from elastic.config import SpecError, WorkerEnv
 from elastic.worker.progress import ProgressReporter
 
 
@@ -192,14 +192,35 @@ def wait_for_coordinator(address: str, timeout_s: float, poll_s: float = 0.01) -
             time.sleep(poll_s)
 
 
+def mesh_devices(devices: list, per_process: int) -> list:
+    """The devices of the mesh: the first `per_process` devices (by id) of
+    every process, processes in order. The controller gives every host the
+    same count, the smallest any of its hosts has or less (a host whose chip
+    failed reports fewer; see elastic.policy.mesh), so on a host with more
+    the others stay idle. Raises elastic.config.SpecError naming a process
+    with fewer."""
+    by_process: dict[int, list] = {}
+    for device in devices:
+        by_process.setdefault(device.process_index, []).append(device)
+    chosen = []
+    for process, own in sorted(by_process.items()):
+        if len(own) < per_process:
+            raise SpecError(f"process {process} has {len(own)} devices; the slice uses "
+                            f"{per_process} per host")
+        chosen += sorted(own, key=lambda d: d.id)[:per_process]
+    return chosen
+
+
 def init(log_all: bool = False, environ: dict[str, str] | None = None) -> WorkerContext:
     """Initialise this worker process for the current generation.
 
     Reads the agent's variables (raises RuntimeError naming a missing one),
     sets JAX's CPU device count to the host's device count (simulated hosts),
     calls `jax.distributed.initialize` with explicit arguments, and builds the
-    mesh. Raises elastic.config.SpecError when the mesh spec does not fit the
-    devices (the controller's planner prevents this for slices it starts).
+    mesh from the first `devices_per_host` devices of every process (see
+    `mesh_devices`). Raises elastic.config.SpecError when a process has too
+    few devices or the mesh spec does not fit them (the controller's planner
+    prevents both for slices it starts).
     """
     started = _process_start_time()
     t_init = time.time()
@@ -209,7 +230,7 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     import jax
 
     timings["import_jax"] = round(time.perf_counter() - t, 3)
-    jax.config.update("jax_num_cpu_devices", env.devices_per_host)
+    jax.config.update("jax_num_cpu_devices", env.host_devices)
     t = time.perf_counter()
     if env.process_id != 0:
         wait_for_coordinator(env.coordinator_address, timeout_s=120.0)
@@ -219,10 +240,9 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
                                heartbeat_timeout_seconds=env.jax_heartbeat_timeout_s)
     timings["distributed_init"] = round(time.perf_counter() - t, 3)
 
-    from elastic.config import SpecError
     from elastic.policy.mesh import mesh_shape
 
-    devices = jax.devices()
+    devices = mesh_devices(jax.devices(), env.devices_per_host)
     shape = mesh_shape(env.mesh, len(devices))
     if shape is None:
         raise SpecError(f"mesh {env.mesh.to_text()} does not fit {len(devices)} devices")
