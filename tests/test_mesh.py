@@ -166,3 +166,15 @@ def test_planning_thousands_of_mixed_hosts_is_linear_enough():
     assert len(plan.hosts) == 3000 and plan.devices_per_host == 8
     assert len(plan.left_out) == 25
     assert elapsed < 5.0  # generous: a pass of the controller; ~0.05 s here
+
+
+@pytest.mark.parametrize("mesh", ["data=-1", "data=-1,model=2", "data=-1,model=3",
+                                  "data=4,model=2", "data=3", "x=2,y=-1,z=3"])
+def test_most_domains_is_the_largest_count_that_fits(mesh):
+    from elastic.policy.mesh import _most_domains
+    m = MeshSpec.from_text(mesh)
+    for per_domain in range(1, 13):
+        for at_most in range(30):
+            brute = max((n for n in range(1, at_most + 1) if mesh_shape(m, per_domain * n)),
+                        default=0)
+            assert _most_domains(m, per_domain, at_most) == brute, (per_domain, at_most)

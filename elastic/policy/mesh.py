@@ -21,7 +21,10 @@ multi-host JAX jobs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
+from typing import NamedTuple
 
 from elastic.config import JobSpec, MeshSpec
 
@@ -82,6 +85,9 @@ def mesh_shape(mesh: MeshSpec, total_devices: int) -> tuple[int, ...] | None:
     return tuple(size for _, size in mesh.axes) if fixed == total_devices else None
 
 
+_host_id = attrgetter("host_id")
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
@@ -105,59 +111,93 @@ class _Option:
         return f"{_plural(len(self.hosts), 'host')} x {_plural(self.per_host, 'device')}"
 
 
-def _best_slice(spec: JobSpec, domains: Sequence[tuple[str, list[Candidate]]], kind: str,
+class _Domain(NamedTuple):
+    """A whole failure domain, summarized once per plan: its hosts by id,
+    their kind (None when they report different kinds), the fewest devices
+    any of them has, and their devices in all. (A tuple: thousands are made
+    per plan.)"""
+
+    name: str
+    members: Sequence[Candidate]
+    kind: str | None
+    fewest: int
+    devices: int
+
+
+def _summarize(name: str, members: list[Candidate]) -> _Domain:
+    if len(members) == 1:
+        c = members[0]
+        return _Domain(name, members, c.kind, c.devices, c.devices)
+    kinds = {c.kind for c in members}
+    counts = [c.devices for c in members]
+    return _Domain(name, members, kinds.pop() if len(kinds) == 1 else None, min(counts),
+                   sum(counts))
+
+
+def _best_slice(spec: JobSpec, whole: Sequence[_Domain], kind: str,
                 per_host: int) -> _Option | None:
-    """The most hosts, in whole failure domains of `kind` hosts with at least
-    `per_host` devices each, whose devices fit the mesh; None if none does.
-    When not every domain is needed, those whose hosts have exactly
-    `per_host` devices are taken first (no device left idle), then by name;
-    the ones taken are ranked by name."""
+    """The most hosts, in whole failure domains (`whole`, by name) of `kind`
+    hosts with at least `per_host` devices each, whose devices fit the mesh;
+    None if none does. When not every domain is needed, those whose hosts
+    have exactly `per_host` devices are taken first (no device left idle),
+    then by name; the ones taken are ranked by name. O(domains) unless only
+    some are needed (then a sort)."""
     size = spec.hosts_per_failure_domain
-    whole = [(sum(c.devices - per_host for c in members), name, members)
-             for name, members in domains
-             if len(members) == size and all(c.kind == kind and c.devices >= per_host
-                                             for c in members)]
-    whole.sort(key=lambda entry: entry[:2])
-    for n_domains in range(min(len(whole), spec.max_hosts // size), 0, -1):
-        hosts = tuple(c for _, _, members in sorted(whole[:n_domains], key=lambda e: e[1])
-                      for c in members)
-        if len(hosts) < spec.min_hosts:
-            return None
-        shape = mesh_shape(spec.mesh, per_host * len(hosts))
-        if shape is not None:
-            return _Option(hosts, shape, per_host, kind)
+    usable = [d for d in whole if d.kind == kind and d.fewest >= per_host]
+    n_domains = _most_domains(spec.mesh, per_host * size, min(len(usable), spec.max_hosts // size))
+    if not n_domains or n_domains * size < spec.min_hosts:
+        return None
+    if n_domains < len(usable):
+        usable = sorted(usable, key=lambda d: (d.devices - per_host * size, d.name))
+        usable = sorted(usable[:n_domains], key=lambda d: d.name)
+    return _Option(tuple(c for d in usable for c in d.members),
+                   mesh_shape(spec.mesh, per_host * n_domains * size), per_host, kind)
+
+
+def _most_domains(mesh: MeshSpec, per_domain: int, at_most: int) -> int:
+    """The largest n <= at_most such that n domains of `per_domain` devices
+    fit `mesh` (0: none). With a -1 axis n must make the fixed axes divide
+    the total, i.e. be a multiple of fixed / gcd(fixed, per_domain); without
+    one the total must equal their product."""
+    fixed = mesh.fixed_product
+    if mesh.has_free_axis:
+        step = fixed // math.gcd(fixed, per_domain)
+        return at_most - at_most % step
+    n, rest = divmod(fixed, per_domain)
+    return n if not rest and n <= at_most else 0
+
+
+def _misfit(spec: JobSpec, c: Candidate, chosen: _Option | None) -> str | None:
+    """Why host `c` itself cannot be in `chosen` (None: it could)."""
+    if spec.device_kind and c.kind != spec.device_kind:
+        return (f"reports devices of kind {_kind_text(c.kind)!r}; "
+                f"job.device_kind is {spec.device_kind!r}")
+    if chosen is not None and c.kind != chosen.kind:
+        return (f"reports devices of kind {_kind_text(c.kind)!r}; the "
+                f"slice runs on {_kind_text(chosen.kind)!r}")
+    if chosen is not None and c.devices < chosen.per_host:
+        return f"reports {_plural(c.devices, 'device')}; the slice's hosts use {chosen.per_host}"
     return None
 
 
 def _left_out(spec: JobSpec, domains: Sequence[tuple[str, list[Candidate]]],
               chosen: _Option | None) -> dict[str, str]:
-    """Why each candidate outside `chosen` cannot be in it (spares omitted)."""
+    """Why each candidate outside `chosen` cannot be in it (spares omitted):
+    its own devices, or its failure domain (incomplete, or with a host that
+    does not fit)."""
     size = spec.hosts_per_failure_domain
     why: dict[str, str] = {}
     for name, members in domains:
-        misfits = {}
-        for c in members:
-            if spec.device_kind and c.kind != spec.device_kind:
-                misfits[c.host_id] = (f"reports devices of kind {_kind_text(c.kind)!r}; "
-                                      f"job.device_kind is {spec.device_kind!r}")
-            elif chosen is not None and c.kind != chosen.kind:
-                misfits[c.host_id] = (f"reports devices of kind {_kind_text(c.kind)!r}; the "
-                                      f"slice runs on {_kind_text(chosen.kind)!r}")
-            elif chosen is not None and c.devices < chosen.per_host:
-                misfits[c.host_id] = (f"reports {_plural(c.devices, 'device')}; the slice's "
-                                      f"hosts use {chosen.per_host}")
-        why.update(misfits)
+        misfits = {c.host_id: m for c in members if (m := _misfit(spec, c, chosen))}
         if len(members) != size:
             for c in members:
-                why.setdefault(c.host_id, f"failure domain {name} has {len(members)} of its "
-                                          f"{size} hosts ready")
+                why[c.host_id] = misfits.get(c.host_id) or (
+                    f"failure domain {name} has {len(members)} of its {size} hosts ready")
         elif misfits:
-            first = sorted(misfits)[0]
+            first = min(misfits)
             for c in members:
-                why.setdefault(c.host_id, f"{first} in its failure domain {name} does not fit")
-    if chosen is not None:
-        for c in chosen.hosts:
-            why.pop(c.host_id, None)
+                why[c.host_id] = misfits.get(c.host_id) or (
+                    f"{first} in its failure domain {name} does not fit")
     return why
 
 
@@ -178,8 +218,10 @@ def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
     grouped: dict[str, list[Candidate]] = {}
     for c in candidates:
         grouped.setdefault(c.failure_domain, []).append(c)
-    domains = [(name, sorted(members, key=lambda c: c.host_id))
+    domains = [(name, members if len(members) == 1 else sorted(members, key=_host_id))
                for name, members in sorted(grouped.items())]
+    whole = [_summarize(name, members) for name, members in domains
+             if len(members) == spec.hosts_per_failure_domain]
     kinds = sorted({c.kind for c in candidates})
     if spec.device_kind:
         kinds = [k for k in kinds if k == spec.device_kind]
@@ -188,7 +230,7 @@ def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
         counts = ({spec.devices_per_host} if spec.devices_per_host else
                   {c.devices for c in candidates if c.kind == kind})
         for per_host in sorted(counts, reverse=True):
-            option = _best_slice(spec, domains, kind, per_host)
+            option = _best_slice(spec, whole, kind, per_host)
             if option is not None:
                 options.append(option)
     best = max(options, key=lambda o: (o.devices, o.per_host), default=None)
