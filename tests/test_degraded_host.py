@@ -5,7 +5,7 @@ loss matches the undisturbed run (tolerance: conftest.LM_TOLERANCE_NATS)."""
 
 from __future__ import annotations
 
-from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples
+from tests.conftest import REPO, assert_matches_reference, lm_run_spec, lm_samples
 
 
 def test_a_degraded_host_is_left_out_and_a_lost_device_costs_one_restart(
@@ -41,3 +41,19 @@ def test_a_degraded_host_is_left_out_and_a_lost_device_costs_one_restart(
     assert job.outcome()["kind"] == "job_succeeded"
 
     assert_matches_reference(lm_samples(tmp_path / "degraded-samples.jsonl"), lm_reference)
+
+
+def test_a_host_with_more_devices_puts_only_the_plans_count_in_the_mesh(tmp_path, local_job):
+    # 4 x 1 devices beat 1 x 2: host-0 uses one of its two
+    spec = (REPO / "workers" / "minimal" / "job.toml").read_text().replace(
+        "max_hosts = 2", "max_hosts = 4")
+    (tmp_path / "train.py").symlink_to(REPO / "workers" / "minimal" / "train.py")
+    (tmp_path / "job.toml").write_text(spec)
+    job = local_job(tmp_path / "job.toml", hosts=4, devices="2,1,1,1")
+    assert job.wait(180) == 0, job.output()
+    [started] = [e for e in job.journal() if e["kind"] == "generation_started"]
+    assert started["hosts"] == ["host-0", "host-1", "host-2", "host-3"]
+    assert (started["devices_per_host"], started["mesh_shape"]) == (1, [4])
+    assert "1 host uses 1 of its devices (host-0)" in started["reason"]
+    done = job.outcome()
+    assert done["kind"] == "job_succeeded" and done["metrics"]["loss"] < 1e-3, done

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from elastic.checkpoint import storage
@@ -178,10 +177,10 @@ class Checkpoints:
         rebuild its shards of the current mesh from it, that step is restored
         (the event says `source: snapshot`). Otherwise, if a committed step
         fails to restore on any process, every process moves on to the
-        previous step together (agreed through an all-gather) and the failure
-        is reported through `on_event`. Raises RuntimeError when every
-        committed step fails."""
-        from jax.experimental import multihost_utils
+        previous step together (agreed through the coordination service,
+        elastic.worker.coordination) and the failure is reported through
+        `on_event`. Raises RuntimeError when every committed step fails."""
+        from elastic.worker.coordination import all_gather
 
         steps = self.committed_steps()
         if self.snapshots is not None:
@@ -205,8 +204,7 @@ class Checkpoints:
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
             except Exception as e:  # any failure to read this step: try the previous one
                 error = f"{type(e).__name__}: {e}"[:500]
-            ok = multihost_utils.process_allgather(np.int32(0 if error else 1))
-            if np.all(ok):
+            if all(all_gather(f"restore-{step}", not error)):
                 seconds = time.perf_counter() - t0
                 self.on_event("checkpoint_restored", f"restored checkpoint step {step} in "
                               f"{seconds:.2f} s", {"step": step, "restore_s": round(seconds, 3)})

@@ -211,14 +211,9 @@ def coordination_service_agree(tag: str, timeout_s: float = 60.0) -> Callable[[l
     every agreement within one distributed runtime."""
 
     def agree(own: list[int]) -> list[list[int]]:
-        import jax
-        from jax._src import distributed
+        from elastic.worker.coordination import all_gather
 
-        client = distributed.global_state.client
-        prefix = f"elastic/snapshot-vote/{tag}/"
-        client.key_value_set(prefix + str(jax.process_index()), json.dumps(own))
-        client.wait_at_barrier(f"elastic-snapshot-vote-{tag}", int(timeout_s * 1000))
-        return [json.loads(value) for _, value in client.key_value_dir_get(prefix)]
+        return all_gather(f"snapshot-vote-{tag}", own, timeout_s)
 
     return agree
 

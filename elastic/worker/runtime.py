@@ -163,11 +163,12 @@ class WorkerContext:
         together with every other process (so none exits while a peer still
         needs it). Call once at the end of training."""
         import jax
-        from jax.experimental import multihost_utils
+
+        from elastic.worker.coordination import barrier
 
         if self._checkpoints is not None:
             self._checkpoints.close()
-        multihost_utils.sync_global_devices("elastic-finish")
+        barrier("elastic-finish", timeout_s=300.0)
         jax.distributed.shutdown()
         self.progress.close()
 
@@ -246,9 +247,17 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     shape = mesh_shape(env.mesh, len(devices))
     if shape is None:
         raise SpecError(f"mesh {env.mesh.to_text()} does not fit {len(devices)} devices")
-    axis_type = jax.sharding.AxisType.Auto
-    mesh = jax.make_mesh(shape, env.mesh.names, axis_types=(axis_type,) * len(shape),
-                         devices=devices)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    if len(devices) == len(jax.devices()):
+        mesh = jax.make_mesh(shape, env.mesh.names, axis_types=axis_types, devices=devices)
+    else:
+        # Some of each host's devices: jax.make_mesh would lay the axes out
+        # by the physical topology of all of them (on TPU it may refuse a
+        # partial set). Take them host-major, in id order, as mesh_devices
+        # chose them: the last axes run within a host.
+        import numpy as np
+        mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), env.mesh.names,
+                                 axis_types=axis_types)
     log = logging.getLogger(f"elastic.worker.{env.process_id}")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stdout)
