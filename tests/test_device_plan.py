@@ -12,7 +12,8 @@ from elastic.config import MeshSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, HeartbeatReceived, observe
-from tests.policy_tables import T0, kinds, register, running_slice, spec, stop_and_settle
+from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
+                                 stop_and_settle)
 
 
 def starts(decision: d.Decision) -> list[d.StartWorker]:
@@ -66,6 +67,10 @@ def test_a_member_that_loses_a_device_costs_one_restart():
     assert [a.host for a in starts(restarted)] == ["h0", "h2"]
     assert restarted.state.generation == 2 and restarted.state.restarts == 1
     assert [a.host for a in journal(restarted, "host_left_out")] == ["h1"]
+    # a failure of that host like any other: it counts toward its quarantine
+    # and the restart budget (a chip that fails again and again is set aside)
+    assert list(stopping.state.host_failures) == ["h1"]
+    assert stopping.state.failures_without_progress == 1
 
 
 def test_an_agent_that_comes_back_with_fewer_devices_is_left_out():
@@ -135,3 +140,50 @@ def test_waiting_is_bounded(limit, waited, fails):
         assert "no slice could start for 1800 s (restart.waiting_timeout_s = 1800)" \
             in decision.reason
         assert "min_hosts is 2" in decision.reason
+
+
+def test_a_recount_with_more_devices_grows_a_slice_at_max_hosts():
+    view = ClusterView()
+    for host, n in (("h0", 8), ("h1", 7)):
+        register(view, host, devices=n)
+    s = spec(max_hosts=2, restart={"grow": "immediately"})
+    state = running_slice(view, ["h0", "h1"])
+    assert state.devices_per_host == 7
+    assert decide(state, view, T0 + 1, s).state.phase is Phase.RUNNING
+    devices_now(view, "h1", 8, T0 + 2)
+    grown = decide(state, view, T0 + 2, s)
+    assert grown.state.phase is Phase.STOPPING
+    assert "grow from 2 to 2 hosts (8 devices each)" in grown.reason
+
+
+def test_a_possible_grow_does_not_call_members_left_out():
+    view = ClusterView()
+    for host, n in (("h0", 2), ("h1", 1), ("h2", 2), ("h3", 2)):
+        register(view, host, devices=n)
+    s = spec(max_hosts=4, restart={"grow": "after_checkpoint"})
+    # running 2 x 1 (h0, h1); h2 and h3 with 2 devices make 3 x 2 possible
+    state = running_slice(view, ["h0", "h1"])
+    decision = decide(state, view, T0 + 1, s)
+    assert decision.state.grow_ready_since == T0 + 1
+    assert journal(decision, "host_left_out") == [] and decision.state.left_out == {}
+
+
+def test_hosts_of_another_kind_are_left_out_while_the_job_waits():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h, kind="cpu")
+    s = spec(max_hosts=2, device_kind="tpu")
+    first = decide(SliceState(phase_since=T0), view, T0 + 2, s)
+    assert first.state.phase is Phase.WAITING and starts(first) == []
+    assert [a.host for a in journal(first, "host_left_out")] == ["h0", "h1"]
+    assert first.state.left_out["h0"] == "reports devices of kind 'cpu'; job.device_kind is 'tpu'"
+    assert "none of the 2 ready reports devices of kind 'tpu'" in first.reason
+
+
+def test_a_slice_that_can_start_when_the_wait_runs_out_starts():
+    view = ClusterView()
+    register(view, "h0")
+    s = spec(max_hosts=1, restart={"waiting_timeout_s": 60.0})
+    heartbeat_all(view, T0 + 60.0)
+    decision = decide(SliceState(phase_since=T0), view, T0 + 60.0, s)
+    assert decision.state.phase is Phase.STARTING

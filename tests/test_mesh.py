@@ -178,3 +178,39 @@ def test_most_domains_is_the_largest_count_that_fits(mesh):
             brute = max((n for n in range(1, at_most + 1) if mesh_shape(m, per_domain * n)),
                         default=0)
             assert _most_domains(m, per_domain, at_most) == brute, (per_domain, at_most)
+
+
+def test_skipping_counts_that_cannot_win_changes_no_plan(monkeypatch):
+    import random
+    from elastic.policy import mesh
+    rng = random.Random(7)
+    for trial in range(200):
+        job = spec(rng.choice(["data=-1", "data=-1,model=2", "data=-1,model=4", "data=8"]),
+                   max_hosts=rng.randint(1, 12), devices=None)
+        candidates = mixed(*(rng.randint(1, 16) for _ in range(rng.randint(1, 14))))
+        monkeypatch.setattr(mesh, "MANY_COUNTS", 0)
+        pruned = plan_mesh(job, candidates)
+        monkeypatch.setattr(mesh, "MANY_COUNTS", 10**9)
+        full = plan_mesh(job, candidates)
+        assert (pruned.hosts, pruned.devices_per_host, pruned.shape) == \
+            (full.hosts, full.devices_per_host, full.shape), (trial, full.reason)
+
+
+def test_a_tie_between_kinds_says_so():
+    plan = plan_mesh(spec("data=-1"), mixed(2, 2, kinds=["b", "a"]))
+    assert plan.hosts == ("h1",) and "chosen over 1 host x 2 devices of 'b' (as many devices " \
+        "and hosts; 'a' sorts first)" in plan.reason
+
+
+def test_hosts_below_job_devices_per_host_are_named_even_when_nothing_fits():
+    plan = plan_mesh(spec("data=-1", devices=4), mixed(2, 2))
+    assert plan.hosts == ()
+    assert "none of the 2 ready has 4 devices (job.devices_per_host; the most is 2)" in plan.reason
+    assert plan.left_out == {"h0": "reports 2 devices; job.devices_per_host is 4",
+                             "h1": "reports 2 devices; job.devices_per_host is 4"}
+
+
+def test_hosts_of_an_incomplete_domain_wait_rather_than_being_left_out():
+    plan = plan_mesh(spec("data=-1", per_domain=2), mixed(2, 2, 2, per_domain=2))
+    assert plan.hosts == ("h0", "h1") and plan.left_out == {}
+    assert "1 incomplete failure domain(s) left out" in plan.reason

@@ -265,18 +265,21 @@ def _candidate(record: HostRecord) -> Candidate:
     return Candidate(record.host_id, record.failure_domain, record.devices, record.device_kind)
 
 
-def _note_left_out(state: SliceState, plan: MeshPlan, actions: list[Action]) -> SliceState:
+def _note_left_out(state: SliceState, plan: MeshPlan, actions: list[Action],
+                   running: frozenset[str] = frozenset()) -> SliceState:
     """Keep the plan's left-out hosts in the state; journal each one whose
     reason is new. (Not counted as a failure of anyone: the host is fine,
-    it only does not fit this slice.)"""
-    if dict(plan.left_out) == dict(state.left_out):
+    it only does not fit this slice.) Members of the `running` generation
+    are not noted: the plan is only a possible grow, and they still train."""
+    left_out = {h: why for h, why in plan.left_out.items() if h not in running}
+    if left_out == dict(state.left_out):
         return state
-    for host, why in sorted(plan.left_out.items()):
+    for host, why in sorted(left_out.items()):
         if state.left_out.get(host) != why:
             actions.append(Journal("host_left_out", state.generation, why, host,
                                    {"devices_per_host": plan.devices_per_host,
                                     "device_kind": plan.kind}))
-    return dataclasses.replace(state, left_out=dict(plan.left_out))
+    return dataclasses.replace(state, left_out=left_out)
 
 
 def _enter(state: SliceState, phase: Phase, now: float, reason: str, **changes) -> SliceState:
@@ -285,11 +288,19 @@ def _enter(state: SliceState, phase: Phase, now: float, reason: str, **changes) 
 
 def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
              actions: list[Action]) -> SliceState:
+    """Start the next generation if a plan allows; else wait, at most
+    `restart.waiting_timeout_s` in all (then the job fails with the reason)."""
+    after = _try_start(state, view, now, spec, actions)
     limit = spec.restart.waiting_timeout_s
-    if limit and now - state.phase_since >= limit:
-        return _fail(state, now, actions,
+    if after.phase is Phase.WAITING and limit and now - state.phase_since >= limit:
+        return _fail(after, now, actions,
                      f"no slice could start for {now - state.phase_since:.0f} s "
-                     f"(restart.waiting_timeout_s = {limit:g}); last: {state.reason}")
+                     f"(restart.waiting_timeout_s = {limit:g}); last: {after.reason}")
+    return after
+
+
+def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+               actions: list[Action]) -> SliceState:
     heartbeating = len(view.hosts) - len(state.lost)
     if heartbeating < spec.min_hosts:  # O(1): no plan can start (thousands registering)
         reason = f"waiting for hosts: {heartbeating} heartbeating, min_hosts is {spec.min_hosts}"
@@ -300,6 +311,7 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     candidates = [_candidate(r) for r in view.hosts.values() if _usable(r, state)]
     plan = plan_mesh(spec, candidates)
     if not plan.hosts:
+        state = _note_left_out(state, plan, actions)
         # journaled on entering the wait and then at most every 30 s (status
         # always shows the current reason): hosts arriving one by one must not
         # write a line each
@@ -446,16 +458,28 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
 
 def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                    actions: list[Action]) -> SliceState:
-    policy = spec.restart.grow
-    if policy == "never" or len(state.members) >= spec.max_hosts \
-            or len(view.hosts) <= len(state.members) or state.phase is not Phase.RUNNING:
+    """Whether a plan with the hosts there are now puts more devices in the
+    mesh than the running slice (another host, or hosts with more devices:
+    a repaired chip); if so, stop for a grow when `restart.grow` says. Notes
+    the hosts such a plan leaves out. Planning is skipped (O(members), or
+    O(hosts) without a sort) while nothing could make a bigger slice."""
+    if state.phase is not Phase.RUNNING:
         return state
-    members = set(state.members)
+    members = frozenset(state.members)
+    no_grow = dataclasses.replace(state, grow_ready_since=None) \
+        if state.grow_ready_since is not None else state
+    if len(view.hosts) <= len(members) and \
+            all(view.hosts[h].devices <= state.devices_per_host for h in members):
+        return no_grow
     candidates = [_candidate(r) for r in view.hosts.values()
                   if r.host_id in members or _usable(r, state)]
+    if len(members) >= spec.max_hosts and \
+            all(c.devices <= state.devices_per_host for c in candidates):
+        return no_grow  # spares at max_hosts
     plan = plan_mesh(spec, candidates)
-    state = _note_left_out(state, plan, actions)
-    if plan.devices <= len(state.members) * state.devices_per_host:
+    state = _note_left_out(state, plan, actions, members)
+    policy = spec.restart.grow
+    if policy == "never" or plan.devices <= len(state.members) * state.devices_per_host:
         return dataclasses.replace(state, grow_ready_since=None) \
             if state.grow_ready_since is not None else state
     ready_since = state.grow_ready_since if state.grow_ready_since is not None else now

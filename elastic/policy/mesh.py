@@ -20,8 +20,10 @@ multi-host JAX jobs.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import NamedTuple
@@ -51,9 +53,10 @@ class MeshPlan:
       with more uses the first that many); 0 in an empty plan.
     kind: the device kind of the slice's hosts.
     left_out: host -> why, for candidates the plan cannot use: another
-      device kind, fewer devices than the slice uses per host, or an
-      incomplete failure domain. (Hosts left over only because the mesh or
-      `max_hosts` needs no more are not listed: they are spares.)
+      device kind, fewer devices than the slice uses per host, or a host of
+      its failure domain that does not fit. (Spares, left over only because
+      the mesh or `max_hosts` needs no more, and hosts of incomplete failure
+      domains are not listed; the reason counts the latter.)
     """
 
     hosts: tuple[str, ...]
@@ -86,6 +89,9 @@ def mesh_shape(mesh: MeshSpec, total_devices: int) -> tuple[int, ...] | None:
 
 
 _host_id = attrgetter("host_id")
+#: More distinct device counts than this among one kind's hosts, and counts
+#: that cannot beat the best option so far are not planned.
+MANY_COUNTS = 8
 
 
 def _plural(n: int, word: str) -> str:
@@ -177,22 +183,24 @@ def _misfit(spec: JobSpec, c: Candidate, chosen: _Option | None) -> str | None:
                 f"slice runs on {_kind_text(chosen.kind)!r}")
     if chosen is not None and c.devices < chosen.per_host:
         return f"reports {_plural(c.devices, 'device')}; the slice's hosts use {chosen.per_host}"
+    if spec.devices_per_host and c.devices < spec.devices_per_host:
+        return (f"reports {_plural(c.devices, 'device')}; job.devices_per_host is "
+                f"{spec.devices_per_host}")
     return None
 
 
 def _left_out(spec: JobSpec, domains: Sequence[tuple[str, list[Candidate]]],
               chosen: _Option | None) -> dict[str, str]:
-    """Why each candidate outside `chosen` cannot be in it (spares omitted):
-    its own devices, or its failure domain (incomplete, or with a host that
-    does not fit)."""
+    """Why each candidate outside `chosen` cannot be in it: its own devices,
+    or a host of its failure domain that does not fit. Spares, and hosts
+    whose domain is incomplete (they wait for the rest of it, and arrive one
+    by one at start), are not listed."""
     size = spec.hosts_per_failure_domain
     why: dict[str, str] = {}
     for name, members in domains:
         misfits = {c.host_id: m for c in members if (m := _misfit(spec, c, chosen))}
         if len(members) != size:
-            for c in members:
-                why[c.host_id] = misfits.get(c.host_id) or (
-                    f"failure domain {name} has {len(members)} of its {size} hosts ready")
+            why.update(misfits)
         elif misfits:
             first = min(misfits)
             for c in members:
@@ -213,7 +221,8 @@ def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
     option with the most devices in the mesh; ties go to more devices per
     host, then to the kind first in sorted order. Ranks are dense, in domain
     order (see `_best_slice`), hosts of a domain by id. An empty plan says
-    why nothing fits. O(candidates x distinct counts).
+    why nothing fits. O(candidates x distinct counts); past MANY_COUNTS
+    distinct counts, counts that cannot win are skipped.
     """
     grouped: dict[str, list[Candidate]] = {}
     for c in candidates:
@@ -225,11 +234,21 @@ def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
     kinds = sorted({c.kind for c in candidates})
     if spec.device_kind:
         kinds = [k for k in kinds if k == spec.device_kind]
-    options = []
+    options: list[_Option] = []
     for kind in kinds:
-        counts = ({spec.devices_per_host} if spec.devices_per_host else
-                  {c.devices for c in candidates if c.kind == kind})
-        for per_host in sorted(counts, reverse=True):
+        have = sorted((c.devices for c in candidates if c.kind == kind), reverse=True)
+        counts = sorted({spec.devices_per_host} if spec.devices_per_host else set(have),
+                        reverse=True)
+        for per_host in counts:
+            # Many distinct counts (an agent may report any): skip a count
+            # that cannot beat the best so far even with every host that has
+            # as many devices. With few, every option is weighed, so that
+            # the reason can name the runner-up.
+            at_most = min(bisect.bisect_right(have, -per_host, key=operator.neg),
+                          spec.max_hosts) * per_host
+            if len(counts) > MANY_COUNTS and options and \
+                    at_most < max(o.devices for o in options):
+                continue
             option = _best_slice(spec, whole, kind, per_host)
             if option is not None:
                 options.append(option)
@@ -252,9 +271,14 @@ def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
                      (o.per_host, o.kind) != (best.per_host, best.kind)),
                     key=lambda o: (o.devices, o.per_host), default=None)
     if runner_up is not None:
-        why = ("more devices" if runner_up.devices < best.devices
-               else "as many devices, on fewer hosts")
-        reason += f"; chosen over {runner_up.describe()} ({why})"
+        if runner_up.devices < best.devices:
+            why = "more devices"
+        elif runner_up.per_host < best.per_host:
+            why = "as many devices, on fewer hosts"
+        else:
+            why = f"as many devices and hosts; {_kind_text(best.kind)!r} sorts first"
+        other = f" of {_kind_text(runner_up.kind)!r}" if runner_up.kind != best.kind else ""
+        reason += f"; chosen over {runner_up.describe()}{other} ({why})"
     if left_out:
         first = sorted(left_out)[0]
         more = f" and {len(left_out) - 1} more" if len(left_out) > 1 else ""
@@ -274,6 +298,10 @@ def _no_fit(spec: JobSpec, candidates: Sequence[Candidate],
     if spec.device_kind and not any(c.kind == spec.device_kind for c in candidates):
         return (f"waiting for hosts: none of the {len(candidates)} ready reports devices "
                 f"of kind {spec.device_kind!r} (job.device_kind)")
+    most = max(c.devices for c in candidates)
+    if spec.devices_per_host and most < spec.devices_per_host:
+        return (f"waiting for hosts: none of the {len(candidates)} ready has "
+                f"{spec.devices_per_host} devices (job.devices_per_host; the most is {most})")
     counts = sorted({c.devices for c in candidates})
     shown = ", ".join(str(n) for n in counts[:8]) + (", ..." if len(counts) > 8 else "")
     per_host = (f"job.devices_per_host = {spec.devices_per_host}" if spec.devices_per_host
