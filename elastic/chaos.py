@@ -18,8 +18,8 @@ Fault kinds (each journaled as `fault_injected`):
   (the async write is in flight);
 - lose-device: take one device node away from a host (elastic.simdevices: a
   chip that failed; its agent reports fewer devices at its next heartbeat)
-  and give it back after heartbeat_timeout_s + 2 s (repaired); skipped on a
-  host with one device left;
+  and give it back after REPAIR_S (repaired); skipped on a host with one
+  device left;
 - partition: cut a host off the network. Only where the tool put the host in
   a network namespace of its own; `elasticd local` hosts share the root
   namespace, so it is skipped with a journaled message (`fault_skipped`).
@@ -44,6 +44,10 @@ from elastic.controller.status import fetch_status, slice_step
 from elastic.faults import Fault
 from elastic.procs import alive, signal_group, signal_pid
 from elastic.security.tls import TLSFiles
+
+#: Seconds until a device taken by `lose-device` comes back: long enough that
+#: the slice has restarted without it, as a repair would take far longer.
+REPAIR_S = 20.0
 
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
                "kill-during-save", "partition", "lose-device")
@@ -259,7 +263,7 @@ class Chaos(threading.Thread):
                                    {"fault": kind})
                 return
             self._record(kind, host, status, [], f"device {name} removed")
-            self._later(self.away_s, lambda: simdevices.restore_device(path, name))
+            self._later(REPAIR_S, lambda: simdevices.restore_device(path, name))
         elif kind == "preempt":
             signal_pid(agent, signal.SIGTERM)
             self._record(kind, host, status, [agent])

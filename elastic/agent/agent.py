@@ -40,8 +40,8 @@ log = logging.getLogger("elastic-agent")
 class AgentSettings:
     """controller: "HOST:PORT"; devices / device_kind: this host's
     accelerators at start; device_dir: where to count them again at every
-    heartbeat (None: `devices` is fixed, e.g. given on the command line);
-    device_kind_fixed: keep `device_kind` whatever a recount finds;
+    heartbeat (None: `devices` is fixed, e.g. given on the command line;
+    the kind is fixed at start either way);
     address: where peers reach this host; state_dir: where leftovers are
     tracked; tls: this host's certificate bundle (None: plaintext, trusting
     whatever answers at `controller`); allow: the workers this host may run
@@ -74,7 +74,6 @@ class AgentSettings:
     compile_cache_dir: str | None = None
     device_kind: str = "cpu"
     device_dir: str | None = None
-    device_kind_fixed: bool = False
 
 
 class Agent:
@@ -105,16 +104,16 @@ class Agent:
     def _recount_devices(self) -> None:
         """Count the device nodes again (when not fixed); a change rides on
         the next heartbeat, and the controller re-plans a slice this host
-        can no longer serve."""
+        can no longer serve. Only the count: the kind stays what it was at
+        start (a driver file that cannot be read once must not turn an H100
+        into a "gpu" and stop the slice)."""
         if self.settings.device_dir is None:
             return
-        found = discover_devices(self.settings.device_dir)
-        if self.settings.device_kind_fixed:
-            found = Devices(found.count, self.settings.device_kind)
-        if found.count != self.devices.count or found.kind != self.devices.kind:
-            log.warning("this host now has %d %s device(s); it had %d %s", found.count,
-                        found.kind, self.devices.count, self.devices.kind)
-            self.devices = found
+        count = discover_devices(self.settings.device_dir).count
+        if count != self.devices.count:
+            log.warning("this host now has %d %s device(s); it had %d", count,
+                        self.devices.kind, self.devices.count)
+            self.devices = Devices(count, self.devices.kind)
 
     def prepare(self) -> None:
         """Before `run`: kill what an earlier agent process left and make

@@ -42,8 +42,9 @@ def discover_devices(dev_root: str = "/dev", proc_root: str = "/proc") -> Device
     """Accelerator devices on this host, counted from device nodes only (so
     the agent never opens a chip its worker needs): TPU `accel<n>` or
     `vfio/<n>`, NVIDIA GPU `nvidia<n>` under `dev_root`. A host with none is
-    one "cpu" device. Called again at every heartbeat: a node that vanishes
-    (a chip the driver gave up on) lowers the count the controller plans with.
+    one "cpu" device. The agent counts again at every heartbeat: a node that
+    vanishes (a chip the driver gave up on) lowers the count the controller
+    plans with.
     """
     for pattern, regex, kind in (("accel*", r"accel\d+$", "tpu"),
                                  ("vfio/*", r"vfio/\d+$", "tpu"),

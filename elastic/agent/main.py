@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         controller=args.controller, host_id=args.host_id,
         devices=args.devices or found.count, device_kind=args.device_kind or found.kind,
         device_dir=None if args.devices else args.device_dir,
-        device_kind_fixed=args.device_kind is not None, address=args.address or default_address(),
+        address=args.address or default_address(),
         failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir, tls=tls,
         allow=allow, job_id=args.job_id, stop_grace_s=args.stop_grace_s,
         metadata_url=args.gce_metadata, preemption_grace_s=args.preemption_grace_s,
