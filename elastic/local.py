@@ -106,6 +106,10 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
             "--device-dir", str(simdevices.device_dir(state_dir, host_id)),
             "--device-kind", "cpu",
             "--failure-domain", failure_domain, "--job-id", spec.job_id,
+            # when the slice is taken down, workers get the job's own grace
+            # for planned stops (a worker that saved its emergency checkpoint
+            # waits to be killed), not an agent's default of 5 s
+            "--stop-grace-s", f"{spec.health.stop_grace_s:g}",
             "--state-dir", str(state_dir / "agents" / host_id),
             # one machine: its simulated hosts share one executable cache, as
             # the hosts of a cluster may share one on a common filesystem

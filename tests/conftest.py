@@ -264,10 +264,12 @@ class LocalJob:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
 
     def close(self) -> None:
-        """Stop everything this job started; the process group must be empty."""
+        """Stop everything this job started; the process group must be empty.
+        Agents the test started itself get SIGINT (stop now: SIGTERM would be
+        a preemption, which waits for a controller that is going away)."""
         for p in self.extra_procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGINT)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
