@@ -4,12 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test proto bench clean
+.PHONY: demo demo-gcs test proto bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,worker]'
+	$(BIN)/python -m pip install -q -e '.[dev,worker,gcs]'
 	touch $@
 
 # The main job: workers/lm on 4 simulated hosts x 2 CPU devices; host-1 is
@@ -18,6 +18,13 @@ demo: $(BIN)/.installed
 	rm -rf elastic-state/demo
 	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
 		--fault kill-host:host-1@step=120 --state-dir elastic-state/demo
+
+# The same, with the checkpoints in a bucket of a local GCS emulator
+# (fake-gcs-server) instead of a local directory.
+demo-gcs: $(BIN)/.installed
+	rm -rf elastic-state/demo-gcs
+	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
+		--fault kill-host:host-1@step=120 --state-dir elastic-state/demo-gcs --gcs-emulator
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -51,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--listen", default="0.0.0.0:7470", help="HOST:PORT (default %(default)s)")
     start.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
                        help="journal and state (default ./%(default)s)")
+    start.add_argument("--checkpoint-dir", metavar="DIR_OR_URL",
+                       help="the job's checkpoint directory, local or gs://bucket/prefix, "
+                            "instead of job.checkpoint_dir")
     _tls_args(start, CONTROLLER_TLS_DIR + " (a controller certificate)")
 
     status = sub.add_parser("status", help="show a running job")
@@ -91,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--insecure", action="store_true",
                        help="plaintext gRPC between the simulated hosts (for comparing what TLS "
                             "costs; default: mutual TLS with a throwaway CA under the state dir)")
+    local.add_argument("--gcs-emulator", action="store_true",
+                       help="keep checkpoints in a bucket of a local GCS emulator "
+                            "(fake-gcs-server, from the dev extra) started for this run")
 
     certs = sub.add_parser("certs", help="a certificate authority for the controller, hosts "
                                          "and operators")
@@ -117,6 +125,16 @@ def _load(path: str):
     try:
         return load_spec(path)
     except SpecError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_storage(spec) -> None:
+    """A gs:// checkpoint directory must be usable before anything starts."""
+    from elastic.checkpoint.storage import StorageError, check
+
+    try:
+        check(spec.checkpoint_dir)
+    except StorageError as e:
         raise UsageError(str(e)) from None
 
 
@@ -246,6 +264,10 @@ def _start(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec = _load(args.config)
+    if args.checkpoint_dir:
+        spec = dataclasses.replace(spec, checkpoint_dir=args.checkpoint_dir if "://" in
+                                   args.checkpoint_dir else os.path.abspath(args.checkpoint_dir))
+    _check_storage(spec)
     tls = None
     if not args.insecure:
         try:
@@ -263,9 +285,7 @@ def _start(args) -> int:
 def _local(args) -> int:
     from elastic.chaos import parse_chaos
     from elastic.faults import parse_fault
-    from elastic.local import run_local
-
-    from elastic.local import host_devices
+    from elastic.local import host_devices, run_local
 
     if not 1 <= args.hosts <= 256:
         raise UsageError("--hosts must be from 1 to 256")
@@ -279,6 +299,8 @@ def _local(args) -> int:
     except ValueError as e:
         raise UsageError(f"--devices-per-host: {e}") from None
     spec = _load(args.config)
+    if not args.gcs_emulator:  # else checkpoints go to the emulator's bucket
+        _check_storage(spec)
     try:
         faults = [parse_fault(text) for text in args.fault]
         chaos = parse_chaos(args.chaos) if args.chaos else None
@@ -287,7 +309,7 @@ def _local(args) -> int:
     try:
         return run_local(args.config, spec, args.hosts, devices, args.state_dir,
                          quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,
-                         chaos=chaos, insecure=args.insecure)
+                         chaos=chaos, insecure=args.insecure, gcs_emulator=args.gcs_emulator)
     except NotADirectoryError as e:
         raise UsageError(str(e)) from None
     except RuntimeError as e:

@@ -59,6 +59,8 @@ class LocalSlice:
     agent_argv: dict[str, list[str]]
     tls: TLSFiles | None
     heartbeat_timeout_s: float = 5.0
+    # variables added to every process's environment (a GCS emulator's)
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 TLS_DIR = "tls"
@@ -163,11 +165,15 @@ def host_devices(hosts: int, devices_per_host: int | Sequence[int]) -> list[int]
 
 def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 devices_per_host: int | Sequence[int], state_dir: pathlib.Path,
-                metadata_url: str | None = None, insecure: bool = False) -> LocalSlice:
+                metadata_url: str | None = None, insecure: bool = False,
+                checkpoint_dir: str | None = None,
+                extra_env: dict[str, str] | None = None) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
-    one per host: a host with a failed chip has fewer).
+    one per host: a host with a failed chip has fewer). `checkpoint_dir`
+    replaces the spec's; `extra_env` is added to every process's
+    environment.
 
     Raises RuntimeError when the controller exits or does not listen within
     30 s (its log says why); NotADirectoryError / PermissionError when the
@@ -185,11 +191,13 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         pki = certs.local_pki(state_dir / TLS_DIR, host_ids)
         security = ["--tls-dir", str(certs.bundle_dir(pki, Role.CONTROLLER, "localhost"))]
         tls = TLSFiles.in_dir(certs.bundle_dir(pki, Role.OPERATOR, "local"))
-    env = child_env()
+    extra_env = dict(extra_env or {})
+    env = {**child_env(), **extra_env}
     log = open_private(state_dir / "controller.log", "ab")
     controller = subprocess.Popen(
         [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
-         "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *security],
+         "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *security,
+         *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     log.close()
     address = _wait_for_address(state_dir, controller, 30.0)
@@ -209,7 +217,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         out.close()
         argvs[host_id] = argv
     local = LocalSlice(state_dir, controller, address, agents, argvs, tls,
-                       spec.health.heartbeat_timeout_s)
+                       spec.health.heartbeat_timeout_s, extra_env)
     write_local_file(local)
     return local
 
@@ -220,6 +228,7 @@ def write_local_file(local: LocalSlice) -> None:
     tests)."""
     info = {"controller": local.address, "controller_pid": local.controller.pid,
             "launcher_pid": os.getpid(), "heartbeat_timeout_s": local.heartbeat_timeout_s,
+            "extra_env": local.extra_env,
             "agents": {h: {"pid": p.pid, "argv": local.agent_argv[h]}
                        for h, p in local.agents.items()}}
     write_private(local.state_dir / LOCAL_FILE, json.dumps(info, indent=2).encode())
@@ -329,8 +338,8 @@ def restart_agent(local: LocalSlice, host_id: str) -> None:
         old.wait()
     out = open_private(local.state_dir / "hosts" / f"{host_id}.log", "ab")
     local.agents[host_id] = subprocess.Popen(local.agent_argv[host_id], stdout=out,
-                                             stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env=child_env())
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env={**child_env(), **local.extra_env})
     out.close()
     write_local_file(local)
 
@@ -349,7 +358,8 @@ def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None,
         argv = info["agents"][host_id]["argv"]
         out = open_private(state / "hosts" / f"{host_id}.log", "ab")
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=child_env(),
+                                stdin=subprocess.DEVNULL,
+                                env={**child_env(), **info.get("extra_env", {})},
                                 start_new_session=True)
         out.close()
         started.append(proc)
@@ -379,11 +389,13 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
               devices_per_host: int | Sequence[int],
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
               progress_every_s: float = 5.0, metadata_url: str | None = None,
-              chaos: ChaosSpec | None = None, insecure: bool = False) -> int:
+              chaos: ChaosSpec | None = None, insecure: bool = False,
+              gcs_emulator: bool = False) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting the planned `faults` and random `chaos` faults on the way;
     prints a summary at the end. Mutual TLS with a throwaway CA unless
-    `insecure`.
+    `insecure`. `gcs_emulator`: start fake-gcs-server for this run and keep
+    the checkpoints in its bucket `elastic-local`, under the job id.
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
     after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).
@@ -399,10 +411,21 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    local = injector = None
+    local = injector = emulator = None
     try:
+        checkpoint_dir, extra_env = None, {}
+        if gcs_emulator:
+            from elastic.checkpoint.emulator import GCSEmulator
+
+            log = open_private(state / "gcs-emulator.log", "ab")
+            emulator = GCSEmulator().start(log=log)
+            log.close()
+            checkpoint_dir = emulator.create_bucket("elastic-local") + "/" + spec.job_id
+            extra_env = emulator.env
+            print(f"elasticd local: GCS emulator at {emulator.url}, checkpoints in "
+                  f"{checkpoint_dir}", flush=True)
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
-                            insecure)
+                            insecure, checkpoint_dir, extra_env)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")
@@ -433,6 +456,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector.stop()
         if local is not None:
             stop_slice(local)
+        if emulator is not None:
+            emulator.stop()
         if follower:
             follower.stop()
         if not quiet:

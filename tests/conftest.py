@@ -298,13 +298,15 @@ class LocalJob:
 
 @pytest.fixture
 def local_job(tmp_path, proc_env):
-    """Factory: local_job(spec, hosts=4, devices=1, faults=(), name="state") ->
-    a started LocalJob (state in tmp_path / name)."""
+    """Factory: local_job(spec, hosts=4, devices=1, faults=(), name="state",
+    extra_args=(), env=None) -> a started LocalJob (state in tmp_path / name;
+    `env` added to its environment, e.g. a GCS emulator's)."""
     jobs = []
 
     def start(spec: pathlib.Path, hosts: int = 4, devices: int = 1, faults: tuple = (),
-              name: str = "state", extra_args: tuple = ()) -> LocalJob:
-        job = LocalJob(spec, tmp_path / name, proc_env, hosts, devices, faults, extra_args)
+              name: str = "state", extra_args: tuple = (), env: dict | None = None) -> LocalJob:
+        job = LocalJob(spec, tmp_path / name, dict(proc_env, **(env or {})), hosts, devices,
+                       faults, extra_args)
         jobs.append(job)
         return job
     yield start
@@ -340,14 +342,17 @@ def assert_matches_reference(samples: list[dict], reference: dict[int, dict]) ->
     return worst
 
 
-def lm_run_spec(tmp_path: pathlib.Path, name: str, grow: str = "never") -> pathlib.Path:
+def lm_run_spec(tmp_path: pathlib.Path, name: str, grow: str = "never",
+                checkpoint_dir: str | None = None) -> pathlib.Path:
     """The reference model for 40 steps (checkpoints every 10), logging its
-    samples and loss per step to tmp_path/NAME-samples.jsonl; 2 to 4 hosts."""
+    samples and loss per step to tmp_path/NAME-samples.jsonl; 2 to 4 hosts;
+    checkpoints in `checkpoint_dir` (default tmp_path/NAME-ckpt)."""
     return lm_spec(tmp_path / f"{name}.toml", "lm-test",
                    ["--steps", "40", "--checkpoint-every", "10", "--eval-every", "1000",
                     "--sample-log", str(tmp_path / f"{name}-samples.jsonl")],
                    min_hosts=2, max_hosts=4, heartbeat_timeout_s=2.0,
-                   job_extra=f'checkpoint_dir = "{tmp_path / (name + "-ckpt")}"', grow=grow)
+                   job_extra=f'checkpoint_dir = "{checkpoint_dir or tmp_path / (name + "-ckpt")}"',
+                   grow=grow)
 
 
 @pytest.fixture(scope="session")
@@ -365,3 +370,19 @@ def lm_reference(tmp_path_factory) -> dict[int, dict]:
     reference = {s["step"]: s for s in lm_samples(tmp / "ref-samples.jsonl")}
     assert sorted(reference) == list(range(40))
     return reference
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """fake-gcs-server on a free loopback port for the session
+    (elastic.checkpoint.emulator.GCSEmulator)."""
+    from elastic.checkpoint.emulator import GCSEmulator
+
+    with GCSEmulator() as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator) -> str:
+    """A new, empty bucket on the emulator: "gs://<name>"."""
+    return gcs_emulator.create_bucket(f"test-{uuid.uuid4().hex[:12]}")

@@ -1,6 +1,7 @@
 """Where checkpoints live. The one seam between a checkpoint directory string
-and the path object Orbax writes through (etils.epath): local paths today;
-`gs://` needs gcsfs and goes through the same function."""
+and the path object Orbax writes through (etils.epath): a local path, or
+gs://bucket/prefix (gcsfs for Orbax; the controller's own view of a bucket
+is elastic.checkpoint.gcs, through google-cloud-storage)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,33 @@ def resolve(directory: str) -> "epath.Path":  # noqa: F821 (etils, imported when
     from etils import epath
 
     return epath.Path(directory)
+
+
+def check(directory: str | None) -> None:
+    """Before anything starts: a gs:// checkpoint directory needs the `gcs`
+    extra, credentials, an existing bucket and the right to write under its
+    prefix (elastic.checkpoint.gcs.check_writable). Local directories are
+    made by the workers. Raises StorageError with one line."""
+    if not directory or not directory.startswith("gs://"):
+        return
+    resolve(directory)  # the gcsfs check
+    from elastic.checkpoint import gcs
+
+    gcs.check_writable(directory)
+
+
+def latest_step(directory: str | None) -> int:
+    """The highest committed checkpoint step in `directory`, local or gs://
+    (-1 if none, or when it cannot be read: this only bounds what the
+    controller believes, see elastic.controller.admission)."""
+    if directory and directory.startswith("gs://"):
+        from elastic.checkpoint import gcs
+
+        try:
+            return max(gcs.committed_steps(directory, retry_s=5.0), default=-1)
+        except StorageError:
+            return -1
+    return latest_local_step(directory)
 
 
 def latest_local_step(directory: str | None) -> int:

@@ -73,7 +73,8 @@ class Controller:
         self.executor.record("controller_started", self.state.generation,
                              f"job {self.spec.job_id}: {self.spec.min_hosts} to "
                              f"{self.spec.max_hosts} hosts, mesh {self.spec.mesh.to_text()}",
-                             None, {"spec": self.spec.source})
+                             None, {"spec": self.spec.source,
+                                    "checkpoint_dir": self.spec.checkpoint_dir})
         pass_s = 0.0
         while not self.state.phase.terminal:
             # Ticks catch what no event announces (timeouts). A pass over a very

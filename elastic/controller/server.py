@@ -11,7 +11,7 @@ from elastic import transport
 from elastic.clock import Clock, SystemClock
 from elastic.config import JobSpec
 from elastic.controller.core import Controller
-from elastic.checkpoint.storage import latest_local_step
+from elastic.checkpoint.storage import latest_step
 from elastic.controller.journal import JournalWriter, recorded
 from elastic.controller.servicer import ControllerServicer, add_servicer
 from elastic.security.files import private_dir
@@ -57,7 +57,7 @@ class ControllerServer:
         self.controller = Controller(
             self.spec, self.journal, clock or SystemClock(), tick_s,
             initial_generation=before.generation,
-            known_step=max(before.step, latest_local_step(self.spec.checkpoint_dir)))
+            known_step=max(before.step, latest_step(self.spec.checkpoint_dir)))
         self.controller.view.committed_step = before.committed_step
         self.server = transport.aio_server()
         self.servicer = ControllerServicer(self.controller, authenticated=tls is not None)

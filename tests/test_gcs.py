@@ -1,0 +1,118 @@
+"""Checkpoints on Google Cloud Storage, against fake-gcs-server on loopback
+(a real GCS API server; elastic.checkpoint.emulator): the controller's view
+of committed steps, the check before anything starts, and the reference
+job through a preemption and a killed host with its checkpoints in a
+bucket, ending where an undisturbed run ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from elastic.checkpoint import gcs
+from elastic.checkpoint.storage import StorageError
+from tests.conftest import (REPO, assert_matches_reference, lm_run_spec, lm_samples,
+                            tiny_spec)
+
+
+@pytest.mark.parametrize("objects,committed", [
+    ([], []),
+    (["run/1/commit_success.txt", "run/1/state/x"], [1]),
+    # a save cut short: the step's directory without its marker
+    (["run/1/commit_success.txt", "run/2/state/x", "run/2/meta/commit_success.txt"], [1]),
+    (["run/10/commit_success.txt", "run/9/commit_success.txt"], [9, 10]),
+    # not steps, or not this job's prefix
+    (["run/tmp/commit_success.txt", "run2/3/commit_success.txt", "other/4/commit_success.txt",
+      "run/5.orbax-checkpoint-tmp/commit_success.txt"], []),
+])
+def test_committed_steps_are_the_step_directories_with_a_marker(
+        gcs_emulator, gcs_bucket, objects, committed):
+    client = gcs_emulator.client()
+    bucket = client.bucket(gcs_bucket[5:])
+    for name in objects:
+        bucket.blob(name).upload_from_string(b"x")
+    assert gcs.committed_steps(f"{gcs_bucket}/run", gcs=client) == committed
+
+
+def test_a_writable_bucket_passes_and_a_missing_one_is_named(gcs_emulator, gcs_bucket):
+    client = gcs_emulator.client()
+    gcs.check_writable(f"{gcs_bucket}/run", gcs=client)
+    assert list(client.list_blobs(gcs_bucket[5:])) == []  # the probe is gone
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
+        gcs.check_writable("gs://no-such-bucket/run", gcs=client, retry_s=1.0)
+
+
+@pytest.mark.parametrize("url", ["gs://", "s3://b/x", "gs:///x"])
+def test_malformed_urls_are_refused(url):
+    with pytest.raises(StorageError):
+        gcs.split(url)
+
+
+def test_start_refuses_a_missing_bucket_before_anything_starts(tmp_path, proc_env,
+                                                               gcs_emulator):
+    spec = tiny_spec(tmp_path, job_extra='checkpoint_dir = "gs://no-such-bucket/ckpt"')
+    for command in (["start", "--insecure"], ["local", "--hosts", "1"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "elastic.cli", *command, "--config", str(spec),
+             "--state-dir", str(tmp_path / "state")],
+            env=dict(proc_env, **gcs_emulator.env), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines() == [
+            "elasticd: error: checkpoint directory gs://no-such-bucket/ckpt: bucket "
+            "'no-such-bucket' does not exist"], out.stderr
+        assert not (tmp_path / "state" / "events.jsonl").exists()
+
+
+def test_training_with_checkpoints_in_a_bucket_survives_a_preemption_and_a_lost_host(
+        tmp_path, local_job, lm_reference, gcs_emulator, gcs_bucket):
+    url = f"{gcs_bucket}/lm"
+    job = local_job(lm_run_spec(tmp_path, "gcs", checkpoint_dir=url), hosts=4, devices=2,
+                    name="gcs", env=gcs_emulator.env,
+                    faults=("preempt:host-1@step=12", "kill-host:host-2@step=28"))
+    assert job.wait(300) == 0, job.output()
+    journal = job.journal()
+    started = [e for e in journal if e["kind"] == "generation_started"]
+    # 4 hosts; 3 without the preempted host-1; then without the killed host-2
+    # (host-1, back once its agent left, joins the restart after the kill)
+    assert len(started) == 3 and [len(e["hosts"]) for e in started[:2]] == [4, 3], \
+        [e["reason"] for e in started]
+    assert "host-1" not in started[1]["hosts"] and "host-2" not in started[2]["hosts"]
+    # the preemption's emergency checkpoint went to the bucket and generation 2
+    # restored it into a 3 x 2 mesh from there
+    emergency = next(e for e in journal if e["kind"] == "checkpoint_saved"
+                     and e.get("preemption"))
+    restored = next(e for e in journal if e["kind"] == "checkpoint_restored"
+                    and e["generation"] == 2)
+    assert restored["step"] == emergency["step"] and restored.get("source") != "snapshot"
+    assert started[1]["mesh_shape"] == [3, 2]
+    # what the controller reads from the bucket: the steps Orbax committed there
+    steps = gcs.committed_steps(url, gcs=gcs_emulator.client())
+    assert steps and steps[-1] == 39, steps
+    assert_matches_reference(lm_samples(tmp_path / "gcs-samples.jsonl"), lm_reference)
+
+
+def test_a_bucket_url_without_the_gcs_packages_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
+    monkeypatch.setitem(sys.modules, "google.cloud", None)
+    with pytest.raises(StorageError, match=r"pip install 'elastic\[gcs\]'"):
+        gcs.client()
+
+
+def test_local_runs_a_job_with_its_checkpoints_in_an_emulator_it_starts(tmp_path, local_job):
+    spec = (REPO / "workers" / "minimal" / "job.toml").read_text()
+    (tmp_path / "train.py").symlink_to(REPO / "workers" / "minimal" / "train.py")
+    (tmp_path / "job.toml").write_text(spec)
+    job = local_job(tmp_path / "job.toml", hosts=2, extra_args=("--gcs-emulator",),
+                    faults=("kill-worker:host-1@step=50",))
+    assert job.wait(180) == 0, job.output()
+    out = job.proc.stdout.read().decode()
+    assert "checkpoints in gs://elastic-local/minimal" in out, out
+    journal = job.journal()
+    assert [e["step"] for e in journal if e["kind"] == "checkpoint_committed"][-1] == 180
+    started = next(e for e in journal if e["kind"] == "controller_started")
+    assert started["checkpoint_dir"] == "gs://elastic-local/minimal", started
+    # the restart after the kill restored from a local snapshot or the bucket
+    assert any(e["kind"] == "checkpoint_restored" and e["generation"] == 2 for e in journal)
+    assert job.outcome()["kind"] == "job_succeeded"
