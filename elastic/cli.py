@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--insecure", action="store_true",
                        help="plaintext gRPC between the simulated hosts (for comparing what TLS "
                             "costs; default: mutual TLS with a throwaway CA under the state dir)")
+    local.add_argument("--compile-cache-dir", metavar="DIR",
+                       help="the simulated hosts' executable cache, kept across runs "
+                            "(default: a new one under the state dir)")
     local.add_argument("--gcs-emulator", action="store_true",
                        help="keep checkpoints in a bucket of a local GCS emulator "
                             "(fake-gcs-server, from the dev extra) started for this run")
@@ -309,7 +312,8 @@ def _local(args) -> int:
     try:
         return run_local(args.config, spec, args.hosts, devices, args.state_dir,
                          quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,
-                         chaos=chaos, insecure=args.insecure, gcs_emulator=args.gcs_emulator)
+                         chaos=chaos, insecure=args.insecure, gcs_emulator=args.gcs_emulator,
+                         compile_cache_dir=args.compile_cache_dir)
     except NotADirectoryError as e:
         raise UsageError(str(e)) from None
     except RuntimeError as e:

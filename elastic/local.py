@@ -96,13 +96,15 @@ def allow_args(spec: JobSpec, path: str) -> list[str]:
 
 def agent_argv(address: str, host_id: str, failure_domain: str,
                state_dir: pathlib.Path, spec: JobSpec, insecure: bool = False,
-               metadata_url: str | None = None) -> list[str]:
+               metadata_url: str | None = None,
+               compile_cache_dir: pathlib.Path | None = None) -> list[str]:
     """The command line of one simulated host's agent: its device nodes in
     STATE_DIR/hosts/HOST/dev (elastic.simdevices; counted like a real
     host's, kind "cpu"), its own certificate bundle under STATE_DIR/tls
     (or --insecure) and an allow-list of exactly the job's command
     (`allow_args`). `metadata_url` may hold "{host}", replaced by the host
-    id (one fake metadata path per host)."""
+    id (one fake metadata path per host). The executable cache is
+    `compile_cache_dir`, default STATE_DIR/compile-cache."""
     argv = [sys.executable, "-m", "elastic.agent.main", "--controller", address,
             "--host-id", host_id, "--address", "127.0.0.1",
             "--device-dir", str(simdevices.device_dir(state_dir, host_id)),
@@ -115,7 +117,7 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
             "--state-dir", str(state_dir / "agents" / host_id),
             # one machine: its simulated hosts share one executable cache, as
             # the hosts of a cluster may share one on a common filesystem
-            "--compile-cache-dir", str(state_dir / "compile-cache"),
+            "--compile-cache-dir", str(compile_cache_dir or state_dir / "compile-cache"),
             *allow_args(spec, child_env()["PATH"])]
     argv += ["--insecure"] if insecure else \
         ["--tls-dir", str(certs.bundle_dir(state_dir / TLS_DIR, Role.HOST, host_id))]
@@ -167,13 +169,15 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 devices_per_host: int | Sequence[int], state_dir: pathlib.Path,
                 metadata_url: str | None = None, insecure: bool = False,
                 checkpoint_dir: str | None = None,
-                extra_env: dict[str, str] | None = None) -> LocalSlice:
+                extra_env: dict[str, str] | None = None,
+                compile_cache_dir: pathlib.Path | None = None) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
     one per host: a host with a failed chip has fewer). `checkpoint_dir`
     replaces the spec's; `extra_env` is added to every process's
-    environment.
+    environment; `compile_cache_dir` is the hosts' executable cache
+    (default: one under the state dir, new each run).
 
     Raises RuntimeError when the controller exits or does not listen within
     30 s (its log says why); NotADirectoryError / PermissionError when the
@@ -210,7 +214,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     for i, host_id in enumerate(host_ids):
         simdevices.set_devices(simdevices.device_dir(state_dir, host_id), counts[i])
         argv = agent_argv(address, host_id, f"domain-{i // per_domain}",
-                          state_dir, spec, insecure, metadata_url)
+                          state_dir, spec, insecure, metadata_url, compile_cache_dir)
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, env=env)
@@ -390,12 +394,13 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
               progress_every_s: float = 5.0, metadata_url: str | None = None,
               chaos: ChaosSpec | None = None, insecure: bool = False,
-              gcs_emulator: bool = False) -> int:
+              gcs_emulator: bool = False, compile_cache_dir: str | None = None) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting the planned `faults` and random `chaos` faults on the way;
     prints a summary at the end. Mutual TLS with a throwaway CA unless
     `insecure`. `gcs_emulator`: start fake-gcs-server for this run and keep
     the checkpoints in its bucket `elastic-local`, under the job id.
+    `compile_cache_dir`: an executable cache kept across runs.
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
     after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).
@@ -425,7 +430,9 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             print(f"elasticd local: GCS emulator at {emulator.url}, checkpoints in "
                   f"{checkpoint_dir}", flush=True)
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
-                            insecure, checkpoint_dir, extra_env)
+                            insecure, checkpoint_dir, extra_env,
+                            pathlib.Path(compile_cache_dir).resolve()
+                            if compile_cache_dir else None)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")

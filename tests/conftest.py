@@ -194,7 +194,8 @@ class LocalJob:
 
     def __init__(self, spec: pathlib.Path, state_dir: pathlib.Path, env: dict,
                  hosts: int = 4, devices: int = 1, faults: tuple[str, ...] = (),
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (),
+                 compile_cache: pathlib.Path | None = None) -> None:
         self.state_dir = state_dir
         self.env = env
         self.extra_procs: list[subprocess.Popen] = []
@@ -202,7 +203,8 @@ class LocalJob:
             [sys.executable, "-m", "elastic.cli", "local", "--config", str(spec),
              "--hosts", str(hosts), "--devices-per-host", str(devices),
              "--state-dir", str(state_dir), "--quiet",
-             *[arg for fault in faults for arg in ("--fault", fault)], *extra_args],
+             *[arg for fault in faults for arg in ("--fault", fault)], *extra_args,
+             *(["--compile-cache-dir", str(compile_cache)] if compile_cache else [])],
             env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def journal(self) -> list[dict]:
@@ -296,8 +298,17 @@ class LocalJob:
         assert not group_alive, f"process group {self.proc.pid} still has processes"
 
 
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> pathlib.Path:
+    """One executable cache for every local job of the session: a program
+    and slice shape an earlier test compiled loads from it (as a host's
+    cache persists across runs), so each test pays for its own new shapes
+    only."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
 @pytest.fixture
-def local_job(tmp_path, proc_env):
+def local_job(tmp_path, proc_env, compile_cache):
     """Factory: local_job(spec, hosts=4, devices=1, faults=(), name="state",
     extra_args=(), env=None) -> a started LocalJob (state in tmp_path / name;
     `env` added to its environment, e.g. a GCS emulator's)."""
@@ -306,7 +317,7 @@ def local_job(tmp_path, proc_env):
     def start(spec: pathlib.Path, hosts: int = 4, devices: int = 1, faults: tuple = (),
               name: str = "state", extra_args: tuple = (), env: dict | None = None) -> LocalJob:
         job = LocalJob(spec, tmp_path / name, dict(proc_env, **(env or {})), hosts, devices,
-                       faults, extra_args)
+                       faults, extra_args, compile_cache)
         jobs.append(job)
         return job
     yield start
@@ -356,13 +367,14 @@ def lm_run_spec(tmp_path: pathlib.Path, name: str, grow: str = "never",
 
 
 @pytest.fixture(scope="session")
-def lm_reference(tmp_path_factory) -> dict[int, dict]:
+def lm_reference(tmp_path_factory, compile_cache) -> dict[int, dict]:
     """step -> sample line of an undisturbed run of `lm_run_spec` on 4 hosts
     x 2 devices, run once per session for the tests that compare a disturbed
     run with it."""
     tmp = tmp_path_factory.mktemp("lm-reference")
     with guarded_env() as env:
-        job = LocalJob(lm_run_spec(tmp, "ref"), tmp / "state", env, hosts=4, devices=2)
+        job = LocalJob(lm_run_spec(tmp, "ref"), tmp / "state", env, hosts=4, devices=2,
+                       compile_cache=compile_cache)
         try:
             assert job.wait(240) == 0, job.output()
         finally:

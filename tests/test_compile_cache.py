@@ -49,7 +49,7 @@ out.write_text(json.dumps({"cache_dir": os.environ["ELASTIC_CACHE_DIR"]}))
 """
 
 
-def test_simulated_hosts_share_one_cache_directory(tmp_path, local_job):
+def test_simulated_hosts_share_one_cache_directory(tmp_path, local_job, compile_cache):
     script = tmp_path / "record_env.py"
     script.write_text(RECORD_ENV)
     records = tmp_path / "records"
@@ -66,7 +66,9 @@ def test_simulated_hosts_share_one_cache_directory(tmp_path, local_job):
     assert job.wait(60) == 0, job.output()
     seen = {p.stem: json.loads(p.read_text())["cache_dir"] for p in records.glob("*.json")}
     assert sorted(seen) == ["host-0", "host-1", "host-2"]
-    assert set(seen.values()) == {str(tmp_path / "state" / "compile-cache")}
+    # the session's cache (tests pass --compile-cache-dir; by default one
+    # under the state dir)
+    assert set(seen.values()) == {str(compile_cache)}
 
 
 COMPILE_WORKER = REPO / "tests" / "helpers" / "compile_worker.py"
