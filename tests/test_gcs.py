@@ -80,14 +80,30 @@ def test_training_with_checkpoints_in_a_bucket_survives_a_preemption_and_a_lost_
     assert len(started) == 3 and [len(e["hosts"]) for e in started[:2]] == [4, 3], \
         [e["reason"] for e in started]
     assert "host-1" not in started[1]["hosts"] and "host-2" not in started[2]["hosts"]
-    # the preemption's emergency checkpoint went to the bucket and generation 2
-    # restored it into a 3 x 2 mesh from there
+    # SIGTERM to host-1's agent: every worker saved at the same step, the
+    # emergency checkpoint went to the bucket well inside GCE's 30 s, and
+    # generation 2 restored it into a 3 x 2 mesh from there and resumed at
+    # the next step: no step computed twice
+    notice = next(e for e in journal if e["kind"] == "preemption_notice")
     emergency = next(e for e in journal if e["kind"] == "checkpoint_saved"
                      and e.get("preemption"))
+    step = emergency["step"]
+    committed = next(e for e in journal if e["kind"] == "checkpoint_committed"
+                     and e["step"] == step)
+    assert committed["ts"] - notice["ts"] < 30
+    stopping = next(e for e in journal if e["kind"] == "slice_stopping")
+    assert stopping["cause"] == "preemption", stopping
     restored = next(e for e in journal if e["kind"] == "checkpoint_restored"
                     and e["generation"] == 2)
-    assert restored["step"] == emergency["step"] and restored.get("source") != "snapshot"
+    assert restored["step"] == step and restored.get("source") != "snapshot"
     assert started[1]["mesh_shape"] == [3, 2]
+    samples = lm_samples(tmp_path / "gcs-samples.jsonl")
+    assert max(s["step"] for s in samples if s["generation"] == 1) == step
+    assert min(s["step"] for s in samples if s["generation"] == 2) == step + 1
+    # the preempted agent left once its worker was stopped (and came back as
+    # a new agent, as a host does after a preemption)
+    registered = [e for e in journal if e["kind"] == "host_registered" and e["host"] == "host-1"]
+    assert len(registered) == 2 and registered[1]["ts"] > notice["ts"]
     # what the controller reads from the bucket: the steps Orbax committed there
     steps = gcs.committed_steps(url, gcs=gcs_emulator.client())
     assert steps and steps[-1] == 39, steps

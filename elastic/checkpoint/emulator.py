@@ -25,6 +25,16 @@ def _binary() -> str:
     return str(_server._get_binary_path())
 
 
+def anonymous_client(url: str):
+    """A google-cloud-storage client of the GCS endpoint at `url` without
+    credentials (an emulator, or a proxy in front of one)."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    return storage.Client(project="test", credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": url})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,11 +78,7 @@ class GCSEmulator:
 
     def client(self):
         """A google-cloud-storage client of this emulator (anonymous)."""
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage
-
-        return storage.Client(project="test", credentials=AnonymousCredentials(),
-                              client_options={"api_endpoint": self.url})
+        return anonymous_client(self.url)
 
     def create_bucket(self, name: str) -> str:
         """Create bucket `name`; returns "gs://name"."""

@@ -124,14 +124,22 @@ def check_writable(url: str, retry_s: float = RETRY_S, gcs=None) -> None:
     gcs = gcs or client()
     probe = f"{prefix}.elastic-probe-{uuid.uuid4().hex[:12]}"
 
-    def write_and_delete() -> None:
-        bucket = gcs.bucket(bucket_name)
-        blob = bucket.blob(probe)
-        blob.upload_from_string(b"elastic: can this job write here?", retry=None)
-        blob.delete(retry=None)
+    def write() -> None:
+        gcs.bucket(bucket_name).blob(probe).upload_from_string(
+            b"elastic: can this job write here?", retry=None)
+
+    def delete() -> None:
+        from google.api_core import exceptions
+
+        try:
+            gcs.bucket(bucket_name).blob(probe).delete(retry=None)
+        except exceptions.NotFound:  # a retry of a delete whose answer was lost
+            pass
 
     try:
-        _retrying(retry_s)(write_and_delete)
+        # each call retried on its own: a lost answer repeats one call, not both
+        _retrying(retry_s)(write)
+        _retrying(retry_s)(delete)
     except StorageError:
         raise
     except Exception as e:  # noqa: BLE001
