@@ -6,7 +6,6 @@ bucket, ending where an undisturbed run ends."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -14,8 +13,7 @@ import pytest
 
 from elastic.checkpoint import gcs
 from elastic.checkpoint.storage import StorageError
-from tests.conftest import (REPO, assert_matches_reference, lm_run_spec, lm_samples,
-                            tiny_spec)
+from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples, tiny_spec
 
 
 @pytest.mark.parametrize("objects,committed", [
@@ -115,66 +113,3 @@ def test_a_bucket_url_without_the_gcs_packages_says_what_to_install(monkeypatch)
     monkeypatch.setitem(sys.modules, "google.cloud", None)
     with pytest.raises(StorageError, match=r"pip install 'elastic\[gcs\]'"):
         gcs.client()
-
-
-def test_local_runs_a_job_with_its_checkpoints_in_an_emulator_it_starts(tmp_path, local_job):
-    spec = (REPO / "workers" / "minimal" / "job.toml").read_text()
-    (tmp_path / "train.py").symlink_to(REPO / "workers" / "minimal" / "train.py")
-    (tmp_path / "job.toml").write_text(spec)
-    job = local_job(tmp_path / "job.toml", hosts=2, extra_args=("--gcs-emulator",),
-                    faults=("kill-worker:host-1@step=50",))
-    assert job.wait(180) == 0, job.output()
-    out = job.proc.stdout.read().decode()
-    assert "checkpoints in gs://elastic-local/minimal" in out, out
-    journal = job.journal()
-    assert [e["step"] for e in journal if e["kind"] == "checkpoint_committed"][-1] == 180
-    started = next(e for e in journal if e["kind"] == "controller_started")
-    assert started["checkpoint_dir"] == "gs://elastic-local/minimal", started
-    # the restart after the kill restored from a local snapshot or the bucket
-    assert any(e["kind"] == "checkpoint_restored" and e["generation"] == 2 for e in journal)
-    assert job.outcome()["kind"] == "job_succeeded"
-
-
-def _objects(emulator, url: str) -> list[str]:
-    bucket, prefix = gcs.split(url)
-    return [b.name[len(prefix):] for b in emulator.client().list_blobs(bucket, prefix=prefix)]
-
-
-def test_a_save_killed_in_flight_leaves_no_marker_and_is_never_restored(
-        tmp_path, proc_env, gcs_emulator, gcs_bucket):
-    from tests.test_checkpoint import run_processes
-    url, env = f"{gcs_bucket}/ckpt", dict(proc_env, **gcs_emulator.env)
-    run_processes(2, ["save", url, "1", str(tmp_path / "a.json")], env, url)
-    run_processes(2, ["save", url, "2", str(tmp_path / "b.json"), "--kill-after-save"],
-                  env, url, expect_kill=True)
-    written = _objects(gcs_emulator, url)
-    assert "1/commit_success.txt" in written and "2/commit_success.txt" not in written, written
-    assert gcs.committed_steps(url, gcs=gcs_emulator.client()) == [1]
-    out = tmp_path / "restore.json"
-    run_processes(2, ["restore", url, str(out)], env, url)
-    restored = json.loads(out.read_text())
-    assert restored["step"] == 1
-    assert json.loads((tmp_path / "a.json").read_text())["checksums"] == restored["checksums"]
-
-
-def test_an_unreadable_latest_step_in_a_bucket_falls_back_and_is_reported(
-        tmp_path, proc_env, gcs_emulator, gcs_bucket):
-    from tests.test_checkpoint import run_processes
-    url, env = f"{gcs_bucket}/ckpt", dict(proc_env, **gcs_emulator.env)
-    run_processes(2, ["save", url, "1", str(tmp_path / "a.json")], env, url)
-    run_processes(2, ["save", url, "2", str(tmp_path / "b.json")], env, url)
-    bucket = gcs_emulator.client().bucket(gcs.split(url)[0])
-    damaged = [name for name in _objects(gcs_emulator, url)
-               if name.startswith("2/state/") and "metadata" not in name.lower()
-               and not name.endswith("commit_success.txt")]
-    assert damaged
-    for name in damaged:  # the committed step 2's array data is garbage
-        bucket.blob(f"ckpt/{name}").upload_from_string(b"garbage")
-    out = tmp_path / "restore.json"
-    run_processes(2, ["restore", url, str(out)], env, url)
-    restored = json.loads(out.read_text())
-    assert restored["step"] == 1
-    assert [e["kind"] for e in restored["events"]] == ["checkpoint_restore_failed",
-                                                       "checkpoint_restored"], restored["events"]
-    assert "2/commit_success.txt" in _objects(gcs_emulator, url), \
-        "a committed step is never deleted by a failed restore"

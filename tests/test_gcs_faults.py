@@ -51,15 +51,42 @@ def test_a_short_outage_is_waited_out_and_a_long_one_is_one_line(gcs_emulator, g
     assert time.monotonic() - t0 < 10.0, "the retries are bounded"
 
 
-def test_a_checkpoint_saves_and_restores_through_added_latency(tmp_path, proc_env, gcs_bucket,
-                                                               proxy):
+def _objects(client, url: str) -> list[str]:
+    bucket, prefix = gcs.split(url)
+    return [b.name[len(prefix):] for b in client.list_blobs(bucket, prefix=prefix)]
+
+
+def test_checkpoints_through_added_latency_a_killed_save_and_a_corrupt_step(
+        tmp_path, proc_env, gcs_emulator, gcs_bucket, proxy):
+    """The first save and the restore go through 50 ms of added latency per
+    request. A save killed in flight leaves objects but no marker and is
+    never restored; a committed step whose arrays are garbage fails on every
+    process, all fall back together, the journal says so, nothing is deleted."""
     from tests.test_checkpoint import run_processes
     url, env = f"{gcs_bucket}/ckpt", dict(proc_env, **proxy.env)
-    proxy.set(latency_s=0.05)
+    client = gcs_emulator.client()
+    proxy.set(latency_s=0.05)  # the first save and the restore
     run_processes(2, ["save", url, "1", str(tmp_path / "a.json")], env, url)
+    proxy.set()
+    run_processes(2, ["save", url, "2", str(tmp_path / "b.json"), "--kill-after-save"],
+                  env, url, expect_kill=True)
+    # (through the latency the kill may land before any object of step 2 is out)
+    assert "2/commit_success.txt" not in _objects(client, url)
+    run_processes(2, ["save", url, "3", str(tmp_path / "c.json")], env, url)
+    assert gcs.committed_steps(url, gcs=proxy.client()) == [1, 3]
+    damaged = [n for n in _objects(client, url) if n.startswith("3/state/")
+               and "metadata" not in n.lower() and not n.endswith("commit_success.txt")]
+    assert damaged
+    for name in damaged:
+        client.bucket(gcs.split(url)[0]).blob(f"ckpt/{name}").upload_from_string(b"garbage")
     out = tmp_path / "restore.json"
+    proxy.set(latency_s=0.05)
     run_processes(2, ["restore", url, str(out)], env, url)
     restored = json.loads(out.read_text())
-    assert restored["step"] == 1
+    assert restored["step"] == 1, restored
     assert json.loads((tmp_path / "a.json").read_text())["checksums"] == restored["checksums"]
-    assert proxy.counts.requests > 10
+    assert [e["kind"] for e in restored["events"]] == ["checkpoint_restore_failed",
+                                                       "checkpoint_restored"], restored["events"]
+    assert "3/commit_success.txt" in _objects(client, url), \
+        "a committed step is never deleted by a failed restore"
+    assert proxy.counts.requests > 50

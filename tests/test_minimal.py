@@ -1,4 +1,6 @@
-"""The README's worker is the file in workers/minimal, and it trains."""
+"""The README's worker is the file in workers/minimal, and it trains (with
+its checkpoints in a bucket of the GCS emulator `elasticd local
+--gcs-emulator` starts)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ def test_readme_shows_the_minimal_worker_verbatim():
 
 
 def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
+    # with its checkpoints in a bucket of a GCS emulator elasticd local starts
     job = local_job(REPO / "workers" / "minimal" / "job.toml", hosts=2, devices=1,
-                    faults=("kill-worker:host-1@step=30",))
+                    faults=("kill-worker:host-1@step=30",), extra_args=("--gcs-emulator",))
     job.wait_for("first_progress", generation=1, timeout_s=120)
     records = [job.state_dir / "agents" / h / snapshot_dir.RECORD for h in ("host-0", "host-1")]
     snapshot_dirs = [pathlib.Path(r.read_text()) for r in records]
@@ -43,5 +46,8 @@ def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
     # step-60 snapshot is still being written (the restore takes step 50)
     [incident] = account(journal).incidents
     assert incident.lost_steps <= 10, incident
+    started = next(e for e in journal if e["kind"] == "controller_started")
+    assert started["checkpoint_dir"] == "gs://elastic-local/minimal", started
+    assert "checkpoints in gs://elastic-local/minimal" in job.proc.stdout.read().decode()
     # and the agents took their snapshots with them when they stopped
     assert not any(r.exists() for r in records) and not any(d.exists() for d in snapshot_dirs)
