@@ -36,7 +36,8 @@ def main() -> int:
     ckpt = ctx.checkpoints(interval_steps=1, max_to_keep=2, snapshot_every=0)
     saves, commits, restores = [], [], []
     for step in range(trials):
-        state = {"w": jax.jit(lambda: jnp.full((rows, 1024), step, jnp.float32),
+        # random values: a constant array would compress to nothing
+        state = {"w": jax.jit(lambda: jax.random.normal(jax.random.key(step), (rows, 1024)),
                               out_shardings=sharding)()}
         jax.block_until_ready(state)
         t0 = time.perf_counter()
