@@ -54,7 +54,8 @@ from typing import Any
 GROW_POLICIES = ("never", "after_checkpoint", "immediately")
 #: A device kind as agents report it and `job.device_kind` names it
 #: ("cpu", "tpu", "NVIDIA H100 80GB HBM3"): at most 64 plain characters.
-DEVICE_KIND = re.compile(r"[A-Za-z0-9 ._()+-]{1,64}")
+DEVICE_KIND_CHARS = "A-Za-z0-9 ._()+-"
+DEVICE_KIND = re.compile(f"[{DEVICE_KIND_CHARS}]{{1,64}}")
 
 
 class SpecError(ValueError):

@@ -157,8 +157,8 @@ class Agent:
                                           device_kind=self.devices.kind))
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
-        self._recount_devices()  # a chip failure often shows first as a crash
         self._post(worker_exited=status)
+        # (it recounts the devices: a chip failure often shows first as a crash)
         self._heartbeat()  # offers a fresh coordinator port for the next generation
         if self._leave_after_stop:  # preempted by SIGTERM: leave once the report is out
             asyncio.get_running_loop().call_later(0.2, self._stopping.set)

@@ -10,7 +10,7 @@ import os
 import re
 import socket
 
-from elastic.config import DEVICE_KIND
+from elastic.config import DEVICE_KIND, DEVICE_KIND_CHARS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ def _nvidia_model(proc_root: str) -> str:
             with open(info, encoding="utf-8", errors="replace") as f:
                 for line in f:
                     if line.startswith("Model:"):
-                        model = re.sub(r"[^A-Za-z0-9 ._()+-]", "", line[6:]).strip()[:64]
+                        model = re.sub(f"[^{DEVICE_KIND_CHARS}]", "", line[6:]).strip()[:64]
                         if DEVICE_KIND.fullmatch(model):
                             return model
         except OSError:

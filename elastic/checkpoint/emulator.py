@@ -35,7 +35,15 @@ def anonymous_client(url: str):
                           client_options={"api_endpoint": url})
 
 
-def _free_port() -> int:
+def endpoint_env(url: str) -> dict[str, str]:
+    """The variables that point google-cloud-storage, gcsfs and TensorStore
+    at the GCS endpoint `url` (an emulator, or a proxy in front of one)."""
+    return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": TEST_TOKEN, "GOOGLE_CLOUD_PROJECT": "test"}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 the kernel says is free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,14 +59,13 @@ class GCSEmulator:
     """
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
     @property
     def env(self) -> dict[str, str]:
-        return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING": TEST_TOKEN, "GOOGLE_CLOUD_PROJECT": "test"}
+        return endpoint_env(self.url)
 
     def start(self, timeout_s: float = 30.0, log=subprocess.DEVNULL) -> "GCSEmulator":
         self.process = subprocess.Popen(

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import socket
 import threading
 import time
 
-from elastic.checkpoint.emulator import TEST_TOKEN, anonymous_client
+from elastic.checkpoint.emulator import anonymous_client, endpoint_env, free_port
 
 #: Headers that belong to one hop, not to the request or answer.
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
@@ -57,9 +56,7 @@ class FaultProxy:
 
     def __init__(self, upstream: str, seed: int = 0) -> None:
         self.upstream = upstream.rstrip("/")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.faults = StorageFaults()
         self.counts = FaultCounts()
@@ -72,8 +69,7 @@ class FaultProxy:
     @property
     def env(self) -> dict[str, str]:
         """Variables that point google-cloud-storage, gcsfs and TensorStore here."""
-        return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING": TEST_TOKEN, "GOOGLE_CLOUD_PROJECT": "test"}
+        return endpoint_env(self.url)
 
     def client(self):
         """A google-cloud-storage client that goes through this proxy."""

@@ -466,22 +466,19 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     if state.phase is not Phase.RUNNING:
         return state
     members = frozenset(state.members)
-    no_grow = dataclasses.replace(state, grow_ready_since=None) \
-        if state.grow_ready_since is not None else state
     if len(view.hosts) <= len(members) and \
             all(view.hosts[h].devices <= state.devices_per_host for h in members):
-        return no_grow
+        return _no_grow(state)
     candidates = [_candidate(r) for r in view.hosts.values()
                   if r.host_id in members or _usable(r, state)]
     if len(members) >= spec.max_hosts and \
             all(c.devices <= state.devices_per_host for c in candidates):
-        return no_grow  # spares at max_hosts
+        return _no_grow(state)  # spares at max_hosts
     plan = plan_mesh(spec, candidates)
     state = _note_left_out(state, plan, actions, members)
     policy = spec.restart.grow
     if policy == "never" or plan.devices <= len(state.members) * state.devices_per_host:
-        return dataclasses.replace(state, grow_ready_since=None) \
-            if state.grow_ready_since is not None else state
+        return _no_grow(state)
     ready_since = state.grow_ready_since if state.grow_ready_since is not None else now
     state = dataclasses.replace(state, grow_ready_since=ready_since)
     if policy == "after_checkpoint" and view.committed_at <= ready_since:
@@ -491,6 +488,12 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
               if plan.devices_per_host != state.devices_per_host else "")
            + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else ""))
     return _begin_stop(state, now, spec, actions, "grow", why, ())
+
+
+def _no_grow(state: SliceState) -> SliceState:
+    """`state` with no grow pending."""
+    return dataclasses.replace(state, grow_ready_since=None) \
+        if state.grow_ready_since is not None else state
 
 
 def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,

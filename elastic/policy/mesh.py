@@ -25,7 +25,6 @@ import dataclasses
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
 from typing import NamedTuple
 
 from elastic.config import JobSpec, MeshSpec
@@ -88,7 +87,7 @@ def mesh_shape(mesh: MeshSpec, total_devices: int) -> tuple[int, ...] | None:
     return tuple(size for _, size in mesh.axes) if fixed == total_devices else None
 
 
-_host_id = attrgetter("host_id")
+_host_id = operator.attrgetter("host_id")
 #: More distinct device counts than this among one kind's hosts, and counts
 #: that cannot beat the best option so far are not planned.
 MANY_COUNTS = 8
