@@ -476,6 +476,31 @@ def test_an_older_emergency_save_does_not_end_the_drain():
     assert decision.state.phase is Phase.RUNNING and "draining" in decision.reason
 
 
+def test_a_failed_emergency_save_ends_the_drain_at_once():
+    from elastic.policy.view import WorkerReported
+    state, view = preempted_slice()
+    draining = decide(state, view, T0 + 1, spec())
+    observe(view, d_event_saved(), T0 + 2)
+    relevant, facts = observe(view, WorkerReported(
+        "h0", "inc-h0", 1, "checkpoint_save_failed", "save of step 9 failed on process(es) 1",
+        {"step": 9, "preemption": True}), T0 + 3)
+    assert relevant and [f.kind for f in facts] == ["checkpoint_save_failed"]
+    stopping = decide(draining.state, view, T0 + 3, spec())
+    assert stopping.state.phase is Phase.STOPPING and stopping.state.stop_kind == "preemption"
+    assert "the emergency checkpoint failed (save of step 9" in stopping.reason
+    assert "resuming from checkpoint step" in stopping.reason
+
+
+def test_a_regular_save_that_failed_leaves_the_drain_waiting():
+    from elastic.policy.view import WorkerReported
+    state, view = preempted_slice()
+    draining = decide(state, view, T0 + 1, spec())
+    observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_save_failed", "step 8 failed",
+                                 {"step": 8, "preemption": False}), T0 + 2)
+    still = decide(draining.state, view, T0 + 2, spec())
+    assert still.state.phase is Phase.RUNNING and "draining" in still.reason
+
+
 def test_a_hang_ends_a_preemption_drain_at_once():
     state, view = preempted_slice()  # members made step 5 at T0
     draining = decide(state, view, T0 + 1, spec())

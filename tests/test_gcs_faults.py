@@ -90,3 +90,29 @@ def test_checkpoints_through_added_latency_a_killed_save_and_a_corrupt_step(
     assert "3/commit_success.txt" in _objects(client, url), \
         "a committed step is never deleted by a failed restore"
     assert proxy.counts.requests > 50
+
+
+def test_a_failed_save_is_journaled_never_committed_and_training_goes_on(
+        tmp_path, proc_env, gcs_emulator, gcs_bucket, proxy):
+    """Two saves fail for good (403: permission revoked, which no client
+    retries): step 4's commit marker on process 0, after every process wrote
+    its arrays, and step 8's arrays of process 1 only. Each time the other
+    process, waiting for its peer in the save's barriers, gives the save up
+    at once (within the run's 120 s bound, not after the 600 s save
+    timeout); both train on to the end, every process journals the same
+    failures, and neither step ever gets a commit marker."""
+    from tests.test_checkpoint import run_processes
+    url, env = f"{gcs_bucket}/ckpt", dict(proc_env, **proxy.env)
+    out = tmp_path / "train.json"
+    proxy.set(error_rate=1.0, error_statuses=(403,), methods=("POST", "PUT"),
+              match=("ckpt/4/commit_success.txt", "ckpt/8/state/ocdbt.process_1/"))
+    run_processes(2, ["train", url, "12", "2", str(out), "--wait-each"], env, url)
+    result = json.loads(out.read_text())
+    failed = [e for e in result["events"] if e["kind"] == "checkpoint_save_failed"]
+    assert [(e["step"], e["processes"]) for e in failed] == [(4, [0, 1]), (8, [0, 1])], failed
+    assert all("Forbidden" in e["error"] for e in failed), failed
+    assert 4 not in result["committed"] and 8 not in result["committed"], result
+    assert result["committed"][-1] == 10, result
+    names = _objects(gcs_emulator.client(), url)
+    assert "4/commit_success.txt" not in names and "8/commit_success.txt" not in names, names
+    assert "10/commit_success.txt" in names, names

@@ -13,6 +13,7 @@ import dataclasses
 import random
 import threading
 import time
+import urllib.parse
 
 from elastic.checkpoint.emulator import anonymous_client, endpoint_env, free_port
 
@@ -30,12 +31,22 @@ class StorageFaults:
     error_rate: share of requests answered 429 or 503 without forwarding.
     drop_rate: share of requests whose connection is cut without an answer.
     outage_until: until this time.monotonic() every request gets 503.
+    error_statuses: the answers errors are drawn from: 429 and 503 are
+      retried by every GCS client; 403 (permission revoked) is not.
+    match: errors and drops only for requests whose decoded path and query
+      contain one of these texts (object names, e.g. "4/commit_success.txt");
+      empty: every request.
+    methods: errors and drops only for these HTTP methods (("POST", "PUT"):
+      writes only); empty: every method.
     """
 
     latency_s: float = 0.0
     error_rate: float = 0.0
     drop_rate: float = 0.0
     outage_until: float = 0.0
+    error_statuses: tuple[int, ...] = (429, 503)
+    match: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -138,13 +149,17 @@ class FaultProxy:
         if faults.latency_s:
             await asyncio.sleep(faults.latency_s)
         draw = self._rng.random()
+        target = urllib.parse.unquote(request.path_qs)
+        if (faults.match and not any(text in target for text in faults.match)) or \
+                (faults.methods and request.method not in faults.methods):
+            draw = 1.0  # not a request these faults are for
         if draw < faults.drop_rate:
             counts.drops += 1
             request.transport.abort()
             return web.Response(status=500)  # never delivered: the connection is gone
         if draw < faults.drop_rate + faults.error_rate:
             counts.errors += 1
-            return web.Response(status=self._rng.choice((429, 503)), text="injected")
+            return web.Response(status=self._rng.choice(faults.error_statuses), text="injected")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         async with session.request(request.method, self.upstream + request.path_qs,
                                    headers=headers, data=await request.read(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,14 +73,18 @@ class Checkpoints:
 
     interval_steps: `save` writes only every this many steps (unless forced).
     max_to_keep: committed steps kept; older ones are deleted after a newer
-      one commits (never before).
+      one commits (never before), in a background thread.
     on_commit(step): called on every process once a step is committed (its
       save finished without error).
     on_event(kind, reason, fields): incidents for the journal
       (`checkpoint_saved` with the seconds the save blocked,
-      `checkpoint_restore_failed`, `checkpoint_restored`).
-    on_preempted(step): called after an emergency save (at JAX's preemption
-      sync point, the same step on every process) has committed.
+      `checkpoint_save_failed`, `checkpoint_save_skipped`,
+      `checkpoint_delete_failed`, `checkpoint_restore_failed`,
+      `checkpoint_restored`).
+    on_preempted(step, committed): called after an emergency save (at JAX's
+      preemption sync point, the same step on every process) has ended;
+      `committed` says whether every process wrote its part and the step
+      was committed.
     replica_parallel: split the write of each replicated shard across its
       replicas (Orbax's `use_replica_parallel`; less I/O per host for large
       data-parallel states). Off by default: it compiles a slice per array
@@ -88,42 +93,147 @@ class Checkpoints:
       save of 24 arrays, 4 processes x 2 CPU devices. Process-wide setting.
     snapshots: local snapshots (elastic.checkpoint.snapshot) taken by `save`
       and preferred by `restore_latest` when the slice can use them.
-    Every process of the slice must make the same calls (they are collective).
+    save_timeout_s: seconds a save may take from its start to its commit on
+      every process (Orbax's `AsyncOptions.timeout_secs`); a process whose
+      peers do not finish their part within it gives the save up.
+
+    A save that fails (storage errors past the storage clients' own
+    retries, a peer that never finished) is abandoned, never committed, and
+    journaled as `checkpoint_save_failed`; training goes on and the next
+    interval saves again. While a save is still being written on any
+    process, a regular save due is skipped (journaled) rather than waited
+    for, so slow storage never stalls the training loop; an emergency
+    (preemption) or forced save waits. Every process of the slice must make
+    the same calls (they are collective); the processes agree through the
+    JAX coordination service before every save.
     """
 
     def __init__(self, directory: str, interval_steps: int = 100, max_to_keep: int = 3,
                  on_commit: Callable[[int], None] | None = None,
                  on_event: Callable[[str, str, dict], None] | None = None,
-                 on_preempted: Callable[[int], None] | None = None,
-                 replica_parallel: bool = False, snapshots: LocalSnapshots | None = None) -> None:
-        if interval_steps < 1 or max_to_keep < 1:
+                 on_preempted: Callable[[int, bool], None] | None = None,
+                 replica_parallel: bool = False, snapshots: LocalSnapshots | None = None,
+                 save_timeout_s: float = 600.0) -> None:
+        if interval_steps < 1 or max_to_keep < 1 or not save_timeout_s >= 1:
             raise ValueError(f"interval_steps ({interval_steps}) and max_to_keep "
-                             f"({max_to_keep}) must be at least 1")
+                             f"({max_to_keep}) must be at least 1, save_timeout_s "
+                             f"({save_timeout_s}) at least 1 s")
         self.directory = directory
         self.interval_steps = interval_steps
+        self.max_to_keep = max_to_keep
         self.on_commit = on_commit or (lambda step: None)
         self.on_event = on_event or (lambda kind, reason, fields: None)
-        self.on_preempted = on_preempted or (lambda step: None)
+        self.on_preempted = on_preempted or (lambda step, committed: None)
         self.snapshots = snapshots
+        self._pending: int | None = None  # the step being written, on this process
+        self._last_started: int | None = None
+        self._failed: list[dict] = []  # this process's failed saves, not yet shared
+        self._skipped: list[int] = []  # steps whose save was skipped since the last one
+        self._agreements = 0  # gathers made, the same count on every process
+        self._delete_failure_reported = False
+        self._emergency_step: int | None = None
+        self._writing: int | None = None  # the step of the save started last
+        self._barrier_uses: dict[str, int] = {}
+        self._barrier_lock = threading.Lock()
         use_coordination_service_barriers()
         _register_array_handler(replica_parallel)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=interval_steps, max_to_keep=max_to_keep, create=True,
-            enable_async_checkpointing=True)
+            enable_async_checkpointing=True, enable_background_delete=True,
+            async_options=ocp.options.AsyncOptions(timeout_secs=int(save_timeout_s),
+                                                   barrier_sync_fn=self._barrier))
         self.manager = ocp.CheckpointManager(storage.resolve(directory), options=options,
                                              item_names=("state", "meta"))
-        self._pending: int | None = None
-        self._last_started: int | None = None
 
     def poll(self) -> int | None:
-        """Report a save that finished since the last call; returns its step.
-        Cheap: call it every step. Raises the save's error if it failed."""
+        """Report a save that finished since the last call; returns its step
+        when it committed. A failed save is recorded (journaled at the next
+        save, once the processes have shared what failed where). Cheap: call
+        it every step."""
+        self._check_deleter()
         if self._pending is None or self.manager.is_saving_in_progress():
             return None
-        self.manager.check_for_errors()
+        return self._settle()
+
+    def _settle(self) -> int | None:
+        """Wait for this process's save in flight (if any) to end: its step
+        if it committed; None if there was none or it failed (recorded)."""
+        if self._pending is None:
+            return None
         step, self._pending = self._pending, None
+        try:
+            self.manager.wait_until_finished()  # raises the save's error (once)
+        except Exception as e:  # storage errors, a peer's timeout: the save is abandoned
+            error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            log.error("checkpoint step %s not committed: %s", step, error)
+            self._failed.append({"step": step, "error": error})
+            from elastic.worker.coordination import mark
+
+            # peers still waiting in this save's barriers give it up now
+            mark(f"elastic/checkpoint/failed/{step}/{jax.process_index()}",
+                 f"process {jax.process_index()}: {error}")
+            return None
         self.on_commit(step)
         return step
+
+    def _barrier(self, *, key: str, timeout_ms: int) -> None:
+        """Orbax's barriers of a save (its `AsyncOptions.barrier_sync_fn`):
+        given up at once when a process marked the save of the step being
+        written failed (see `_settle`), instead of after the save timeout.
+
+        The barriers around Orbax's "save in progress" flag are skipped:
+        they only make the flag flip on every process together, which
+        `save` agrees on by itself, and the one at the end of a save would
+        hold a process whose save failed until its peers give up, so that
+        it could never tell them to (a deadlock until the save timeout).
+        The commit barriers, which keep a step from being committed before
+        every process wrote its part, are kept."""
+        from elastic.worker.coordination import abortable_barrier
+
+        if key.startswith("ThreadSaveMultiHostValueHolder"):
+            return
+        with self._barrier_lock:  # Orbax may use a key again: count the uses
+            use = self._barrier_uses[key] = self._barrier_uses.get(key, 0) + 1
+        abortable_barrier(f"elastic/checkpoint/barrier/{key}/{use}", timeout_ms / 1000,
+                          f"elastic/checkpoint/failed/{self._writing}/")
+
+    def _check_deleter(self) -> None:
+        """Journal (once) when the background deletion of old steps stopped
+        on an error: they stay until the next generation deletes them."""
+        deleter = getattr(self.manager, "_checkpoint_deleter", None)
+        error = getattr(deleter, "_exception", None)
+        if error is not None and not self._delete_failure_reported:
+            self._delete_failure_reported = True
+            self.on_event("checkpoint_delete_failed", f"deleting checkpoints older than the "
+                          f"newest {self.max_to_keep} stopped: "
+                          f"{type(error).__name__}: {str(error).splitlines()[0][:300]}; they "
+                          f"stay in storage until a later generation deletes them", {})
+
+    def _agree(self, busy: int | None) -> list[dict]:
+        """Share with every process the step of its save still being
+        written (`busy`, None if none) and which of its saves failed; journal the failures (every
+        process learns them; process 0's on_event writes them). Returns each
+        process's report, in process order."""
+        from elastic.worker.coordination import all_gather
+
+        self._agreements += 1
+        own = {"busy": busy, "failed": self._failed}
+        self._failed = []
+        reports = all_gather(f"checkpoint-save-{self._agreements}", own)
+        failed: dict[int, dict[int, str]] = {}
+        for process, report in enumerate(reports):
+            for f in report["failed"]:
+                failed.setdefault(f["step"], {})[process] = f["error"]
+        for step, errors in sorted(failed.items()):
+            # the cause, rather than a peer's "given up because of the cause"
+            first = min(errors.items(), key=lambda e: (e[1].startswith("BarrierAborted"), e[0]))
+            self.on_event("checkpoint_save_failed",
+                          f"save of step {step} failed on process(es) "
+                          f"{', '.join(map(str, errors))} and was not committed "
+                          f"(process {first[0]}: {first[1]})",
+                          {"step": step, "processes": sorted(errors), "error": first[1],
+                           "preemption": step == self._emergency_step})
+        return reports
 
     def save(self, step: int, state: Any, meta: dict | None = None, force: bool = False) -> bool:
         """Start an async save of `state` (a pytree of jax.Arrays) and `meta`
@@ -131,36 +241,71 @@ class Checkpoints:
         Call it every step: it is also where a preemption is noticed. When any
         process got a preemption notice (SIGTERM, through JAX's preemption
         service), every process saves at the same step, waits for the commit
-        and calls `on_preempted(step)`. Returns whether a save started (local
-        snapshots, taken here too on their own interval, do not count). Blocks
-        only for the device-to-host copy (and the previous save if it is still
-        running) and, on a snapshot step, for the snapshot's write (~10-15 ms
-        for workers/lm on this project's machine)."""
+        and calls `on_preempted(step, committed)`. Returns whether a save
+        started (local snapshots, taken here too on their own interval, do
+        not count). A regular save is skipped (journaled
+        `checkpoint_save_skipped`) while the previous one is still being
+        written on any process, and when `step` already has a committed
+        checkpoint (one a restore fell back past: never overwritten).
+        Blocks only for the device-to-host copy and a few milliseconds of
+        agreement between processes, and, on a snapshot step, for the
+        snapshot's write (~10-15 ms for workers/lm on this project's
+        machine); a forced or emergency save first waits for the one in
+        flight."""
         self.poll()
         if self.snapshots is not None:
             self.snapshots.save(step, state, meta)
         if step == self._last_started:
             return False
         preempted = self.manager.reached_preemption(step)
-        if not (force or preempted or self.manager.should_save(step)):
+        urgent = force or preempted
+        if not (urgent or self.manager.should_save(step)):
             return False
         t0 = time.perf_counter()
-        if self._pending is not None:  # one save in flight at a time
-            self.manager.wait_until_finished()
-            self.poll()
+        if urgent and self._pending is not None:  # this one must not be skipped
+            self.on_event("checkpoint_save_delayed", f"{'emergency' if preempted else 'forced'} "
+                          f"save of step {step} waits for the save of step {self._pending} "
+                          f"in flight", {"step": step, "waiting_for": self._pending,
+                                         "preemption": preempted})
+            self._settle()
+        reports = self._agree(self._pending)
+        busy = [i for i, r in enumerate(reports) if r["busy"] is not None]
+        skip = ""
+        if busy:
+            skip = (f"step {reports[busy[0]]['busy']} is still being written on process(es) "
+                    f"{', '.join(map(str, busy))}")
+        elif step in self.manager.all_steps():
+            skip = "the step already has a committed checkpoint, which is never overwritten"
+        if skip:
+            if not (busy and self._skipped):  # once per save in flight, not every interval
+                self.on_event("checkpoint_save_skipped", f"save of step {step} skipped: {skip}"
+                              + ("; later saves are skipped until it ends" if busy else ""),
+                              {"step": step, "busy_processes": busy})
+            self._skipped.append(step)
+            if preempted:  # the step is in storage already: nothing more to save
+                self.on_preempted(step, True)
+            return False
+        self._writing = step
         started = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})),
-            force=force or preempted)
+            force=urgent)
         if started:
             self._pending = self._last_started = step
             blocked = time.perf_counter() - t0
             kind = "emergency save" if preempted else "save"
+            skipped = (f" ({len(self._skipped)} save(s) skipped before it)"
+                       if self._skipped else "")
             self.on_event("checkpoint_saved", f"{kind} of step {step} started; blocked "
-                          f"{blocked * 1000:.1f} ms", {"step": step, "blocking_s": round(blocked, 4),
-                                                       "preemption": preempted})
+                          f"{blocked * 1000:.1f} ms{skipped}",
+                          {"step": step, "blocking_s": round(blocked, 4),
+                           "preemption": preempted, "skipped_saves": len(self._skipped)})
+            self._skipped = []
         if preempted:
-            self.wait()
-            self.on_preempted(step)
+            self._emergency_step = step
+            committed = self._settle() == step
+            reports = self._agree(None)
+            committed = committed and not any(r["failed"] for r in reports)
+            self.on_preempted(step, committed)
         return started
 
     def committed_steps(self) -> list[int]:
@@ -220,10 +365,19 @@ class Checkpoints:
         return None
 
     def wait(self) -> None:
-        """Block until the save in flight is committed (and reported)."""
-        self.manager.wait_until_finished()
-        self.poll()
+        """Block until this process's save in flight has ended (committed and
+        reported, or failed and recorded)."""
+        self._settle()
 
     def close(self) -> None:
-        self.wait()
-        self.manager.close()
+        """Wait for the save in flight, journal what failed on any process
+        (collective: every process calls it), and close Orbax's manager; an
+        error of the background deletion of old steps is journaled, not
+        raised (the checkpoints it kept are still good)."""
+        self._settle()
+        self._agree(None)
+        self._check_deleter()
+        try:
+            self.manager.close()
+        except Exception as e:
+            log.error("closing the checkpoint manager: %s: %s", type(e).__name__, e)

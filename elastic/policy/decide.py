@@ -511,6 +511,9 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if _emergency_committed(view, since):
         why = (f"preemption of {hosts}: emergency checkpoint step "
                f"{view.emergency_save_step} committed")
+    elif view.emergency_failed_at >= since:
+        why = (f"preemption of {hosts}: the emergency checkpoint failed "
+               f"({view.emergency_failure}); resuming from checkpoint step {view.committed_step}")
     elif not state.progressed:
         why = f"preemption of {hosts} before the first step"
     elif now - since > spec.preemption.drain_timeout_s:

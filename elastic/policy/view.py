@@ -151,7 +151,9 @@ class ProgressReported:
 
 # What a worker may write into the journal through its agent.
 WORKER_EVENT_KINDS = frozenset({"worker_phases", "checkpoint_restored",
-                                "checkpoint_restore_failed", "checkpoint_saved"})
+                                "checkpoint_restore_failed", "checkpoint_saved",
+                                "checkpoint_save_failed", "checkpoint_save_skipped",
+                                "checkpoint_save_delayed", "checkpoint_delete_failed"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +210,9 @@ class ClusterView:
         self.save_started_at = float("-inf")
         self.emergency_save_step = -1
         self.emergency_save_at = float("-inf")
+        # When the latest emergency save was reported failed, and why.
+        self.emergency_failed_at = float("-inf")
+        self.emergency_failure = ""
         # Hosts whose stream ended and that have not registered since: when.
         self.disconnected: dict[str, float] = {}
 
@@ -363,8 +368,14 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             if event.fields.get("preemption"):
                 view.emergency_save_step = int(event.fields.get("step", -1))
                 view.emergency_save_at = now
-        return event.kind == "checkpoint_saved", [Fact(event.kind, event.host_id, event.generation, event.reason,
-                            dict(event.fields))]
+        if event.kind == "checkpoint_save_failed":
+            view.save_started_at = float("-inf")  # nothing is being written any more
+            if event.fields.get("preemption"):
+                view.emergency_failed_at = now
+                view.emergency_failure = event.reason
+        changed = event.kind in ("checkpoint_saved", "checkpoint_save_failed")
+        return changed, [Fact(event.kind, event.host_id, event.generation, event.reason,
+                              dict(event.fields))]
     if isinstance(event, StaleReportRefused):
         return False, [Fact("stale_message_rejected", event.host_id, event.current_generation,
                             f"{event.kind} about generation {event.generation} refused: the "

@@ -81,14 +81,16 @@ class WorkerContext:
         default_factory=lambda: collections.deque(maxlen=50))
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
-                    snapshot_every: int = 10):
+                    snapshot_every: int = 10, save_timeout_s: float = 600.0):
         """The job's `Checkpoints` (one per process; create it once).
 
         Commits are reported to the controller (journal `checkpoint_committed`)
         and restores or restore failures journaled. snapshot_every: steps
         between local snapshots (elastic.checkpoint.snapshot; 0: none), kept
         where the agent says (ELASTIC_SNAPSHOT_DIR) for this controller run
-        (ELASTIC_RUN_ID); without a run id there are none."""
+        (ELASTIC_RUN_ID); without a run id there are none. save_timeout_s:
+        seconds a save may take to commit on every process before it is
+        given up (see Checkpoints)."""
         from elastic.checkpoint.manager import Checkpoints
         from elastic.checkpoint.snapshot import LocalSnapshots
 
@@ -114,15 +116,21 @@ class WorkerContext:
             snapshots = LocalSnapshots(self.env.snapshot_dir, self.env.run_id, snapshot_every)
         self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
                                         on_commit, on_event, self._preempted,
-                                        snapshots=snapshots)
+                                        snapshots=snapshots, save_timeout_s=save_timeout_s)
         return self._checkpoints
 
-    def _preempted(self, step: int, wait_s: float = 120.0) -> None:
-        """After the emergency checkpoint of `step` committed: take no further
-        step (none would be kept) and wait for the agent to end this process;
-        the next generation resumes at step + 1. Exits with 75 (EX_TEMPFAIL)
-        if nobody does within `wait_s`."""
-        self.log.warning("preemption: checkpoint step %d committed; waiting to be stopped", step)
+    def _preempted(self, step: int, committed: bool, wait_s: float = 120.0) -> None:
+        """After the emergency checkpoint of `step` ended (`committed` or
+        failed, journaled either way): take no further step (this host is
+        going away) and wait for the agent to end this process; the next
+        generation resumes after the newest committed step. Exits with 75
+        (EX_TEMPFAIL) if nobody does within `wait_s`."""
+        if committed:
+            self.log.warning("preemption: checkpoint step %d committed; waiting to be stopped",
+                             step)
+        else:
+            self.log.warning("preemption: the checkpoint of step %d failed; waiting to be "
+                             "stopped", step)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             time.sleep(0.5)

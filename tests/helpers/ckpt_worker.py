@@ -1,7 +1,8 @@
 """One process of a multi-process JAX checkpoint test (run by tests/test_checkpoint.py).
 
     ckpt_worker.py save DIR STEP OUT.json [--kill-after-save]
-    ckpt_worker.py train DIR STEPS INTERVAL OUT.json   (steps 0..STEPS-1, a save call each)
+    ckpt_worker.py train DIR STEPS INTERVAL OUT.json [--wait-each]
+        (steps 0..STEPS-1, a save call each; --wait-each: and a wait for it)
     ckpt_worker.py restore DIR OUT.json
 
 The process environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS).
@@ -73,8 +74,11 @@ def main() -> int:
         for step in range(steps):
             state = jax.jit(lambda step=step: make_state(step, False), out_shardings=shardings)()
             ckpt.save(step, state, {"data_position": step + 1})
+            if "--wait-each" in sys.argv:  # every save ends before the next step
+                ckpt.wait()
         ckpt.close()
-        result = {"checksums": checksums(state), "committed": ckpt.committed_steps()}
+        result = {"checksums": checksums(state), "committed": ckpt.committed_steps(),
+                  "events": events}
     else:
         out = sys.argv[3]
         abstract = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
