@@ -68,6 +68,35 @@ def _register_array_handler(replica_parallel: bool) -> None:
         absl_log.setLevel(level)
 
 
+def _current_operation() -> str | None:
+    """Orbax's id of the save just started (its peers' signal keys carry it)."""
+    try:
+        from orbax.checkpoint._src.futures import synchronization
+        return synchronization.OperationIdGenerator.get_current_operation_id()
+    except (ImportError, AttributeError):
+        return None
+
+
+def _release_directory_waiters(operation: str | None) -> None:
+    """After a failed save: send Orbax's "directory created" signals of
+    that save, so that peers waiting for process 0 to create the step's
+    directories (which failed) go on, fail at the commit barrier, which
+    the failure mark aborts, and give the save up at once instead of after
+    Orbax's 300 s coordination timeout. Relies on Orbax internals
+    (orbax.checkpoint._src.futures, 0.12); on another version the peers
+    wait out the timeout, and nothing else changes."""
+    if operation is None or jax.process_count() == 1:
+        return
+    try:
+        from orbax.checkpoint._src.futures import future, synchronization
+        signals = synchronization.HandlerAwaitableSignal
+        future.set_signals([signals.STEP_DIRECTORY_CREATION, signals.ITEM_DIRECTORY_CREATION],
+                           operation_id=operation)
+    except Exception as e:  # an Orbax without these: the timeout bounds the wait
+        log.warning("could not release the peers of a failed save: %s: %s",
+                    type(e).__name__, e)
+
+
 class Checkpoints:
     """Checkpoints of one job in `directory`.
 
@@ -129,17 +158,26 @@ class Checkpoints:
         self._last_started: int | None = None
         self._failed: list[dict] = []  # this process's failed saves, not yet shared
         self._skipped: list[int] = []  # steps whose save was skipped since the last one
+        self._journaled_failures: set[int] = set()
         self._agreements = 0  # gathers made, the same count on every process
         self._delete_failure_reported = False
         self._emergency_step: int | None = None
         self._writing: int | None = None  # the step of the save started last
         self._barrier_uses: dict[str, int] = {}
+        self._operations: dict[int, str | None] = {}  # step -> Orbax's operation id
         self._barrier_lock = threading.Lock()
         use_coordination_service_barriers()
         _register_array_handler(replica_parallel)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=interval_steps, max_to_keep=max_to_keep, create=True,
             enable_async_checkpointing=True, enable_background_delete=True,
+            # no storage I/O in the training loop: the check for a leftover
+            # directory of the step is skipped (a stalled check blocked the
+            # loop for the ~33 s of gcsfs's retries, then raised), and
+            # leftovers of saves cut short (never committed) are removed at
+            # creation instead, in the background
+            file_options=ocp.options.FileOptions(skip_sync_file_validations=True),
+            cleanup_tmp_directories=True,
             async_options=ocp.options.AsyncOptions(timeout_secs=int(save_timeout_s),
                                                    barrier_sync_fn=self._barrier))
         self.manager = ocp.CheckpointManager(storage.resolve(directory), options=options,
@@ -172,6 +210,7 @@ class Checkpoints:
             # peers still waiting in this save's barriers give it up now
             mark(f"elastic/checkpoint/failed/{step}/{jax.process_index()}",
                  f"process {jax.process_index()}: {error}")
+            _release_directory_waiters(self._operations.pop(step, None))
             return None
         self.on_commit(step)
         return step
@@ -225,6 +264,10 @@ class Checkpoints:
             for f in report["failed"]:
                 failed.setdefault(f["step"], {})[process] = f["error"]
         for step, errors in sorted(failed.items()):
+            if step in self._journaled_failures and all(
+                    e.startswith("BarrierAborted") for e in errors.values()):
+                continue  # peers giving up later, because of the failure journaled
+            self._journaled_failures.add(step)
             # the cause, rather than a peer's "given up because of the cause"
             first = min(errors.items(), key=lambda e: (e[1].startswith("BarrierAborted"), e[0]))
             self.on_event("checkpoint_save_failed",
@@ -290,6 +333,7 @@ class Checkpoints:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})),
             force=urgent)
         if started:
+            self._operations = {step: _current_operation()}
             self._pending = self._last_started = step
             blocked = time.perf_counter() - t0
             kind = "emergency save" if preempted else "save"
