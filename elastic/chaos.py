@@ -22,7 +22,16 @@ Fault kinds (each journaled as `fault_injected`):
   device left;
 - partition: cut a host off the network. Only where the tool put the host in
   a network namespace of its own; `elasticd local` hosts share the root
-  namespace, so it is skipped with a journaled message (`fault_skipped`).
+  namespace, so it is skipped with a journaled message (`fault_skipped`);
+- storage-slow: STORAGE_SLOW_LATENCY_S added to every request to the
+  checkpoint bucket for STORAGE_FAULT_S (a bucket in a farther region);
+- storage-outage: every request to the bucket answered 503 for
+  STORAGE_FAULT_S.
+The storage kinds act on the whole bucket, whatever host is named (the
+HOST of `--fault storage-outage:all@t=30` is not used), through the
+storage proxy of `elasticd local --gcs-emulator`
+(elastic.checkpoint.faulty_storage); without one they are skipped with a
+journaled message. Their end is journaled as `fault_healed`.
 """
 
 from __future__ import annotations
@@ -49,8 +58,14 @@ from elastic.security.tls import TLSFiles
 #: the slice has restarted without it, as a repair would take far longer.
 REPAIR_S = 20.0
 
+#: Storage faults: the added round trip (a cross-region bucket; the figure
+#: the issue asks the emergency checkpoint to survive) and how long each lasts.
+STORAGE_SLOW_LATENCY_S = 0.1
+STORAGE_FAULT_S = 60.0
+
+STORAGE_KINDS = ("storage-slow", "storage-outage")
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
-               "kill-during-save", "partition", "lose-device")
+               "kill-during-save", "partition", "lose-device", *STORAGE_KINDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +128,17 @@ class Chaos(threading.Thread):
     the process). keep_running: keep serving the come-back actions of faults
     injected from outside (inject()) until stop(). heartbeat_timeout_s: how long a host must stay away to be
     declared lost (stopped agents resume, killed hosts come back after it + 2 s).
+    storage: the proxy between the slice and its checkpoint bucket
+    (elastic.checkpoint.faulty_storage.FaultProxy) for the storage kinds.
     """
 
     def __init__(self, spec: ChaosSpec | None, address: str, tls: TLSFiles | None,
                  state_dir, restart_agent:
                  Callable[[str], None], agent_pid: Callable[[str], int],
                  heartbeat_timeout_s: float, planned: list[Fault] | None = None,
-                 keep_running: bool = False) -> None:
+                 keep_running: bool = False, storage=None) -> None:
         super().__init__(daemon=True)
+        self.storage = storage
         self.keep_running = keep_running
         self.spec, self.address, self.tls, self.state_dir = spec, address, tls, state_dir
         self.planned = list(planned or [])
@@ -135,7 +153,8 @@ class Chaos(threading.Thread):
     def stop(self) -> None:
         """Stop injecting; resume stopped agents and bring back hosts due back."""
         self._halt.set()
-        self.join(5.0)
+        if self.ident is not None:  # started
+            self.join(5.0)
         for _, action in self._pending:
             action()
         self._pending.clear()
@@ -194,7 +213,8 @@ class Chaos(threading.Thread):
                 continue
             step = slice_step(status)
             for fault in [f for f in self.planned if f.due(step, time.monotonic() - t0)]:
-                host = next((h for h in status.hosts if h.host_id == fault.host), None)
+                host = next((h for h in status.hosts if h.host_id == fault.host
+                             or (fault.kind in STORAGE_KINDS and h.state == "member")), None)
                 if host is not None:
                     self.planned.remove(fault)
                     self.inject(fault.kind, host, status)
@@ -223,6 +243,9 @@ class Chaos(threading.Thread):
     def inject(self, kind: str, host, status) -> None:
         """Perform one fault of `kind` on `host` (a HostStatus of `status`) now."""
         h, worker, agent = host.host_id, host.worker_pid, host.agent_pid
+        if kind in STORAGE_KINDS:
+            self._storage_fault(kind, status)
+            return
         if kind == "partition":
             self.journal.write(time.time(), "fault_skipped", status.generation,
                                "partition: elasticd local runs hosts in the root network "
@@ -268,6 +291,34 @@ class Chaos(threading.Thread):
             signal_pid(agent, signal.SIGTERM)
             self._record(kind, host, status, [agent])
             self._later(1.0, lambda: self._come_back_after_exit(h, agent))
+
+    def _storage_fault(self, kind: str, status) -> None:
+        """Slow down or cut off the checkpoint bucket for STORAGE_FAULT_S."""
+        step = slice_step(status)
+        if self.storage is None:
+            self.journal.write(time.time(), "fault_skipped", status.generation,
+                               f"{kind}: the checkpoints are not behind a storage proxy "
+                               f"(elasticd local --gcs-emulator --fault/--chaos puts one "
+                               f"there); skipped", None, {"fault": kind})
+            return
+        if kind == "storage-slow":
+            self.storage.set(latency_s=STORAGE_SLOW_LATENCY_S)
+            what = f"{STORAGE_SLOW_LATENCY_S * 1000:g} ms added to every bucket request"
+        else:
+            self.storage.set(outage_s=STORAGE_FAULT_S)
+            what = "every bucket request answered 503"
+        self.journal.write(time.time(), "fault_injected", status.generation,
+                           f"chaos: {kind} (slice at step {step}): {what} for "
+                           f"{STORAGE_FAULT_S:g} s", None,
+                           {"fault": kind, "step": step, "pids": [],
+                            "duration_s": STORAGE_FAULT_S})
+
+        def heal() -> None:
+            self.storage.set()
+            self.journal.write(time.time(), "fault_healed", status.generation, f"{kind} over: the bucket "
+                               f"answers normally again", None, {"fault": kind})
+
+        self._later(STORAGE_FAULT_S, heal)
 
     def _come_back_after_exit(self, host_id: str, pid: int) -> None:
         if alive(pid) and not self._halt.is_set():

@@ -286,7 +286,7 @@ def _start(args) -> int:
 
 
 def _local(args) -> int:
-    from elastic.chaos import parse_chaos
+    from elastic.chaos import STORAGE_KINDS, parse_chaos
     from elastic.faults import parse_fault
     from elastic.local import host_devices, run_local
 
@@ -309,6 +309,10 @@ def _local(args) -> int:
         chaos = parse_chaos(args.chaos) if args.chaos else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    storage = sorted({f.kind for f in faults if f.kind in STORAGE_KINDS})
+    if storage and not args.gcs_emulator:
+        raise UsageError(f"--fault {'/'.join(storage)} needs --gcs-emulator (the fault acts on "
+                         f"the emulator's bucket through a proxy)")
     try:
         return run_local(args.config, spec, args.hosts, devices, args.state_dir,
                          quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,

@@ -182,7 +182,8 @@ class HangSpec:
     startup_timeout_s: from a generation's start to its first step
       (process start, distributed init, restore, first compile).
     checkpoint_allowance_s: added to the timeout while a checkpoint save is
-      in flight.
+      in flight, and once the workers said they are finishing (after the
+      last step: the last save, leaving the distributed runtime).
     suspended_timeout_s: a worker its agent reports stopped (state T or t in
       /proc: SIGSTOP, SIGTSTP, a debugger) for this long is hung at once,
       without waiting for the step timeout: a stopped process cannot step.

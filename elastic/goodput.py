@@ -148,7 +148,8 @@ def _generations(entries: list[dict]) -> list[_Generation]:
         elif kind in ("agent_heard", "host_lost"):
             (gen.heard if kind == "agent_heard" else gen.lost).append((e["ts"], e.get("host")))
         # signs of the failure that ends this generation, with the moment it happened
-        if kind == "fault_injected":
+        if kind == "fault_injected" and not str(e.get("fault", "")).startswith("storage-"):
+            # (storage faults slow or fail saves; they end no generation)
             gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
         elif kind in ("host_lost", "hang_detected"):
             gen.signs.append((e["ts"] - e.get("silent_s", 0.0), kind, e.get("host"), e["reason"],

@@ -36,7 +36,7 @@ from elastic.config import JobSpec
 from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
 from elastic.controller.server import ADDRESS_FILE
 from elastic.controller.status import fetch_status, slice_step
-from elastic.chaos import Chaos, ChaosSpec
+from elastic.chaos import STORAGE_KINDS, Chaos, ChaosSpec
 from elastic.faults import Fault
 from elastic.report import summarize
 from elastic.security import allow, certs
@@ -389,6 +389,13 @@ def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None,
     return 0
 
 
+def wants_storage_faults(faults: list[Fault] | None, chaos: ChaosSpec | None) -> bool:
+    """Whether planned or random faults include a storage kind (which needs
+    the storage proxy in front of the emulator)."""
+    kinds = {f.kind for f in faults or ()} | set(chaos.kinds if chaos else ())
+    return bool(kinds & set(STORAGE_KINDS))
+
+
 def run_local(spec_path: str, spec: JobSpec, hosts: int,
               devices_per_host: int | Sequence[int],
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
@@ -399,7 +406,9 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     injecting the planned `faults` and random `chaos` faults on the way;
     prints a summary at the end. Mutual TLS with a throwaway CA unless
     `insecure`. `gcs_emulator`: start fake-gcs-server for this run and keep
-    the checkpoints in its bucket `elastic-local`, under the job id.
+    the checkpoints in its bucket `elastic-local`, under the job id; with
+    storage faults planned or drawn (storage-slow, storage-outage), the
+    controller and hosts reach it through a fault proxy.
     `compile_cache_dir`: an executable cache kept across runs.
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
@@ -416,7 +425,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    local = injector = emulator = None
+    local = injector = emulator = proxy = None
     try:
         checkpoint_dir, extra_env = None, {}
         if gcs_emulator:
@@ -429,6 +438,13 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             extra_env = emulator.env
             print(f"elasticd local: GCS emulator at {emulator.url}, checkpoints in "
                   f"{checkpoint_dir}", flush=True)
+            if wants_storage_faults(faults, chaos):
+                from elastic.checkpoint.faulty_storage import FaultProxy
+
+                proxy = FaultProxy(emulator.url).start()
+                extra_env = proxy.env  # the controller and every host go through it
+                print(f"elasticd local: storage faults through a proxy at {proxy.url}",
+                      flush=True)
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
                             insecure, checkpoint_dir, extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
@@ -442,7 +458,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector = Chaos(chaos, local.address, local.tls, state,
                              lambda h: restart_agent(local, h),
                              lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                             planned=faults)
+                             planned=faults, storage=proxy)
             injector.start()
         live = sys.stdout.isatty()
         next_line = time.monotonic() + (0.5 if live else progress_every_s)
@@ -463,6 +479,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector.stop()
         if local is not None:
             stop_slice(local)
+        if proxy is not None:
+            proxy.stop()
         if emulator is not None:
             emulator.stop()
         if follower:

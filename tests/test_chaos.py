@@ -13,6 +13,7 @@ import pytest
 
 from elastic.chaos import parse_chaos, schedule
 from elastic.goodput import account
+from elastic.v1 import control_pb2 as pb
 from tests.conftest import tiny_spec
 
 STEPS = 250
@@ -93,3 +94,45 @@ def test_chaos_spec_and_schedule_are_deterministic():
     assert 55 < sum(gaps) / len(gaps) < 65  # exponential with mean mtbf
     with pytest.raises(ValueError, match="unknown fault kind"):
         parse_chaos("kinds=explode")
+
+
+def test_storage_faults_act_on_the_proxy_and_are_journaled(tmp_path, gcs_emulator):
+    """storage-slow and storage-outage set the proxy in front of the bucket,
+    are journaled without a host (they hit the whole bucket) and healed when
+    due; without a proxy they are skipped, with the reason."""
+    from elastic.chaos import STORAGE_FAULT_S, STORAGE_SLOW_LATENCY_S, Chaos
+    from elastic.checkpoint.faulty_storage import FaultProxy
+    from elastic.controller.journal import read_journal
+
+    status = pb.JobStatus(generation=3)
+    host = pb.HostStatus(host_id="host-1")
+    with FaultProxy(gcs_emulator.url) as proxy:
+        chaos = Chaos(None, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 1.0,
+                      storage=proxy)
+        chaos.inject("storage-slow", host, status)
+        assert proxy.faults.latency_s == STORAGE_SLOW_LATENCY_S
+        chaos.inject("storage-outage", host, status)
+        assert proxy.faults.outage_until > 0
+        chaos.stop()  # runs what is due later: both heal
+        assert proxy.faults == type(proxy.faults)()
+    no_proxy = Chaos(None, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 1.0)
+    no_proxy.inject("storage-outage", host, status)
+    no_proxy.stop()
+    entries = [(e["kind"], e.get("fault"), e["host"]) for e in read_journal(tmp_path)]
+    assert entries == [("fault_injected", "storage-slow", None),
+                       ("fault_injected", "storage-outage", None),
+                       ("fault_healed", "storage-slow", None),
+                       ("fault_healed", "storage-outage", None),
+                       ("fault_skipped", "storage-outage", None)], entries
+    injected = [e for e in read_journal(tmp_path) if e["kind"] == "fault_injected"]
+    assert all(e["duration_s"] == STORAGE_FAULT_S and e["generation"] == 3 for e in injected)
+
+
+def test_a_planned_storage_fault_needs_the_emulator(tmp_path, proc_env):
+    out = subprocess.run([sys.executable, "-m", "elastic.cli", "local", "--config",
+                          str(chaos_spec(tmp_path)), "--state-dir", str(tmp_path / "s"),
+                          "--fault", "storage-outage:all@step=5"],
+                         capture_output=True, text=True, timeout=60, env=proc_env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("elasticd: error: --fault storage-outage needs --gcs-emulator "
+                                  "(the fault acts on the emulator's bucket through a proxy)")

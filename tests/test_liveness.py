@@ -12,7 +12,7 @@ from elastic.policy import decide as d
 from elastic.policy.decide import Phase, decide
 from elastic.policy.hang import hang_timeout
 from elastic.policy.view import (ClusterView, HeartbeatReceived, ProgressReported, WorkerObs,
-                                 WorkerState, observe)
+                                 WorkerReported, WorkerState, observe)
 from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
                                  worker)
 
@@ -128,7 +128,8 @@ def test_hang_timeout_table(fixed, step_time, expected):
     assert hang_timeout(s, step_time) == expected
 
 
-def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = False):
+def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = False,
+               finishing: bool = False):
     view = ClusterView()
     hosts = ["h0", "h1", "h2"]
     for h in hosts:
@@ -140,19 +141,23 @@ def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = Fal
         view.hosts[suspended].worker.suspended = True
     if saving:
         view.save_started_at = T0 + 1
+    if finishing:  # process 0 said it took its last step (generation 1)
+        observe(view, WorkerReported("h0", "inc-h0", 1, "worker_finishing", "done", {}), T0 + 1)
     heartbeat_all(view, T0 + silent_s)
     return state, view
 
 
-@pytest.mark.parametrize("silent_s,suspended,saving,hung,first_suspect", [
-    (9.0, None, False, False, None),
-    (10.5, None, False, True, "h1"),      # h1 advanced least recently
-    (10.5, "h2", False, True, "h2"),      # a suspended worker is the prime suspect
-    (30.0, None, True, False, None),      # a save in flight: +60 s allowance
-    (71.0, None, True, True, "h1"),
+@pytest.mark.parametrize("silent_s,suspended,saving,hung,first_suspect,finishing", [
+    (9.0, None, False, False, None, False),
+    (10.5, None, False, True, "h1", False),      # h1 advanced least recently
+    (10.5, "h2", False, True, "h2", False),      # a suspended worker is the prime suspect
+    (30.0, None, True, False, None, False),      # a save in flight: +60 s allowance
+    (71.0, None, True, True, "h1", False),
+    (30.0, None, False, False, None, True),      # finishing (the last save): +60 s too
+    (71.0, None, False, True, "h1", True),       # ... and no more
 ])
-def test_hang_detection(silent_s, suspended, saving, hung, first_suspect):
-    state, view = hang_setup(silent_s, suspended, saving)
+def test_hang_detection(silent_s, suspended, saving, hung, first_suspect, finishing):
+    state, view = hang_setup(silent_s, suspended, saving, finishing)
     decision = decide(state, view, T0 + silent_s, spec())
     assert ("hang_detected" in kinds(decision)) is hung
     if hung:

@@ -86,7 +86,8 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     step_time = members[0].worker.metrics.get("step_time_s")
     limit = hang_timeout(spec, step_time)
     saving = view.save_started_at > view.committed_at
-    if saving:
+    finishing = any(r.finishing_generation == r.worker.generation for r in active)
+    if saving or finishing:
         limit += spec.hang.checkpoint_allowance_s
     silent = now - progress_at
     if silent <= limit:
@@ -99,4 +100,5 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
              "hang.min_timeout_s")
     return Hang(f"no step progress for {silent:.1f} s (timeout {limit:.1f} s, {basis}"
                 + (", a checkpoint save in flight" if saving else "")
+                + (", the workers finishing" if finishing else "")
                 + f"); suspects: {', '.join(found)} ({how})", found, silent, limit)

@@ -88,6 +88,9 @@ class HostRecord:
     device_kind: str = ""
     # When its agent last reported a different device count or kind (0: never).
     devices_changed_at: float = 0.0
+    # The generation whose worker said it took its last step and is finishing
+    # (writing its last checkpoint, leaving the distributed runtime); 0: none.
+    finishing_generation: int = 0
 
 
 # --- events (made by the servicer from messages) ---------------------------
@@ -153,7 +156,8 @@ class ProgressReported:
 WORKER_EVENT_KINDS = frozenset({"worker_phases", "checkpoint_restored",
                                 "checkpoint_restore_failed", "checkpoint_saved",
                                 "checkpoint_save_failed", "checkpoint_save_skipped",
-                                "checkpoint_save_delayed", "checkpoint_delete_failed"})
+                                "checkpoint_save_delayed", "checkpoint_delete_failed",
+                                "worker_finishing"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +372,8 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             if event.fields.get("preemption"):
                 view.emergency_save_step = int(event.fields.get("step", -1))
                 view.emergency_save_at = now
+        if event.kind == "worker_finishing":
+            record.finishing_generation = event.generation
         if event.kind == "checkpoint_save_failed":
             view.save_started_at = float("-inf")  # nothing is being written any more
             if event.fields.get("preemption"):

@@ -174,6 +174,9 @@ class WorkerContext:
 
         from elastic.worker.coordination import barrier
 
+        if self.process_index == 0:  # not hung: the last save may take a while
+            self.progress.event("worker_finishing", "training done; finishing (the last "
+                                "checkpoint save, leaving the distributed runtime)")
         if self._checkpoints is not None:
             self._checkpoints.close()
         barrier("elastic-finish", timeout_s=300.0)
