@@ -3,7 +3,8 @@
 A fault spec is `KIND:HOST@TRIGGER`, e.g. `kill-host:host-1@step=120` or
 `stop-agent:host-2@t=30`. KIND is any chaos fault kind (see elastic.chaos:
 kill-worker, kill-host, stop-worker, stop-agent, preempt, kill-during-save,
-partition, lose-device). TRIGGER is `step=N` (the slice has reported step N) or `t=S`
+partition, lose-device, storage-slow, storage-outage; the storage kinds hit
+the whole bucket, whatever HOST says). TRIGGER is `step=N` (the slice has reported step N) or `t=S`
 (S seconds after the slice started). Every injected fault is journaled as
 `fault_injected`.
 """

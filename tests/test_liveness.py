@@ -141,8 +141,9 @@ def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = Fal
         view.hosts[suspended].worker.suspended = True
     if saving:
         view.save_started_at = T0 + 1
-    if finishing:  # process 0 said it took its last step (generation 1)
+    if finishing:  # process 0 said it took its last step (generation 1), then exited
         observe(view, WorkerReported("h0", "inc-h0", 1, "worker_finishing", "done", {}), T0 + 1)
+        worker(view, "h0", T0 + 2, 1, WorkerState.EXITED, step=6)
     heartbeat_all(view, T0 + silent_s)
     return state, view
 

@@ -121,7 +121,6 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     Raises StartError when the controller cannot start."""
     try:
         server = ControllerServer(spec, listen, state_dir, tls)
-        await server.start()
     except (RuntimeError, TLSError, OSError) as e:
         raise StartError(str(e)) from None
     received: list[int] = []
@@ -141,6 +140,15 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop, sig)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
+    # (handlers first: the address file start() writes tells tools the
+    # controller is there, and a signal they send must not find the default
+    # action, which ends the process without a journal line)
+    try:
+        await server.start()
+    except (RuntimeError, TLSError, OSError) as e:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        raise StartError(str(e)) from None
     run = asyncio.create_task(server.run())
     stop_wait = asyncio.create_task(stopped.wait())
     reason, code = "controller ended unexpectedly", 1

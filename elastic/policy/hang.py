@@ -86,7 +86,9 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     step_time = members[0].worker.metrics.get("step_time_s")
     limit = hang_timeout(spec, step_time)
     saving = view.save_started_at > view.committed_at
-    finishing = any(r.finishing_generation == r.worker.generation for r in active)
+    # (process 0 says so, and may well have exited before the others)
+    finishing = any(r.finishing_generation and r.finishing_generation == r.worker.generation
+                    for r in members)
     if saving or finishing:
         limit += spec.hang.checkpoint_allowance_s
     silent = now - progress_at
