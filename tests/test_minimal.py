@@ -37,10 +37,12 @@ def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
     assert done["kind"] == "job_succeeded" and done["step"] == 199
     assert done["metrics"]["loss"] < 1e-3, done
     # the restart resumed from a local snapshot (every 10 steps), at least as
-    # new as the newest committed checkpoint (every 20)
+    # new as the newest committed checkpoint (every 20; on a loaded machine the
+    # first save to the bucket may not have committed yet: the loop does not
+    # wait for it, and the step-20 save is skipped while it is written)
     restored = next(e for e in journal if e["kind"] == "checkpoint_restored")
-    committed = max(e["step"] for e in journal if e["kind"] == "checkpoint_committed"
-                    and e["ts"] < restored["ts"])
+    committed = max((e["step"] for e in journal if e["kind"] == "checkpoint_committed"
+                     and e["ts"] < restored["ts"]), default=-1)
     assert restored["source"] == "snapshot" and restored["step"] >= committed, restored
     # at most one snapshot interval is lost: 10 when the kill lands while the
     # step-60 snapshot is still being written (the restore takes step 50)
