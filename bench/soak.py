@@ -15,7 +15,7 @@ import time
 
 from common import lm_job, machine, write_result
 
-from elastic.chaos import Chaos, ChaosSpec, CHAOS_KINDS
+from elastic.chaos import CHAOS_KINDS, STORAGE_KINDS, Chaos, ChaosSpec
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.goodput import account, format_report
@@ -33,8 +33,7 @@ def main() -> int:
     # lose-device and the storage kinds came after the published figures; left
     # out by default so that they stay comparable (pass --kinds to include them)
     parser.add_argument("--kinds", default="+".join(
-        k for k in CHAOS_KINDS if k not in ("partition", "lose-device")
-        and not k.startswith("storage-")))
+        k for k in CHAOS_KINDS if k not in ("partition", "lose-device", *STORAGE_KINDS)))
     parser.add_argument("--quarantine", action="store_true",
                         help="keep the default quarantine policy (off by default: faults "
                              "picked uniformly at random are not a bad host, and setting "

@@ -58,8 +58,9 @@ from elastic.security.tls import TLSFiles
 #: the slice has restarted without it, as a repair would take far longer.
 REPAIR_S = 20.0
 
-#: Storage faults: the added round trip (a cross-region bucket; the figure
-#: the issue asks the emergency checkpoint to survive) and how long each lasts.
+#: Storage faults: the round trip storage-slow adds (a bucket in another
+#: region; the emergency checkpoint must still commit within GCE's 30 s
+#: notice through it) and how long each storage fault lasts.
 STORAGE_SLOW_LATENCY_S = 0.1
 STORAGE_FAULT_S = 60.0
 
@@ -315,8 +316,9 @@ class Chaos(threading.Thread):
 
         def heal() -> None:
             self.storage.set()
-            self.journal.write(time.time(), "fault_healed", status.generation, f"{kind} over: the bucket "
-                               f"answers normally again", None, {"fault": kind})
+            self.journal.write(time.time(), "fault_healed", status.generation,
+                               f"{kind} over: the bucket answers normally again", None,
+                               {"fault": kind})
 
         self._later(STORAGE_FAULT_S, heal)
 

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 
 from elastic.checkpoint import storage
 from elastic.checkpoint.snapshot import LocalSnapshots, to_state
+from elastic.worker.coordination import abortable_barrier, all_gather, mark
 
 log = logging.getLogger("elastic.checkpoint")
 
@@ -157,14 +158,14 @@ class Checkpoints:
         self._pending: int | None = None  # the step being written, on this process
         self._last_started: int | None = None
         self._failed: list[dict] = []  # this process's failed saves, not yet shared
-        self._skipped: list[int] = []  # steps whose save was skipped since the last one
+        self._skipped = 0  # saves skipped since the last one started
         self._journaled_failures: set[int] = set()
         self._agreements = 0  # gathers made, the same count on every process
         self._delete_failure_reported = False
         self._emergency_step: int | None = None
         self._writing: int | None = None  # the step of the save started last
         self._barrier_uses: dict[str, int] = {}
-        self._operations: dict[int, str | None] = {}  # step -> Orbax's operation id
+        self._operation: str | None = None  # Orbax's id of the save in flight
         self._barrier_lock = threading.Lock()
         use_coordination_service_barriers()
         _register_array_handler(replica_parallel)
@@ -205,12 +206,10 @@ class Checkpoints:
             error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             log.error("checkpoint step %s not committed: %s", step, error)
             self._failed.append({"step": step, "error": error})
-            from elastic.worker.coordination import mark
-
             # peers still waiting in this save's barriers give it up now
             mark(f"elastic/checkpoint/failed/{step}/{jax.process_index()}",
                  f"process {jax.process_index()}: {error}")
-            _release_directory_waiters(self._operations.pop(step, None))
+            _release_directory_waiters(self._operation)
             return None
         self.on_commit(step)
         return step
@@ -227,8 +226,6 @@ class Checkpoints:
         it could never tell them to (a deadlock until the save timeout).
         The commit barriers, which keep a step from being committed before
         every process wrote its part, are kept."""
-        from elastic.worker.coordination import abortable_barrier
-
         if key.startswith("ThreadSaveMultiHostValueHolder"):
             return
         with self._barrier_lock:  # Orbax may use a key again: count the uses
@@ -250,11 +247,9 @@ class Checkpoints:
 
     def _agree(self, busy: int | None) -> list[dict]:
         """Share with every process the step of its save still being
-        written (`busy`, None if none) and which of its saves failed; journal the failures (every
-        process learns them; process 0's on_event writes them). Returns each
-        process's report, in process order."""
-        from elastic.worker.coordination import all_gather
-
+        written (`busy`, None if none) and which of its saves failed; journal
+        the failures (every process learns them; process 0's on_event writes
+        them). Returns each process's report, in process order."""
         self._agreements += 1
         own = {"busy": busy, "failed": self._failed}
         self._failed = []
@@ -324,7 +319,7 @@ class Checkpoints:
                 self.on_event("checkpoint_save_skipped", f"save of step {step} skipped: {skip}"
                               + ("; later saves are skipped until it ends" if busy else ""),
                               {"step": step, "busy_processes": busy})
-            self._skipped.append(step)
+            self._skipped += 1
             if preempted:  # the step is in storage already: nothing more to save
                 self.on_preempted(step, True)
             return False
@@ -333,17 +328,16 @@ class Checkpoints:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})),
             force=urgent)
         if started:
-            self._operations = {step: _current_operation()}
+            self._operation = _current_operation()
             self._pending = self._last_started = step
             blocked = time.perf_counter() - t0
             kind = "emergency save" if preempted else "save"
-            skipped = (f" ({len(self._skipped)} save(s) skipped before it)"
-                       if self._skipped else "")
+            skipped = f" ({self._skipped} save(s) skipped before it)" if self._skipped else ""
             self.on_event("checkpoint_saved", f"{kind} of step {step} started; blocked "
                           f"{blocked * 1000:.1f} ms{skipped}",
                           {"step": step, "blocking_s": round(blocked, 4),
-                           "preemption": preempted, "skipped_saves": len(self._skipped)})
-            self._skipped = []
+                           "preemption": preempted, "skipped_saves": self._skipped})
+            self._skipped = 0
         if preempted:
             self._emergency_step = step
             committed = self._settle() == step
@@ -369,8 +363,6 @@ class Checkpoints:
         previous step together (agreed through the coordination service,
         elastic.worker.coordination) and the failure is reported through
         `on_event`. Raises RuntimeError when every committed step fails."""
-        from elastic.worker.coordination import all_gather
-
         steps = self.committed_steps()
         if self.snapshots is not None:
             t0 = time.perf_counter()

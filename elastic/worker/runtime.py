@@ -125,12 +125,8 @@ class WorkerContext:
         going away) and wait for the agent to end this process; the next
         generation resumes after the newest committed step. Exits with 75
         (EX_TEMPFAIL) if nobody does within `wait_s`."""
-        if committed:
-            self.log.warning("preemption: checkpoint step %d committed; waiting to be stopped",
-                             step)
-        else:
-            self.log.warning("preemption: the checkpoint of step %d failed; waiting to be "
-                             "stopped", step)
+        self.log.warning("preemption: checkpoint step %d %s; waiting to be stopped", step,
+                         "committed" if committed else "failed")
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             time.sleep(0.5)
