@@ -20,9 +20,16 @@ Fault kinds (each journaled as `fault_injected`):
   chip that failed; its agent reports fewer devices at its next heartbeat)
   and give it back after REPAIR_S (repaired); skipped on a host with one
   device left;
-- partition: cut a host off the network. Only where the tool put the host in
-  a network namespace of its own; `elasticd local` hosts share the root
-  namespace, so it is skipped with a journaled message (`fault_skipped`);
+- partition: cut a host off the network, both ways, for PARTITION_S;
+- partition-controller: the host still reaches its peers (and the bucket)
+  but not the controller, for PARTITION_S;
+- partition-peers: it reaches the controller (and the bucket) but not its
+  peers: its collectives hang, for PARTITION_S;
+- slow-link: the host's link throttled to SLOW_LINK_KBIT kbit/s both ways,
+  for SLOW_LINK_S (must cause no false host loss).
+The network kinds need isolated hosts (`elasticd local --isolate`,
+elastic.local.network); elsewhere they are skipped with a journaled message
+(`fault_skipped`). Their end is journaled as `fault_healed`;
 - storage-slow: STORAGE_SLOW_LATENCY_S added to every request to the
   checkpoint bucket for STORAGE_FAULT_S (a bucket in a farther region);
 - storage-outage: every request to the bucket answered 503 for
@@ -64,9 +71,18 @@ REPAIR_S = 20.0
 STORAGE_SLOW_LATENCY_S = 0.1
 STORAGE_FAULT_S = 60.0
 
+#: Network faults: how long a partition lasts (longer than any heartbeat
+#: timeout here, so the host is declared lost and comes back), and the rate
+#: and length of a throttled link (1 Mbit/s: heartbeats and reports fit
+#: easily, a collective of the reference jobs' size is slowed many times).
+PARTITION_S = 12.0
+SLOW_LINK_KBIT = 1000
+SLOW_LINK_S = 30.0
+
 STORAGE_KINDS = ("storage-slow", "storage-outage")
+NETWORK_KINDS = ("partition", "partition-controller", "partition-peers", "slow-link")
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
-               "kill-during-save", "partition", "lose-device", *STORAGE_KINDS)
+               "kill-during-save", "lose-device", *NETWORK_KINDS, *STORAGE_KINDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,15 +147,17 @@ class Chaos(threading.Thread):
     declared lost (stopped agents resume, killed hosts come back after it + 2 s).
     storage: the proxy between the slice and its checkpoint bucket
     (elastic.checkpoint.faulty_storage.FaultProxy) for the storage kinds.
+    network: the isolated hosts' network (elastic.local.network.NetworkPlan)
+    for the network kinds.
     """
 
     def __init__(self, spec: ChaosSpec | None, address: str, tls: TLSFiles | None,
                  state_dir, restart_agent:
                  Callable[[str], None], agent_pid: Callable[[str], int],
                  heartbeat_timeout_s: float, planned: list[Fault] | None = None,
-                 keep_running: bool = False, storage=None) -> None:
+                 keep_running: bool = False, storage=None, network=None) -> None:
         super().__init__(daemon=True)
-        self.storage = storage
+        self.storage, self.network = storage, network
         self.keep_running = keep_running
         self.spec, self.address, self.tls, self.state_dir = spec, address, tls, state_dir
         self.planned = list(planned or [])
@@ -247,11 +265,8 @@ class Chaos(threading.Thread):
         if kind in STORAGE_KINDS:
             self._storage_fault(kind, status)
             return
-        if kind == "partition":
-            self.journal.write(time.time(), "fault_skipped", status.generation,
-                               "partition: elasticd local runs hosts in the root network "
-                               "namespace, not in one the tool created; skipped", h,
-                               {"fault": kind})
+        if kind in NETWORK_KINDS:
+            self._network_fault(kind, host, status)
             return
         if kind == "kill-during-save":
             since = time.time()
@@ -321,6 +336,47 @@ class Chaos(threading.Thread):
                                {"fault": kind})
 
         self._later(STORAGE_FAULT_S, heal)
+
+    def _network_fault(self, kind: str, host, status) -> None:
+        """Partition `host` (wholly, from the controller or from its peers) or
+        throttle its link; healed after PARTITION_S or SLOW_LINK_S."""
+        from elastic.local import network
+
+        h, net = host.host_id, self.network
+        if net is None:
+            self.journal.write(time.time(), "fault_skipped", status.generation,
+                               f"{kind}: the hosts are not isolated (elasticd local --isolate "
+                               f"puts each in a network namespace of its own); skipped", h,
+                               {"fault": kind})
+            return
+        peers = [p for p in net.hosts() if p != h]
+        if kind == "partition":
+            cut, heal = (lambda: network.set_link(net, h, False),
+                         lambda: network.set_link(net, h, True))
+            what, duration = "cut off from every other node", PARTITION_S
+        elif kind == "partition-controller":
+            cut, heal = (lambda: network.set_blocked(net, h, [network.CONTROLLER], True),
+                         lambda: network.set_blocked(net, h, [network.CONTROLLER], False))
+            what, duration = "cut off from the controller (its peers still reach it)", \
+                PARTITION_S
+        elif kind == "partition-peers":
+            cut, heal = (lambda: network.set_blocked(net, h, peers, True),
+                         lambda: network.set_blocked(net, h, peers, False))
+            what, duration = "cut off from its peers (the controller still reaches it)", \
+                PARTITION_S
+        else:
+            cut, heal = (lambda: network.set_rate(net, h, SLOW_LINK_KBIT),
+                         lambda: network.set_rate(net, h, None))
+            what, duration = f"link throttled to {SLOW_LINK_KBIT} kbit/s", SLOW_LINK_S
+        cut()
+        self._record(kind, host, status, [], f"{what} for {duration:g} s")
+
+        def healed() -> None:
+            heal()
+            self.journal.write(time.time(), "fault_healed", status.generation,
+                               f"{kind} of {h} over", h, {"fault": kind})
+
+        self._later(duration, healed)
 
     def _come_back_after_exit(self, host_id: str, pid: int) -> None:
         if alive(pid) and not self._halt.is_set():

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     _tls_args(chaos, f"STATE_DIR/{LOCAL_OPERATOR_BUNDLE}")
 
     local = sub.add_parser("local", help="controller and N simulated hosts on this machine")
-    local.add_argument("--config", required=True, help="job spec (TOML)")
+    local.add_argument("--config", help="job spec (TOML); required but with --cleanup")
     local.add_argument("--hosts", type=int, default=4)
     local.add_argument("--devices-per-host", default="2", metavar="D[,D...]",
                        help="devices of each simulated host: one count for all, or one per "
@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--gcs-emulator", action="store_true",
                        help="keep checkpoints in a bucket of a local GCS emulator "
                             "(fake-gcs-server, from the dev extra) started for this run")
+    local.add_argument("--isolate", action="store_true",
+                       help="each host and the controller in namespaces of their own: an "
+                            "address on a private bridge, private /dev/shm and disk (needs "
+                            "root and --gcs-emulator; enables the network fault kinds)")
+    local.add_argument("--cleanup", action="store_true",
+                       help="only remove what a killed run in --state-dir left (processes, "
+                            "namespaces, links, snapshots), then exit")
 
     certs = sub.add_parser("certs", help="a certificate authority for the controller, hosts "
                                          "and operators")
@@ -285,11 +292,38 @@ def _start(args) -> int:
         raise UsageError(str(e)) from None
 
 
-def _local(args) -> int:
-    from elastic.chaos import STORAGE_KINDS, parse_chaos
-    from elastic.faults import parse_fault
-    from elastic.local import host_devices, run_local
+def _cleanup(state_dir: str) -> int:
+    from elastic.local import leftovers, network
 
+    try:
+        removed = leftovers.cleanup(pathlib.Path(state_dir))
+    except (leftovers.StillRunning, network.IsolationError) as e:
+        print(f"elasticd: error: {e}", file=sys.stderr)
+        return 1
+    print(f"elasticd local --cleanup: removed {', '.join(removed)}" if removed
+          else f"elasticd local --cleanup: nothing left by a run in {state_dir}")
+    return 0
+
+
+def _local(args) -> int:
+    from elastic.chaos import NETWORK_KINDS, STORAGE_KINDS, parse_chaos
+    from elastic.faults import parse_fault
+    from elastic.local import host_devices, network, run_local
+
+    if args.cleanup:
+        return _cleanup(args.state_dir)
+    if not args.config:
+        raise UsageError("--config is required (but with --cleanup)")
+    if args.isolate:
+        problem = network.capability_problem()
+        if problem:
+            raise UsageError(problem)
+        if not args.gcs_emulator:
+            raise UsageError("--isolate needs --gcs-emulator: isolated hosts share no "
+                             "directory, so checkpoints live in a bucket")
+        if args.gce_metadata:
+            raise UsageError("--isolate does not take --gce-metadata: the hosts cannot "
+                             "reach this machine's loopback")
     if not 1 <= args.hosts <= 256:
         raise UsageError("--hosts must be from 1 to 256")
     parts = args.devices_per_host.split(",")
@@ -313,11 +347,15 @@ def _local(args) -> int:
     if storage and not args.gcs_emulator:
         raise UsageError(f"--fault {'/'.join(storage)} needs --gcs-emulator (the fault acts on "
                          f"the emulator's bucket through a proxy)")
+    net_faults = sorted({f.kind for f in faults if f.kind in NETWORK_KINDS})
+    if net_faults and not args.isolate:
+        raise UsageError(f"--fault {'/'.join(net_faults)} needs --isolate (the fault acts on "
+                         f"the links of isolated hosts)")
     try:
         return run_local(args.config, spec, args.hosts, devices, args.state_dir,
                          quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,
                          chaos=chaos, insecure=args.insecure, gcs_emulator=args.gcs_emulator,
-                         compile_cache_dir=args.compile_cache_dir)
+                         compile_cache_dir=args.compile_cache_dir, isolate=args.isolate)
     except NotADirectoryError as e:
         raise UsageError(str(e)) from None
     except RuntimeError as e:

@@ -3,8 +3,12 @@ agent, chaos and tests share. Linux only (reads /proc/<pid>/stat)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import shutil
 import signal
+import subprocess
+from collections.abc import Sequence
 
 
 def process_state(pid: int) -> str | None:
@@ -44,3 +48,29 @@ def signal_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
         return True
     except OSError:
         return False
+
+
+_SETPRIV = shutil.which("setpriv")
+# One long-lived thread starts every child that must die with this process:
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, so a
+# child started from a short-lived thread (a fault injector's) would be
+# killed with that thread.
+_spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+
+
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv` wrapped so the process gets SIGKILL when its parent dies
+    (PR_SET_PDEATHSIG through util-linux `setpriv`, which then execs it).
+    Unchanged where setpriv is missing or `argv` already starts with it.
+    (A preexec_fn would do the same in-process, but calling into libc
+    between fork and exec in a process with gRPC's threads is unsafe.)"""
+    if _SETPRIV is None or (argv and os.path.basename(argv[0]) == "setpriv"):
+        return list(argv)
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
+
+
+def spawn_bound(argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen(die_with_parent(argv), **popen_kwargs), forked from
+    one thread that lives as long as this process: the child gets SIGKILL
+    when this process dies, even by SIGKILL. Raises what Popen raises."""
+    return _spawner.submit(subprocess.Popen, die_with_parent(argv), **popen_kwargs).result()

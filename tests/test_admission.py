@@ -139,6 +139,11 @@ def test_budget_refills_at_its_rate_and_counts_what_it_refused():
     ({"step": 10**18}, "more than 10,000,000 past"),
     ({"step": "12"}, "must be an integer"),
     ({"nested": {"a": 1}}, "must be a string, number"),
+    # a failed save names its processes (checkpoint_save_failed, _skipped)
+    ({"step": 4, "processes": [0, 1]}, {"step": 4, "processes": [0, 1]}),
+    ({"processes": list(range(65))}, "a list of at most 64 integers"),
+    ({"processes": ["0"]}, "a list of at most 64 integers"),
+    ({"processes": [[0]]}, "a list of at most 64 integers"),
     ({"x": "line\nforged line\x1b[2J"}, {"x": "line forged line\ufffd[2J"}),
     ({f"f{i}": i for i in range(33)}, "at most 32 fields"),
 ])

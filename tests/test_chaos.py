@@ -76,13 +76,21 @@ def test_each_fault_kind(tmp_path, local_job, kind):
     assert [i["kind"] for i in report["incidents"]] == [kind]
 
 
-def test_partition_is_skipped_with_a_message(tmp_path, local_job):
-    job = local_job(chaos_spec(tmp_path),
-                    extra_args=("--chaos", "mtbf=1,seed=3,count=1,kinds=partition"))
-    assert job.wait(90) == 0, job.output()
-    skipped = [e for e in job.journal() if e["kind"] == "fault_skipped"]
-    assert skipped and "network namespace" in skipped[0]["reason"]
-    assert account(job.journal()).incidents == []
+def test_network_faults_are_skipped_without_isolated_hosts(tmp_path):
+    """Random network faults drawn on hosts in the root namespace (no
+    `--isolate`) are journaled as skipped, with the reason."""
+    from elastic.chaos import NETWORK_KINDS, Chaos
+    from elastic.controller.journal import read_journal
+
+    status, host = pb.JobStatus(generation=2), pb.HostStatus(host_id="host-1")
+    chaos = Chaos(None, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 1.0)
+    for kind in NETWORK_KINDS:
+        chaos.inject(kind, host, status)
+    chaos.stop()
+    entries = read_journal(tmp_path)
+    assert [(e["kind"], e["fault"], e["host"]) for e in entries] == \
+        [("fault_skipped", kind, "host-1") for kind in NETWORK_KINDS]
+    assert all("not isolated" in e["reason"] for e in entries)
 
 
 def test_chaos_spec_and_schedule_are_deterministic():

@@ -1,8 +1,10 @@
 """The agent's connection to the controller: register, one stream of
 heartbeats and reports up and commands down, reconnect forever.
 
-While the controller is away the worker keeps running (a controller that
-systemd restarts sees it in the next registration and heartbeats).
+While the controller is away the worker keeps running for the agent's lease
+(elastic.agent.fence); an agent that hears nothing from the controller for
+longer stops its worker on its own (self-fencing) and says so when it
+registers again.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import uuid
 import grpc
 
 from elastic import config, transport
-from elastic.agent import snapshot_dir
+from elastic.agent import fence, snapshot_dir
 from elastic.agent.host import Devices, PortProber, discover_devices
 from elastic.agent.preemption import watch_metadata
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
@@ -100,6 +102,12 @@ class Agent:
         self._snapshot_run = ""  # the controller run the snapshots belong to
         self._prepared = False
         self.devices = Devices(settings.devices, settings.device_kind)
+        # the fencing lease: renewed by every word from the controller; none
+        # until the first registration tells the controller's timeouts
+        self._lease_s: float | None = None
+        self._heartbeat_interval_s = 1.0
+        self._heard_at = time.monotonic()
+        self._fenced = ""  # why this agent stopped its worker on its own, until told
 
     def _recount_devices(self) -> None:
         """Count the device nodes again (when not fixed); a change rides on
@@ -332,7 +340,7 @@ class Agent:
             header=self._header(), devices=self.devices.count,
             device_kind=self.devices.kind, address=s.address,
             failure_domain=s.failure_domain, agent_pid=os.getpid(),
-            worker=self.supervisor.status,
+            worker=self.supervisor.status, fenced=self._fenced,
             free_port=0 if self.supervisor.running else self.ports.probe())
 
     async def _session(self, channel: grpc.aio.Channel) -> None:
@@ -349,6 +357,9 @@ class Agent:
                 reply = await stub.Register(self._register_request(),
                                             timeout=self.settings.rpc_timeout_s)
         self.job_id = reply.job_id
+        self._heard_at, self._fenced = time.monotonic(), ""
+        self._heartbeat_interval_s = reply.heartbeat_interval_s
+        self._lease_s = fence.lease_s(reply.heartbeat_interval_s, reply.heartbeat_timeout_s)
         log.info("registered with %s as %s (incarnation %s), job %s, generation %d",
                  self.settings.controller, self.settings.host_id, self.incarnation,
                  reply.job_id, reply.generation)
@@ -378,6 +389,7 @@ class Agent:
         tasks = [asyncio.create_task(write()), asyncio.create_task(beat())]
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
+                self._heard_at = time.monotonic()
                 self._command(message)
         finally:
             self._outbox = None
@@ -406,6 +418,28 @@ class Agent:
                     await channel.close()
             await asyncio.sleep(delay)
 
+    async def _keep_lease(self, tick_s: float = 0.25) -> None:
+        """Stop the worker when the controller has not been heard for the
+        lease (elastic.agent.fence); the next registration says so."""
+        checked_at = time.monotonic()
+        while True:
+            await asyncio.sleep(tick_s)
+            now = time.monotonic()
+            if self._lease_s is None:
+                checked_at = now
+                continue
+            expired, self._heard_at = fence.check(self._heard_at, checked_at, now,
+                                                  self._lease_s, tick_s,
+                                                  2 * self._heartbeat_interval_s)
+            checked_at = now
+            if expired and self.supervisor.running and not self._fenced:
+                generation = self.supervisor.status.generation
+                self._fenced = (f"heard nothing from the controller for "
+                                f"{now - self._heard_at:.1f} s (lease {self._lease_s:g} s): "
+                                f"stopped its worker of generation {generation} on its own")
+                log.error("self-fencing: %s", self._fenced)
+                self._spawn(self.supervisor.stop(generation, 0.0))
+
     # --- lifecycle ---------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -425,6 +459,7 @@ class Agent:
         receiver = progress.ProgressReceiver(self.progress_address, self._progress)
         receiver.attach(loop)
         connection = asyncio.create_task(self._connect_forever())
+        self._spawn(self._keep_lease())
         if self.settings.metadata_url:
             self._spawn(watch_metadata(self.settings.metadata_url,
                                        lambda reason: self.preempt(reason, leave=False)))

@@ -16,29 +16,16 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import signal
 import sys
 from collections.abc import Callable, Mapping
 
 from elastic import config
-from elastic.procs import process_state, signal_group, signal_pid
+from elastic.procs import die_with_parent, process_state, signal_group, signal_pid
 from elastic.worker.prestart import READY_LINE, set_policy
 from elastic.v1 import control_pb2 as pb
 
 log = logging.getLogger("elastic-agent")
-
-_SETPRIV = shutil.which("setpriv")
-
-
-def die_with_agent(argv: list[str]) -> list[str]:
-    """`argv` wrapped so the worker gets SIGKILL when the agent dies
-    (PR_SET_PDEATHSIG through util-linux `setpriv`, which then execs the
-    worker). Without setpriv the leftover sweep of the next agent is the only
-    guard. (A preexec_fn would do the same in-process, but calling into libc
-    between fork and exec in a process with gRPC's threads is unsafe.)"""
-    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
-
 
 def kill_leftovers(owner: str, incarnation: str) -> list[int]:
     """SIGKILL every process marked as started by an agent with state dir
@@ -176,7 +163,7 @@ class WorkerSupervisor:
         if proc is None:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *die_with_agent(argv), cwd=workdir or None, env=full_env,
+                    *die_with_parent(argv), cwd=workdir or None, env=full_env,
                     stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
                     start_new_session=True)
             except OSError as e:
@@ -219,7 +206,7 @@ class WorkerSupervisor:
         try:
             proc = await asyncio.create_subprocess_exec(
                 # -P: the working directory is not put on the import path
-                *die_with_agent([argv[0], "-P", "-m", "elastic.worker.prestart", *script]),
+                *die_with_parent([argv[0], "-P", "-m", "elastic.worker.prestart", *script]),
                 cwd=workdir or None, env=spawn_env, stdin=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
         except OSError as e:

@@ -39,28 +39,38 @@ def endpoint_env(url: str) -> dict[str, str]:
     """The variables that point google-cloud-storage, gcsfs and TensorStore
     at the GCS endpoint `url` (an emulator, or a proxy in front of one)."""
     return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING": TEST_TOKEN, "GOOGLE_CLOUD_PROJECT": "test"}
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": TEST_TOKEN, "GOOGLE_CLOUD_PROJECT": "test",
+            # No GCE here: google-auth would probe the metadata server for
+            # credentials at every gcsfs file system (~3 s each where that
+            # address does not answer, as in an isolated host's namespace),
+            # and gcsfs's bucket-type probe (hierarchical namespaces, which
+            # the emulator lacks) would do so and warn at every open.
+            "NO_GCE_CHECK": "True", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 the kernel says is free now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` the kernel says is free now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class GCSEmulator:
-    """fake-gcs-server on a free loopback port, objects in memory.
+    """fake-gcs-server on a free port of `host` (loopback by default; an
+    isolated run's gateway address), objects in memory.
 
     `start()` returns once it accepts connections (RuntimeError after
-    `timeout_s` seconds); `stop()` ends it. `url` is its base URL, `env` the
-    variables a process needs to use it through google-cloud-storage, gcsfs
-    and TensorStore (which Orbax writes arrays with).
+    `timeout_s` seconds); `stop()` ends it; it dies with this process even
+    when that is killed (elastic.procs.spawn_bound). `url` is its base URL,
+    `env` the variables a process needs to use it through
+    google-cloud-storage, gcsfs and TensorStore (which Orbax writes arrays
+    with).
     """
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.process: subprocess.Popen | None = None
 
     @property
@@ -68,14 +78,16 @@ class GCSEmulator:
         return endpoint_env(self.url)
 
     def start(self, timeout_s: float = 30.0, log=subprocess.DEVNULL) -> "GCSEmulator":
-        self.process = subprocess.Popen(
-            [_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-             "-backend", "memory", "-public-host", f"127.0.0.1:{self.port}",
+        from elastic.procs import spawn_bound
+
+        self.process = spawn_bound(
+            [_binary(), "-scheme", "http", "-host", self.host, "-port", str(self.port),
+             "-backend", "memory", "-public-host", f"{self.host}:{self.port}",
              "-log-level", "warn"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                socket.create_connection((self.host, self.port), timeout=0.5).close()
                 return self
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:

@@ -60,15 +60,16 @@ class FaultCounts:
 
 
 class FaultProxy:
-    """A proxy to `upstream` ("http://host:port") on a free loopback port,
-    served from a thread of its own. `start()` returns once it listens;
+    """A proxy to `upstream` ("http://host:port") on a free port of `host`
+    (loopback by default), served from a thread of its own. `start()` returns once it listens;
     `faults` may be replaced at any time (`set(...)`); `counts` says what it
     did; `stop()` ends it. `seed` makes the random faults repeatable."""
 
-    def __init__(self, upstream: str, seed: int = 0) -> None:
+    def __init__(self, upstream: str, seed: int = 0, host: str = "127.0.0.1") -> None:
         self.upstream = upstream.rstrip("/")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.faults = StorageFaults()
         self.counts = FaultCounts()
         self._rng = random.Random(seed)
@@ -130,7 +131,7 @@ class FaultProxy:
         app.router.add_route("*", "/{tail:.*}", route)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(runner, self.host, self.port).start()
         self._ready.set()
         try:
             await self._stopped.wait()

@@ -46,6 +46,8 @@ MAX_STDERR_CHARS = 8_000
 MAX_REASON_CHARS = 1_000
 MAX_METRICS = 64
 MAX_EVENT_FIELDS = 32
+#: Integers in a list field of a worker event (process ids of a failed save).
+MAX_EVENT_LIST_ITEMS = 64
 MAX_EVENT_JSON_BYTES = 4_096
 MAX_FIELD_TEXT_CHARS = 256
 #: Seconds a duration reported by a worker may be (a week).
@@ -228,7 +230,8 @@ def check_message(message, plausible: Plausible) -> Refusal | None:
 
 def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusal:
     """The journal fields a worker event may add: a JSON object of at most
-    MAX_EVENT_FIELDS scalars (text capped and cleaned, numbers finite),
+    MAX_EVENT_FIELDS scalars (text capped and cleaned, numbers finite) or
+    lists of at most MAX_EVENT_LIST_ITEMS integers (process ids),
     none of them a reserved journal field; `step` plausible; fields ending
     in `_s` durations from 0 to MAX_DURATION_S. Returns the fields or a
     Refusal."""
@@ -249,9 +252,14 @@ def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusa
             value = clean_text(value, MAX_FIELD_TEXT_CHARS)
         elif isinstance(value, float) and not math.isfinite(value):
             return Refusal("invalid", f"event field {key} is {value}")
+        elif isinstance(value, list):
+            if len(value) > MAX_EVENT_LIST_ITEMS or \
+                    not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                return Refusal("invalid", f"event field {key} must be a list of at most "
+                                          f"{MAX_EVENT_LIST_ITEMS} integers")
         elif value is not None and not isinstance(value, (bool, int, float)):
             return Refusal("invalid", f"event field {key} must be a string, number, "
-                                      f"boolean or null")
+                                      f"boolean, null or a list of integers")
         if key.endswith("_s") and not isinstance(value, bool) and isinstance(value, (int, float)) \
                 and not 0 <= value <= MAX_DURATION_S:
             return Refusal("invalid", f"event field {key} = {value} is not a duration from 0 "

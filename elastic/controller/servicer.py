@@ -236,7 +236,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
             address=request.address, failure_domain=request.failure_domain or h.host_id,
             agent_pid=request.agent_pid, free_port=request.free_port, worker=worker,
-            device_kind=request.device_kind))
+            device_kind=request.device_kind,
+            fenced=clean_text(request.fenced, adm.MAX_REASON_CHARS)))
         health = c.spec.health
         reply = pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
                                     heartbeat_interval_s=health.heartbeat_interval_s,
@@ -363,6 +364,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
                                          clean_text(hb.preemption, adm.MAX_REASON_CHARS),
                                          hb.devices, hb.device_kind))
+            # the agent's proof that it is still heard (its fencing lease)
+            session.send(pb.ControllerMessage(job_id=c.spec.job_id,
+                                              generation=c.state.generation,
+                                              ack=pb.HeartbeatAck(seq=hb.seq)))
             return
         if refusal is None and not self._report_budget.take(h.host_id, c.clock.monotonic())[0]:
             refusal = adm.Refusal("implausible", f"more than {adm.REPORTS_PER_S:g} reports a "

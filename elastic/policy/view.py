@@ -107,6 +107,8 @@ class Registered:
     free_port: int
     worker: WorkerObs
     device_kind: str = ""
+    # what the agent did when it heard no controller for its lease
+    fenced: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,12 +303,14 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         view.hosts[event.host_id] = record
         view.last_registration_at = now
         view.disconnected.pop(event.host_id, None)
+        fenced = [Fact("host_fenced", event.host_id, event.worker.generation, event.fenced,
+                       {"incarnation": event.incarnation})] if event.fenced else []
         if old is not None and old.incarnation == event.incarnation:
             record.exited_at, record.first_step_at = old.exited_at, old.first_step_at
             record.devices_changed_at = old.devices_changed_at
             # a reconnect of the same agent process, which may have counted
             # its devices again meanwhile
-            return True, _devices_changed(record, old.devices, old.device_kind, now)
+            return True, fenced + _devices_changed(record, old.devices, old.device_kind, now)
         replaced = f", replacing incarnation {old.incarnation}" if old else ""
         kind = f" ({event.device_kind})" if event.device_kind else ""
         return True, [Fact("host_registered", event.host_id, event.worker.generation,
@@ -314,7 +318,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
                            f"{event.failure_domain}{replaced}",
                            {"incarnation": event.incarnation, "devices": event.devices,
                             "device_kind": event.device_kind,
-                            "agent_pid": event.agent_pid})]
+                            "agent_pid": event.agent_pid})] + fenced
     record = view.hosts.get(event.host_id)
     if record is None or record.incarnation != event.incarnation:
         return False, []

@@ -64,7 +64,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., suspended: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("header", "devices", "address", "failure_domain", "agent_pid", "worker", "free_port", "device_kind")
+    __slots__ = ("header", "devices", "address", "failure_domain", "agent_pid", "worker", "free_port", "device_kind", "fenced")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class RegisterRequest(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     header: Header
     devices: int
     address: str
@@ -81,7 +82,8 @@ class RegisterRequest(_message.Message):
     worker: WorkerStatus
     free_port: int
     device_kind: str
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., device_kind: _Optional[str] = ...) -> None: ...
+    fenced: str
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., device_kind: _Optional[str] = ..., fenced: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch")
@@ -204,18 +206,26 @@ class Rejected(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., current_generation: _Optional[int] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("job_id", "generation", "start", "stop", "rejected")
+    __slots__ = ("job_id", "generation", "start", "stop", "rejected", "ack")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     start: StartWorker
     stop: StopWorker
     rejected: Rejected
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., start: _Optional[_Union[StartWorker, _Mapping]] = ..., stop: _Optional[_Union[StopWorker, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ...) -> None: ...
+    ack: HeartbeatAck
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., start: _Optional[_Union[StartWorker, _Mapping]] = ..., stop: _Optional[_Union[StopWorker, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -9,7 +9,17 @@ pid, for tools and tests that act on the slice).
 
 The controller and agents share this launcher's process group; each worker
 has its own (the agent's). SIGINT/SIGTERM stops the agents first (they end
-their workers), then the controller; nothing is left behind.
+their workers), then the controller; nothing is left behind. They also die
+with the launcher, even when it is killed with SIGKILL (PR_SET_PDEATHSIG;
+elastic.procs.spawn_bound), and what cannot die with it is recorded and
+removed by the next run (elastic.local.leftovers).
+
+With `isolate`, every host and the controller run in namespaces of their
+own (elastic.local.network): an address each on a private bridge, a private
+/dev/shm, and a disk of their own, `hosts/<host-id>/` (agent state, device
+nodes, executable cache, tmp); the rest of the state directory is hidden
+from them. Checkpoints then live in the GCS emulator's bucket, reached over
+the bridge.
 """
 
 from __future__ import annotations
@@ -38,13 +48,15 @@ from elastic.controller.server import ADDRESS_FILE
 from elastic.controller.status import fetch_status, slice_step
 from elastic.chaos import STORAGE_KINDS, Chaos, ChaosSpec
 from elastic.faults import Fault
+from elastic.local import leftovers, network
+from elastic.procs import spawn_bound
 from elastic.report import summarize
 from elastic.security import allow, certs
 from elastic.security.files import open_private, private_dir, write_private
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
 
-LOCAL_FILE = "local.json"
+LOCAL_FILE = leftovers.LOCAL_FILE
 
 
 @dataclasses.dataclass
@@ -61,6 +73,8 @@ class LocalSlice:
     heartbeat_timeout_s: float = 5.0
     # variables added to every process's environment (a GCS emulator's)
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # isolated hosts: the network they live on (None: the root namespace)
+    network: network.NetworkPlan | None = None
 
 
 TLS_DIR = "tls"
@@ -94,19 +108,35 @@ def allow_args(spec: JobSpec, path: str) -> list[str]:
     return args
 
 
+def host_dir(state_dir: pathlib.Path, host_id: str) -> pathlib.Path:
+    """A simulated host's own directory: its device nodes, and when
+    isolated its whole disk (agent state, executable cache, tmp)."""
+    return state_dir / "hosts" / host_id
+
+
 def agent_argv(address: str, host_id: str, failure_domain: str,
                state_dir: pathlib.Path, spec: JobSpec, insecure: bool = False,
                metadata_url: str | None = None,
-               compile_cache_dir: pathlib.Path | None = None) -> list[str]:
+               compile_cache_dir: pathlib.Path | None = None,
+               net: network.NetworkPlan | None = None) -> list[str]:
     """The command line of one simulated host's agent: its device nodes in
     STATE_DIR/hosts/HOST/dev (elastic.simdevices; counted like a real
     host's, kind "cpu"), its own certificate bundle under STATE_DIR/tls
     (or --insecure) and an allow-list of exactly the job's command
     (`allow_args`). `metadata_url` may hold "{host}", replaced by the host
     id (one fake metadata path per host). The executable cache is
-    `compile_cache_dir`, default STATE_DIR/compile-cache."""
+    `compile_cache_dir`, default STATE_DIR/compile-cache. With `net`, the
+    agent runs in the host's namespaces (`isolated_argv`), at its address,
+    with its state and its executable cache on its own disk."""
+    own = host_dir(state_dir, host_id)
+    if net is not None:
+        agent_state, cache = own / "agent", own / "compile-cache"
+    else:
+        agent_state = state_dir / "agents" / host_id
+        cache = compile_cache_dir or state_dir / "compile-cache"
     argv = [sys.executable, "-m", "elastic.agent.main", "--controller", address,
-            "--host-id", host_id, "--address", "127.0.0.1",
+            "--host-id", host_id,
+            "--address", net.address(host_id) if net else "127.0.0.1",
             "--device-dir", str(simdevices.device_dir(state_dir, host_id)),
             "--device-kind", "cpu",
             "--failure-domain", failure_domain, "--job-id", spec.job_id,
@@ -114,16 +144,37 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
             # for planned stops (a worker that saved its emergency checkpoint
             # waits to be killed), not an agent's default of 5 s
             "--stop-grace-s", f"{spec.health.stop_grace_s:g}",
-            "--state-dir", str(state_dir / "agents" / host_id),
-            # one machine: its simulated hosts share one executable cache, as
-            # the hosts of a cluster may share one on a common filesystem
-            "--compile-cache-dir", str(compile_cache_dir or state_dir / "compile-cache"),
+            "--state-dir", str(agent_state),
+            # shared: one machine's simulated hosts share one executable
+            # cache, as the hosts of a cluster may share one on a common
+            # filesystem; isolated: each host has its own
+            "--compile-cache-dir", str(cache),
             *allow_args(spec, child_env()["PATH"])]
-    argv += ["--insecure"] if insecure else \
-        ["--tls-dir", str(certs.bundle_dir(state_dir / TLS_DIR, Role.HOST, host_id))]
+    tls_dir = certs.bundle_dir(state_dir / TLS_DIR, Role.HOST, host_id)
+    argv += ["--insecure"] if insecure else ["--tls-dir", str(tls_dir)]
     if metadata_url:
         argv += ["--gce-metadata", metadata_url.replace("{host}", host_id)]
-    return argv
+    if net is None:
+        return argv
+    return isolated_argv(net, host_id, argv, state_dir,
+                         keep=[own] + ([] if insecure else [tls_dir]))
+
+
+def isolated_argv(net: network.NetworkPlan, node: str, argv: list[str],
+                  state_dir: pathlib.Path, keep: list[pathlib.Path] | None = None) -> list[str]:
+    """`argv` in `node`'s namespaces (elastic.local.network.wrap), with
+    TMPDIR on its own disk. With `keep`, the state directory is hidden but
+    for those directories (a host); without, it stays visible (the
+    controller writes the journal there)."""
+    etc_hosts = private_dir(state_dir / "net") / f"{node}.hosts"
+    write_private(etc_hosts, network.hosts_file(net, node).encode())
+    etc_hosts.chmod(0o644)
+    if keep is None:
+        return network.wrap(net, node, argv, etc_hosts)
+    tmp = host_dir(state_dir, node) / "tmp"
+    private_dir(tmp)
+    return network.wrap(net, node, ["env", f"TMPDIR={tmp}", *argv], etc_hosts,
+                        hide=state_dir, keep=keep)
 
 
 def child_env() -> dict[str, str]:
@@ -170,14 +221,18 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 metadata_url: str | None = None, insecure: bool = False,
                 checkpoint_dir: str | None = None,
                 extra_env: dict[str, str] | None = None,
-                compile_cache_dir: pathlib.Path | None = None) -> LocalSlice:
+                compile_cache_dir: pathlib.Path | None = None,
+                net: network.NetworkPlan | None = None) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
     one per host: a host with a failed chip has fewer). `checkpoint_dir`
     replaces the spec's; `extra_env` is added to every process's
     environment; `compile_cache_dir` is the hosts' executable cache
-    (default: one under the state dir, new each run).
+    (default: one under the state dir, new each run; isolated hosts have
+    their own). With `net` (made by the caller: network.create), the
+    controller and each host run in their namespaces on that network.
+    Every process started dies with this one (spawn_bound).
 
     Raises RuntimeError when the controller exits or does not listen within
     30 s (its log says why); NotADirectoryError / PermissionError when the
@@ -198,11 +253,14 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     extra_env = dict(extra_env or {})
     env = {**child_env(), **extra_env}
     log = open_private(state_dir / "controller.log", "ab")
-    controller = subprocess.Popen(
-        [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
-         "--listen", "127.0.0.1:0", "--state-dir", str(state_dir), *security,
-         *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    listen = f"{net.address(network.CONTROLLER)}:0" if net else "127.0.0.1:0"
+    argv = [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
+            "--listen", listen, "--state-dir", str(state_dir), *security,
+            *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])]
+    if net is not None:
+        argv = isolated_argv(net, network.CONTROLLER, argv, state_dir)
+    controller = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, env=env)
     log.close()
     address = _wait_for_address(state_dir, controller, 30.0)
     if address is None:
@@ -214,14 +272,14 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     for i, host_id in enumerate(host_ids):
         simdevices.set_devices(simdevices.device_dir(state_dir, host_id), counts[i])
         argv = agent_argv(address, host_id, f"domain-{i // per_domain}",
-                          state_dir, spec, insecure, metadata_url, compile_cache_dir)
+                          state_dir, spec, insecure, metadata_url, compile_cache_dir, net)
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
-        agents[host_id] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, env=env)
+        agents[host_id] = spawn_bound(argv, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env)
         out.close()
         argvs[host_id] = argv
     local = LocalSlice(state_dir, controller, address, agents, argvs, tls,
-                       spec.health.heartbeat_timeout_s, extra_env)
+                       spec.health.heartbeat_timeout_s, extra_env, net)
     write_local_file(local)
     return local
 
@@ -278,10 +336,11 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    # a host killed by a fault and not started again left its snapshots in memory
-    for host_dir in (local.state_dir / "agents").glob("*"):
+    # a host killed by a fault and not started again left its snapshots in
+    # memory (isolated hosts: in their own /dev/shm, gone with their namespace)
+    for agent_dir in local.state_dir.glob("agents/*"):
         try:
-            snapshot_dir.remove_recorded(host_dir)
+            snapshot_dir.remove_recorded(agent_dir)
         except OSError:
             pass
 
@@ -341,9 +400,9 @@ def restart_agent(local: LocalSlice, host_id: str) -> None:
     if old is not None:
         old.wait()
     out = open_private(local.state_dir / "hosts" / f"{host_id}.log", "ab")
-    local.agents[host_id] = subprocess.Popen(local.agent_argv[host_id], stdout=out,
-                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env={**child_env(), **local.extra_env})
+    local.agents[host_id] = spawn_bound(local.agent_argv[host_id], stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env={**child_env(), **local.extra_env})
     out.close()
     write_local_file(local)
 
@@ -401,7 +460,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
               progress_every_s: float = 5.0, metadata_url: str | None = None,
               chaos: ChaosSpec | None = None, insecure: bool = False,
-              gcs_emulator: bool = False, compile_cache_dir: str | None = None) -> int:
+              gcs_emulator: bool = False, compile_cache_dir: str | None = None,
+              isolate: bool = False) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting the planned `faults` and random `chaos` faults on the way;
     prints a summary at the end. Mutual TLS with a throwaway CA unless
@@ -409,12 +469,19 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     the checkpoints in its bucket `elastic-local`, under the job id; with
     storage faults planned or drawn (storage-slow, storage-outage), the
     controller and hosts reach it through a fault proxy.
-    `compile_cache_dir`: an executable cache kept across runs.
+    `compile_cache_dir`: an executable cache kept across runs (shared
+    hosts only). `isolate`: hosts and controller in namespaces of their own
+    (elastic.local.network; needs `gcs_emulator`, which then listens on the
+    network's gateway). What a killed earlier run in `state_dir` left is
+    removed first (elastic.local.leftovers).
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
     after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).
-    Raises NotADirectoryError when `state_dir` is a file."""
+    Raises NotADirectoryError when `state_dir` is a file, RuntimeError
+    when the earlier run still runs, the network cannot be made
+    (network.IsolationError) or the controller does not start."""
     state = private_dir(pathlib.Path(state_dir).resolve())
+    leftovers.cleanup(state)
     follower = None if quiet else JournalFollower(state / JOURNAL_NAME)
     if follower:
         follower.start()
@@ -425,14 +492,21 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    local = injector = emulator = proxy = None
+    local = injector = emulator = proxy = net = None
     try:
+        if isolate:
+            net = network.new_plan([f"host-{i}" for i in range(hosts)], network.used_networks())
+        leftovers.record(state, net)  # before anything is made
+        if net is not None:
+            network.create(net)
+            print(f"elasticd local: isolated hosts on {net.prefix}.0/24 (bridge {net.bridge})",
+                  flush=True)
         checkpoint_dir, extra_env = None, {}
         if gcs_emulator:
             from elastic.checkpoint.emulator import GCSEmulator
 
             log = open_private(state / "gcs-emulator.log", "ab")
-            emulator = GCSEmulator().start(log=log)
+            emulator = GCSEmulator(net.gateway if net else "127.0.0.1").start(log=log)
             log.close()
             checkpoint_dir = emulator.create_bucket("elastic-local") + "/" + spec.job_id
             extra_env = emulator.env
@@ -441,14 +515,14 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             if wants_storage_faults(faults, chaos):
                 from elastic.checkpoint.faulty_storage import FaultProxy
 
-                proxy = FaultProxy(emulator.url).start()
+                proxy = FaultProxy(emulator.url, host=emulator.host).start()
                 extra_env = proxy.env  # the controller and every host go through it
                 print(f"elasticd local: storage faults through a proxy at {proxy.url}",
                       flush=True)
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
                             insecure, checkpoint_dir, extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
-                            if compile_cache_dir else None)
+                            if compile_cache_dir else None, net)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")
@@ -458,7 +532,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector = Chaos(chaos, local.address, local.tls, state,
                              lambda h: restart_agent(local, h),
                              lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                             planned=faults, storage=proxy)
+                             planned=faults, storage=proxy, network=net)
             injector.start()
         live = sys.stdout.isatty()
         next_line = time.monotonic() + (0.5 if live else progress_every_s)
@@ -483,6 +557,13 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             proxy.stop()
         if emulator is not None:
             emulator.stop()
+        if net is not None:
+            left = network.destroy(net)
+            if left:
+                print(f"elasticd local: could not remove {', '.join(left)}; "
+                      f"`elasticd local --cleanup --state-dir {state}` will", file=sys.stderr)
+        if not (net and network.exists(net)):
+            (state / leftovers.RECORD).unlink(missing_ok=True)
         if follower:
             follower.stop()
         if not quiet:
