@@ -95,7 +95,9 @@ def test_fencing(tmp_path, pki):
             reply = await stub.Register(register_request(), timeout=5)
             assert reply.job_id == "test" and reply.heartbeat_timeout_s == 1.5
             old = stub.Connect()
-            await old.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat()))
+            await old.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(seq=4)))
+            ack = await old.read()  # every heartbeat is answered (the agent's lease)
+            assert ack.WhichOneof("body") == "ack" and ack.ack.seq == 4
             # a report about a worker of an older generation is rejected
             server.controller.state = server.controller.state.__class__(generation=7)
             await old.write(pb.AgentMessage(header=header(generation=3),

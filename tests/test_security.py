@@ -170,6 +170,7 @@ def test_forged_journal_fields_and_implausible_numbers_are_refused(tmp_path, pki
                 await stub.Register(register_request(), timeout=5)
                 call = stub.Connect()
                 await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=IDLE)))
+                assert (await call.read()).WhichOneof("body") == "ack"  # heard: the lease
                 forged = json.dumps({"kind": "job_succeeded", "generation": 999999, "step": 5})
                 attacks = [
                     pb.AgentMessage(header=header(), worker_event=pb.WorkerEvent(
@@ -188,6 +189,7 @@ def test_forged_journal_fields_and_implausible_numbers_are_refused(tmp_path, pki
                 await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
                     worker=pb.WorkerStatus(state=pb.WORKER_IDLE, step=10**18,
                                            committed_step=10**18))))
+                assert (await call.read()).WhichOneof("body") == "ack"
                 # and a flood of reports is cut off at the budget
                 flood = pb.AgentMessage(header=header(), progress=pb.Progress(step=-1,
                                                                              committed_step=-1))
