@@ -350,29 +350,25 @@ class Chaos(threading.Thread):
                                {"fault": kind})
             return
         peers = [p for p in net.hosts() if p != h]
-        if kind == "partition":
-            cut, heal = (lambda: network.set_link(net, h, False),
-                         lambda: network.set_link(net, h, True))
-            what, duration = "cut off from every other node", PARTITION_S
-        elif kind == "partition-controller":
-            cut, heal = (lambda: network.set_blocked(net, h, [network.CONTROLLER], True),
-                         lambda: network.set_blocked(net, h, [network.CONTROLLER], False))
-            what, duration = "cut off from the controller (its peers still reach it)", \
-                PARTITION_S
-        elif kind == "partition-peers":
-            cut, heal = (lambda: network.set_blocked(net, h, peers, True),
-                         lambda: network.set_blocked(net, h, peers, False))
-            what, duration = "cut off from its peers (the controller still reaches it)", \
-                PARTITION_S
-        else:
-            cut, heal = (lambda: network.set_rate(net, h, SLOW_LINK_KBIT),
-                         lambda: network.set_rate(net, h, None))
-            what, duration = f"link throttled to {SLOW_LINK_KBIT} kbit/s", SLOW_LINK_S
-        cut()
+        # kind -> (apply(cut: bool), what, seconds until healed)
+        faults = {
+            "partition": (lambda cut: network.set_link(net, h, not cut),
+                          "cut off from every other node", PARTITION_S),
+            "partition-controller": (
+                lambda cut: network.set_blocked(net, h, [network.CONTROLLER], cut),
+                "cut off from the controller (its peers still reach it)", PARTITION_S),
+            "partition-peers": (lambda cut: network.set_blocked(net, h, peers, cut),
+                                "cut off from its peers (the controller still reaches it)",
+                                PARTITION_S),
+            "slow-link": (lambda cut: network.set_rate(net, h, SLOW_LINK_KBIT if cut else None),
+                          f"link throttled to {SLOW_LINK_KBIT} kbit/s", SLOW_LINK_S),
+        }
+        apply, what, duration = faults[kind]
+        apply(True)
         self._record(kind, host, status, [], f"{what} for {duration:g} s")
 
         def healed() -> None:
-            heal()
+            apply(False)
             self.journal.write(time.time(), "fault_healed", status.generation,
                                f"{kind} of {h} over", h, {"fault": kind})
 

@@ -11,6 +11,7 @@ write after its generation stopped).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pathlib
@@ -191,11 +192,10 @@ def test_network_plan_addresses_and_names():
     assert plan.address("host-1") == "10.213.0.4"
     assert all(len(plan.root_link(n)) <= 15 for n in plan.nodes)
     assert plan.namespace("host-0") == f"elastic-{plan.tag}-host-0"
-    taken = [__import__("ipaddress").ip_network("10.213.0.0/16")]
+    taken = [ipaddress.ip_network("10.213.0.0/16")]
     with pytest.raises(network.IsolationError, match="no free"):
         network.choose_prefix(taken)
-    assert network.choose_prefix([__import__("ipaddress").ip_network("10.213.0.0/24")]) == \
-        "10.213.1"
+    assert network.choose_prefix([ipaddress.ip_network("10.213.0.0/24")]) == "10.213.1"
     with pytest.raises(ValueError, match="cannot name"):
         network.new_plan(["Host 0"], [])
     assert "host-1" in network.hosts_file(plan, "host-1")

@@ -32,7 +32,9 @@ class StillRunning(RuntimeError):
 
 
 def record(state_dir: pathlib.Path, plan: network.NetworkPlan | None) -> None:
-    """Record this process as the run's runner, and `plan`'s network."""
+    """Record this process as the run's runner, and `plan`'s network (None:
+    not isolated), in STATE_DIR/leftovers.json (0600). Raises OSError when
+    it cannot be written."""
     data = {"runner_pid": os.getpid(), "network": plan.to_json() if plan else None}
     write_private(state_dir / RECORD, json.dumps(data, indent=2).encode())
 

@@ -244,13 +244,15 @@ def wrap(plan: NetworkPlan, node: str, argv: Sequence[str], etc_hosts: pathlib.P
 # --- network faults --------------------------------------------------------
 
 def set_link(plan: NetworkPlan, node: str, up: bool) -> None:
-    """Cut (`up=False`) or restore `node`'s only link: a full partition."""
+    """Cut (`up=False`) or restore `node`'s only link: a full partition.
+    Raises IsolationError when `ip` fails."""
     _run("ip", "link", "set", plan.root_link(node), "up" if up else "down")
 
 
 def set_blocked(plan: NetworkPlan, node: str, others: Sequence[str], blocked: bool) -> None:
     """Drop (or let through again) all traffic between `node` and each of
-    `others`, both ways: blackhole routes in both namespaces."""
+    `others`, both ways: blackhole routes in both namespaces. Raises
+    IsolationError when a route cannot be added (removal is best effort)."""
     verb = "add" if blocked else "del"
     for other in others:
         for a, b in ((node, other), (other, node)):
@@ -260,7 +262,8 @@ def set_blocked(plan: NetworkPlan, node: str, others: Sequence[str], blocked: bo
 
 def set_rate(plan: NetworkPlan, node: str, rate_kbit: int | None) -> None:
     """Throttle `node`'s link to `rate_kbit` kbit/s both ways (tbf on both
-    ends of its veth pair), or lift the limit (None)."""
+    ends of its veth pair; bursts of 32 kbit, at most 400 ms queued), or
+    lift the limit (None). Raises IsolationError when `tc` fails to set it."""
     ends = (("tc", "qdisc", "{verb}", "dev", plan.root_link(node), "root"),
             ("tc", "-n", plan.namespace(node), "qdisc", "{verb}", "dev", "eth0", "root"))
     for end in ends:
