@@ -169,6 +169,28 @@ def test_a_host_without_the_step_sends_every_process_to_the_checkpoint(trained_b
     assert [e.get("source") for e in restored["events"]] == [None]
 
 
+def test_hosts_without_the_step_get_it_from_a_peer_holding_the_whole_state(tmp_path, proc_env):
+    """Data parallelism across hosts: every host holds the whole state, so a
+    host without the step (h2: restarted, its snapshots gone; h4: new)
+    receives it from process 0 through a collective of the new slice
+    instead of sending every process back to the checkpoint."""
+    env = dict(proc_env, CKPT_REPLICATED="1")
+    root = tmp_path / "train"
+    ckpt, snaps = root / "ckpt", root / "snapshots"
+    run_processes(4, ["train", str(ckpt), "10", "4", str(root / "train.json")], env, ckpt,
+                  snapshots=snaps)
+    trained = json.loads((root / "train.json").read_text())
+    shutil.rmtree(snaps / "h2")
+    out = tmp_path / "restore.json"
+    run_processes(5, ["restore", str(ckpt), str(out)], env, ckpt, snapshots=snaps)
+    restored = json.loads(out.read_text())
+    assert restored["step"] == 9 and restored["meta"] == {"data_position": 10}
+    assert restored["checksums"] == trained["checksums"]  # bit for bit, on all 5 hosts
+    [event] = restored["events"]
+    assert event["source"] == "snapshot" and event["sent_by"] == 0, event
+    assert restored["mesh"] == {"data": 5, "model": 2}
+
+
 def test_a_torn_snapshot_is_never_restored(trained_by_four, tmp_path, proc_env):
     def tear(snaps):  # host 1's step 9 cut short: only 8 is whole everywhere
         path = snaps / "h1" / "step-0000000009.snap"

@@ -9,22 +9,45 @@ import stat
 import numpy as np
 import pytest
 
-from elastic.checkpoint.snapshot import (SnapshotError, Snapshot, choose_step, covers, read,
-                                         region_of, write)
+from elastic.checkpoint.snapshot import (SnapshotError, Snapshot, choose_restore, covers, read,
+                                         region_of, whole, write)
+
+
+def vote(own, whole=()):
+    return {"own": list(own), "whole": list(whole)}
 
 
 @pytest.mark.parametrize("votes, committed, expected", [
-    ([[8, 9], [8, 9], [8, 9]], 8, 9),          # everyone at 9
-    ([[8, 9], [7, 8], [8, 9]], 5, 8),          # one process a step behind (hang, stop)
-    ([[8, 9], [], [8, 9]], 5, None),           # a host without snapshots (new, restarted)
-    ([[8, 9], [8, 9]], 9, 9),                  # as new as the checkpoint: memory is faster
-    ([[8, 9], [8, 9]], 10, None),              # older than the newest committed step
-    ([[3], [3]], None, 3),                     # nothing committed yet
-    ([[5, 6], [7, 8]], None, None),            # no step in common
+    ([vote([8, 9])] * 3, 8, (9, None)),                        # everyone at 9
+    ([vote([8, 9]), vote([7, 8]), vote([8, 9])], 5, (8, None)),  # one a step behind (hang, stop)
+    ([vote([8, 9]), vote([]), vote([8, 9])], 5, None),          # a host without snapshots, and
+    ([vote([8, 9], [8, 9]), vote([]), vote([8, 9], [8, 9])], 5, (9, 0)),  # ... the whole state
+    ([vote([8, 9]), vote([]), vote([8, 9], [9])], 5, (9, 2)),   # the lowest whole holder sends
+    ([vote([9], [9]), vote([7], [7])], None, (9, 0)),           # the newest step wins
+    ([vote([8, 9]), vote([8, 9])], 9, (9, None)),               # as new as the checkpoint
+    ([vote([8, 9], [8, 9]), vote([])], 10, None),               # older than the newest committed
+    ([vote([3]), vote([3])], None, (3, None)),                  # nothing committed yet
+    ([vote([5, 6]), vote([7, 8])], None, None),                 # no step in common
     ([], None, None),
 ])
-def test_choose_step(votes, committed, expected):
-    assert choose_step(votes, committed) == expected
+def test_choose_restore(votes, committed, expected):
+    assert choose_restore(votes, committed) == expected
+
+
+@pytest.mark.parametrize("held, expected", [
+    ([((0, 4), (0, 4))], True),                                 # one shard: the whole array
+    ([((0, 2), (0, 4)), ((2, 4), (0, 4))], True),               # tiles that make it up
+    ([((0, 2), (0, 4)), ((3, 4), (0, 4))], False),              # row 2 held by another host
+])
+def test_whole_assembles_tiles_or_refuses_gaps(held, expected):
+    full = np.arange(16, dtype=np.float32).reshape(4, 4)
+    snap = snapshot([(r, full[tuple(slice(a, b) for a, b in r)]) for r in held])
+    got = whole(snap, needed([((0, 4), (0, 4))]))
+    assert (got is not None) is expected
+    if expected:
+        [(region, data)] = got.leaves["['w']"][2]
+        assert region == ((0, 4), (0, 4)) and np.array_equal(data, full)
+    assert whole(snap, needed([((0, 4), (0, 4))], shape=(4, 5))) is None
 
 
 def test_region_of_fills_open_slices():

@@ -100,6 +100,7 @@ class Agent:
         self._tasks: set[asyncio.Task] = set()
         self.snapshot_dir = ""  # made by prepare()
         self._snapshot_run = ""  # the controller run the snapshots belong to
+        self._snapshot_generation = 0  # the generation whose worker wrote them last
         self._prepared = False
         self.devices = Devices(settings.devices, settings.device_kind)
         # the fencing lease: renewed by every word from the controller; none
@@ -275,8 +276,17 @@ class Agent:
             self.ports.used(int(port))
         env = self._worker_env(start)
         run = start.env.get(config.ENV_RUN_ID, "")
-        if run != self._snapshot_run:  # (a file an old worker still writes has the old
-            self._snapshot_run = run   # run id: never restored, deleted at the next restore)
+        # Snapshots are of use only to the line of training the slice goes on
+        # with: those of another controller run never are (a file an old
+        # worker still writes has the old run id: never restored, deleted at
+        # the next restore), and a host that missed a generation (lost, cut
+        # off, fenced, left out) may hold steps of a line a later generation
+        # gave up; it gets the step the slice resumes from a peer instead
+        # (elastic.checkpoint.snapshot_transfer).
+        missed = start.generation != self._snapshot_generation + 1
+        self._snapshot_generation = start.generation
+        if run != self._snapshot_run or missed:
+            self._snapshot_run = run
             try:
                 snapshot_dir.empty(self.snapshot_dir)
             except OSError as e:

@@ -355,10 +355,12 @@ class Checkpoints:
         """Restore the newest committed step into `abstract_state`'s shapes and
         shardings; None when there is no checkpoint.
 
-        Local snapshots, if any, come first: when every process holds one of
-        the same step, at least as new as the newest committed one, and can
-        rebuild its shards of the current mesh from it, that step is restored
-        (the event says `source: snapshot`). Otherwise, if a committed step
+        Local snapshots, if any, come first: when every process can rebuild
+        its shards of the current mesh from a snapshot of one step, at least
+        as new as the newest committed one (its own, or one a peer holding
+        the whole state sends: elastic.checkpoint.snapshot_transfer), that
+        step is restored (the event says `source: snapshot`, and `sent_by`
+        the sending process when one did). Otherwise, if a committed step
         fails to restore on any process, every process moves on to the
         previous step together (agreed through the coordination service,
         elastic.worker.coordination) and the failure is reported through
@@ -371,11 +373,16 @@ class Checkpoints:
             if snap is not None:
                 state = to_state(snap, abstract_state)
                 seconds = time.perf_counter() - t0
+                sent = snap.sent_by
+                fields = {"step": snap.step, "restore_s": round(seconds, 3),
+                          "source": "snapshot", "saved_at": snap.saved_at}
+                if sent is not None:
+                    fields["sent_by"] = sent
                 self.on_event("checkpoint_restored", f"restored step {snap.step} from local "
-                              f"snapshots in {seconds:.2f} s (newest committed checkpoint: "
-                              f"{'none' if newest is None else newest})",
-                              {"step": snap.step, "restore_s": round(seconds, 3),
-                               "source": "snapshot", "saved_at": snap.saved_at})
+                              "snapshots" + (f" (process {sent} sent it to the processes "
+                                             "without it)" if sent is not None else "")
+                              + f" in {seconds:.2f} s (newest committed checkpoint: "
+                              f"{'none' if newest is None else newest})", fields)
                 return Restored(snap.step, state, dict(snap.meta))
         for step in reversed(steps):
             t0 = time.perf_counter()

@@ -11,16 +11,20 @@ once), written after the step into a file (atomic by rename, so a snapshot is
 whole or absent) in the agent's snapshot directory, by default on tmpfs
 (/dev/shm), i.e. in host memory.
 
-A restart can use snapshots of step S only when every process of the new
-slice holds S and every shard it needs under the new mesh lies inside one
-that it holds itself (no transfer between hosts): always on the hosts of the
-same slice; after a host is lost too, when each host held a full copy of the
-state (e.g. a mesh whose model axis is within a host). The processes agree
+A restart can use snapshots of step S when every process of the new slice
+can rebuild its shards of the new mesh from S: from its own snapshot when
+every shard it needs lies inside one that it holds (always on the hosts of
+the same slice), or else from a peer's. A process whose snapshot holds every
+leaf whole (a mesh whose axes across hosts only replicate the state, as data
+parallelism does) sends it to the rest through one collective of the new
+slice (elastic.checkpoint.snapshot_transfer): a newcomer, a restarted host or
+one that was cut off gets the step over the network. The processes agree
 through the JAX coordination service; otherwise the persistent checkpoint is
-restored. A snapshot is never a committed checkpoint: it is used only by the
-same controller run (run id), and the agent wipes its directory when it
-starts, stops or sees a new run, so a host that was really restarted (or
-simulated as such) has none.
+restored. State sharded across hosts has no such peer: a lost host's shards
+are gone with it. A snapshot is never a committed checkpoint: it is used
+only by the same controller run (run id), and the agent wipes its directory
+when it starts, stops, sees a new run or missed a generation, so a host that
+was really restarted (or simulated as such) has none.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class Snapshot:
     run_id: str
     meta: dict
     leaves: Leaves
+    # the process that sent this step to the processes without it (None: none lacked it)
+    sent_by: int | None = None
 
 
 def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
@@ -191,18 +197,57 @@ def covers(snapshot: Snapshot, needed: dict) -> bool:
     return True
 
 
-def choose_step(votes: Sequence[Sequence[int]], committed_step: int | None) -> int | None:
-    """The step every process can restore from its own snapshot, if there is
-    one at least as new as the newest committed checkpoint (a snapshot of the
-    same step restores faster, from memory): the newest step in every vote.
-    None when a process voted for nothing the others hold. Pure."""
+def whole(snapshot: Snapshot, needed: dict) -> Snapshot | None:
+    """`snapshot` with every leaf as one shard holding the whole array, when
+    its shards tile every leaf of `needed` (from `needed_regions`: the same
+    leaves, shapes and dtypes); None when a part of some leaf is missing."""
+    if set(snapshot.leaves) != set(needed):
+        return None
+    leaves: Leaves = {}
+    for name, (shape, dtype, _) in needed.items():
+        held_shape, held_dtype, shards = snapshot.leaves[name]
+        if held_shape != shape or held_dtype != dtype:
+            return None
+        full_region = tuple((0, dim) for dim in shape)
+        if len(shards) == 1 and shards[0][0] == full_region:
+            leaves[name] = (shape, dtype, shards)
+            continue
+        full = np.empty(shape, dtype=shards[0][1].dtype if shards else dtype)
+        seen = np.zeros(shape, dtype=bool)
+        for region, data in shards:
+            cut = tuple(slice(a, b) for a, b in region)
+            full[cut], seen[cut] = data, True
+        if not seen.all():
+            return None
+        leaves[name] = (shape, dtype, [(full_region, full)])
+    return dataclasses.replace(snapshot, leaves=leaves)
+
+
+def choose_restore(votes: Sequence[dict], committed_step: int | None
+                   ) -> tuple[int, int | None] | None:
+    """The snapshot step the slice restores, and the process that sends it
+    to the others (None: every process restores its own), or None to
+    restore the persistent checkpoint. Pure.
+
+    votes: per process, in process order, {"own": steps it can restore from
+    its own snapshot, "whole": steps of which it holds every leaf whole}.
+    The newest step at least as new as `committed_step` (a snapshot of the
+    same step restores faster, from memory) that every process holds
+    itself, or, failing that, that some process holds whole: the lowest
+    such process sends it."""
     if not votes:
         return None
-    common = set(votes[0]).intersection(*map(set, votes[1:]))
-    best = max(common, default=None)
-    if best is None or (committed_step is not None and best < committed_step):
-        return None
-    return best
+    own = [set(v["own"]) for v in votes]
+    whole_at = [set(v["whole"]) for v in votes]
+    for step in sorted(set().union(*own, *whole_at), reverse=True):
+        if committed_step is not None and step < committed_step:
+            break
+        if all(step in steps for steps in own):
+            return step, None
+        sources = [i for i, steps in enumerate(whole_at) if step in steps]
+        if sources:
+            return step, sources[0]
+    return None
 
 
 def coordination_service_agree(tag: str, timeout_s: float = 60.0) -> Callable[[list[int]], list[list[int]]]:
@@ -311,14 +356,16 @@ class LocalSnapshots:
         return blocked
 
     def restore(self, abstract_state: Any, committed_step: int | None) -> Snapshot | None:
-        """Agree with every other process on a step all can restore from their
-        own snapshots (collective: every process calls it once per restore),
-        if one is at least as new as `committed_step`; return this process's
-        snapshot of it (leaves still host arrays: see `to_state`), or None
-        (then restore the persistent checkpoint). Snapshots of other steps
-        are deleted either way: they belong to a line of training that the
-        slice is not resuming."""
+        """Agree with every other process on a step the slice can restore from
+        snapshots (collective: every process calls it once per restore), if
+        one is at least as new as `committed_step` (see `choose_restore`);
+        return this process's snapshot of it, received from a peer when it
+        holds none (leaves still host arrays: see `to_state`), or None (then
+        restore the persistent checkpoint). Snapshots of other steps are
+        deleted either way: they belong to a line of training that the slice
+        is not resuming. Raises what the transfer's collective raises."""
         usable: dict[int, Snapshot] = {}
+        wholes: dict[int, Snapshot] = {}
         if self.directory is not None:
             for partial in self.directory.glob(f".step-*{SUFFIX}.tmp"):  # a killed writer's
                 partial.unlink(missing_ok=True)
@@ -329,16 +376,27 @@ class LocalSnapshots:
                 except SnapshotError as e:
                     log.warning("local snapshot ignored: %s", e)
                     continue
-                if snap.run_id == self.run_id and snap.step == step and covers(snap, needed):
+                if snap.run_id != self.run_id or snap.step != step:
+                    continue
+                full = whole(snap, needed)
+                if full is not None:
+                    wholes[step] = usable[step] = full
+                elif covers(snap, needed):
                     usable[step] = snap
-        chosen = choose_step(self.agree(sorted(usable)), committed_step)
-        for step in self.steps():
-            if step != chosen:
-                self._path(step).unlink(missing_ok=True)
-        if chosen is None:
+        chosen = choose_restore(self.agree({"own": sorted(usable), "whole": sorted(wholes)}),
+                                committed_step)
+        step, source = chosen if chosen else (None, None)
+        for old in self.steps():
+            if old != step:
+                self._path(old).unlink(missing_ok=True)
+        if step is None:
             return None
-        self._last_saved = chosen
-        return usable[chosen]
+        self._last_saved = step
+        if source is None:
+            return usable[step]
+        from elastic.checkpoint.snapshot_transfer import send_whole
+
+        return send_whole(wholes.get(step), abstract_state, source, usable.get(step))
 
 
 def to_state(snapshot: Snapshot, abstract_state: Any) -> Any:

@@ -26,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 import elastic.worker
 
 SPECS = {"w": P("data", "model"), "b": P("model"), "r": P(), "step": P()}
+if os.environ.get("CKPT_REPLICATED"):  # data parallelism: every host holds the whole state
+    SPECS["w"] = P(None, "model")
 SHAPES = {"w": ((120, 8), jnp.float32), "b": ((8,), jnp.float32), "r": ((3, 5), jnp.float32),
           "step": ((), jnp.int32)}
 
