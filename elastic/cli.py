@@ -101,11 +101,13 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: a new one under the state dir)")
     local.add_argument("--gcs-emulator", action="store_true",
                        help="keep checkpoints in a bucket of a local GCS emulator "
-                            "(fake-gcs-server, from the dev extra) started for this run")
+                            "(fake-gcs-server, from the dev extra) started for this run "
+                            "(or gcs_emulator = true in the spec's [local] table)")
     local.add_argument("--isolate", action="store_true",
                        help="each host and the controller in namespaces of their own: an "
                             "address on a private bridge, private /dev/shm and disk (needs "
-                            "root and --gcs-emulator; enables the network fault kinds)")
+                            "root; implies --gcs-emulator; enables the network fault kinds; "
+                            "or isolate = true in the spec's [local] table)")
     local.add_argument("--cleanup", action="store_true",
                        help="only remove what a killed run in --state-dir left (processes, "
                             "namespaces, links, snapshots), then exit")
@@ -314,13 +316,14 @@ def _local(args) -> int:
         return _cleanup(args.state_dir)
     if not args.config:
         raise UsageError("--config is required (but with --cleanup)")
+    spec = _load(args.config)
+    args.isolate = args.isolate or spec.local.isolate
+    # isolated hosts share no directory: the checkpoints live in a bucket
+    args.gcs_emulator = args.gcs_emulator or spec.local.gcs_emulator or args.isolate
     if args.isolate:
         problem = network.capability_problem()
         if problem:
             raise UsageError(problem)
-        if not args.gcs_emulator:
-            raise UsageError("--isolate needs --gcs-emulator: isolated hosts share no "
-                             "directory, so checkpoints live in a bucket")
         if args.gce_metadata:
             raise UsageError("--isolate does not take --gce-metadata: the hosts cannot "
                              "reach this machine's loopback")
@@ -335,7 +338,6 @@ def _local(args) -> int:
         devices = host_devices(args.hosts, counts[0] if len(counts) == 1 else counts)
     except ValueError as e:
         raise UsageError(f"--devices-per-host: {e}") from None
-    spec = _load(args.config)
     if not args.gcs_emulator:  # else checkpoints go to the emulator's bucket
         _check_storage(spec)
     try:

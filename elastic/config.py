@@ -218,6 +218,18 @@ class PreemptionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalSpec:
+    """How `elasticd local` simulates the hosts (ignored by `elasticd start`):
+    gcs_emulator keeps the checkpoints in a bucket of a local GCS emulator;
+    isolate gives every host and the controller namespaces of their own
+    (elastic.local.network) and implies gcs_emulator. The command line's
+    --gcs-emulator and --isolate turn them on too."""
+
+    isolate: bool = False
+    gcs_emulator: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchSpec:
     """Batch under resize (see elastic.worker.batch): mode "global" keeps the
     global batch fixed (padding rows with zero weight), "per_device" keeps
@@ -254,6 +266,7 @@ class JobSpec:
     hang: HangSpec = HangSpec()
     quarantine: QuarantineSpec = QuarantineSpec()
     preemption: PreemptionSpec = PreemptionSpec()
+    local: LocalSpec = LocalSpec()
     source: str = "<memory>"
 
     def with_checkpoint_dir(self, default: str) -> "JobSpec":
@@ -274,7 +287,8 @@ MAX_DURATION_S = 365 * 86_400.0
 #: The longest SIGTERM -> SIGKILL grace an agent applies (seconds).
 MAX_STOP_GRACE_S = 3600.0
 
-_SECTIONS = {"job", "mesh", "health", "restart", "batch", "hang", "quarantine", "preemption"}
+_SECTIONS = {"job", "mesh", "health", "restart", "batch", "hang", "quarantine", "preemption",
+             "local"}
 _JOB_KEYS = {
     "id": str, "command": list, "env": dict, "workdir": str, "min_hosts": int,
     "max_hosts": int, "hosts_per_failure_domain": int, "devices_per_host": int,
@@ -378,6 +392,7 @@ def parse_spec(raw: Mapping[str, Any], source: str = "<memory>",
         hang=_section(source, raw, "hang", HangSpec),
         quarantine=_section(source, raw, "quarantine", QuarantineSpec),
         preemption=_section(source, raw, "preemption", PreemptionSpec),
+        local=_section(source, raw, "local", LocalSpec),
         **values,
     )
     validate(spec)

@@ -62,6 +62,8 @@ def test_good_spec(tmp_path):
      "[mesh] mesh data=7,model=1 fits no slice of 2 to 4 hosts"),
     (("heartbeat_interval_s = 1", "heartbeat_interval_s = true"),
      "health.heartbeat_interval_s must be a number"),
+    (('grow = "never"', 'grow = "never"\n[local]\nisolate = "yes"'),
+     "local.isolate must be true or false"),
 ])
 def test_bad_spec_names_the_key(tmp_path, replace, expected):
     old, new = replace
