@@ -12,11 +12,15 @@ costs no restart (health.carry_silent_hosts): its row times `agent_silent`
 and `agent_heard` instead.
 
     .venv/bin/python bench/recovery.py --trials 10 --kinds kill-worker kill-host
+
+With --isolate (root): isolated hosts (elastic.local.network), checkpoints in
+a GCS emulator's bucket, and the network kinds may be asked for.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import statistics
 import sys
@@ -30,7 +34,7 @@ from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.status import fetch_status, slice_step
 from elastic.goodput import account
-from elastic.local import restart_agent, start_slice, stop_slice
+from elastic.local import restart_agent, start_slice, stop_slice, surroundings
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ["kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt", "kill-during-save"]
@@ -64,6 +68,8 @@ def main() -> int:
     parser.add_argument("--steps-between", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=130,
                         help="steps before the first fault (checkpoint overhead is measured there)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="isolated hosts (root), checkpoints on a GCS emulator")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
 
@@ -72,10 +78,15 @@ def main() -> int:
                        extra='grow = "immediately"\n[quarantine]\nfailures = 10000')
     spec = load_spec(spec_path)
     state = work / "state"
-    local = start_slice(str(spec_path), spec, args.hosts, 2, state)
+    stack = contextlib.ExitStack()
+    around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
+                                              gcs_emulator=args.isolate))
+    local = start_slice(str(spec_path), spec, args.hosts, 2, state,
+                        checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
+                        net=around.net)
     chaos = Chaos(None, local.address, local.tls, state, lambda h: restart_agent(local, h),
                   lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                  keep_running=True)
+                  keep_running=True, network=around.net)
     chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
     trial_of: dict[float, str] = {}
     try:
@@ -94,6 +105,7 @@ def main() -> int:
     finally:
         chaos.stop()
         stop_slice(local)
+        stack.close()
 
     journal = list(read_journal(state))
     incidents = [i for i in account(journal).incidents if i.kind in args.kinds]
@@ -140,6 +152,7 @@ def main() -> int:
           f"every {INTERVAL} steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "hosts": args.hosts, "trials": args.trials, "faults": results,
+                            "isolated": args.isolate,
                             "checkpoint": {"median_blocking_s": statistics.median(blocking),
                                            "median_step_time_s": step_time,
                                            "interval_steps": INTERVAL, "blocking_share": share}})

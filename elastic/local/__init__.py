@@ -24,6 +24,7 @@ the bridge.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,7 +37,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -455,6 +457,75 @@ def wants_storage_faults(faults: list[Fault] | None, chaos: ChaosSpec | None) ->
     return bool(kinds & set(STORAGE_KINDS))
 
 
+@dataclasses.dataclass
+class Surroundings:
+    """What a local slice runs in (see `surroundings`): the isolated network
+    (None: the root namespace), the checkpoint directory replacing the
+    spec's (None: the spec's), the variables every process gets (the
+    emulator's), and the storage fault proxy (None: no storage faults)."""
+
+    net: network.NetworkPlan | None = None
+    checkpoint_dir: str | None = None
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    proxy: Any = None
+
+
+@contextlib.contextmanager
+def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
+                 gcs_emulator: bool, storage_faults: bool = False,
+                 quiet: bool = False) -> Iterator[Surroundings]:
+    """Make what a local slice of `hosts` hosts runs in, and remove it on
+    exit: with `isolate`, the network of elastic.local.network (recorded in
+    leftovers.json before it is made); with `gcs_emulator`, fake-gcs-server
+    and the bucket `elastic-local` (checkpoints under `job_id`), on the
+    network's gateway when isolated; with `storage_faults` too, the fault
+    proxy in front of it. Prints what it made unless `quiet`. Makes
+    `state` (private) if needed. Raises network.IsolationError when the network cannot be made, RuntimeError
+    when the emulator does not start."""
+    say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+    made = Surroundings()
+    emulator = None
+    private_dir(state)
+    try:
+        if isolate:
+            made.net = network.new_plan([f"host-{i}" for i in range(hosts)],
+                                        network.used_networks())
+        leftovers.record(state, made.net)  # before anything is made
+        if made.net is not None:
+            network.create(made.net)
+            say(f"elasticd local: isolated hosts on {made.net.prefix}.0/24 "
+                f"(bridge {made.net.bridge})")
+        if gcs_emulator:
+            from elastic.checkpoint.emulator import GCSEmulator
+
+            log = open_private(state / "gcs-emulator.log", "ab")
+            emulator = GCSEmulator(made.net.gateway if made.net else "127.0.0.1").start(log=log)
+            log.close()
+            made.checkpoint_dir = emulator.create_bucket("elastic-local") + "/" + job_id
+            made.extra_env = emulator.env
+            say(f"elasticd local: GCS emulator at {emulator.url}, checkpoints in "
+                f"{made.checkpoint_dir}")
+            if storage_faults:
+                from elastic.checkpoint.faulty_storage import FaultProxy
+
+                made.proxy = FaultProxy(emulator.url, host=emulator.host).start()
+                made.extra_env = made.proxy.env  # the controller and every host go through it
+                say(f"elasticd local: storage faults through a proxy at {made.proxy.url}")
+        yield made
+    finally:
+        if made.proxy is not None:
+            made.proxy.stop()
+        if emulator is not None:
+            emulator.stop()
+        if made.net is not None:
+            left = network.destroy(made.net)
+            if left:
+                print(f"elasticd local: could not remove {', '.join(left)}; "
+                      f"`elasticd local --cleanup --state-dir {state}` will", file=sys.stderr)
+        if not (made.net and network.exists(made.net)):
+            (state / leftovers.RECORD).unlink(missing_ok=True)
+
+
 def run_local(spec_path: str, spec: JobSpec, hosts: int,
               devices_per_host: int | Sequence[int],
               state_dir: str, quiet: bool = False, faults: list[Fault] | None = None,
@@ -492,37 +563,15 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    local = injector = emulator = proxy = net = None
+    stack = contextlib.ExitStack()
+    local = injector = None
     try:
-        if isolate:
-            net = network.new_plan([f"host-{i}" for i in range(hosts)], network.used_networks())
-        leftovers.record(state, net)  # before anything is made
-        if net is not None:
-            network.create(net)
-            print(f"elasticd local: isolated hosts on {net.prefix}.0/24 (bridge {net.bridge})",
-                  flush=True)
-        checkpoint_dir, extra_env = None, {}
-        if gcs_emulator:
-            from elastic.checkpoint.emulator import GCSEmulator
-
-            log = open_private(state / "gcs-emulator.log", "ab")
-            emulator = GCSEmulator(net.gateway if net else "127.0.0.1").start(log=log)
-            log.close()
-            checkpoint_dir = emulator.create_bucket("elastic-local") + "/" + spec.job_id
-            extra_env = emulator.env
-            print(f"elasticd local: GCS emulator at {emulator.url}, checkpoints in "
-                  f"{checkpoint_dir}", flush=True)
-            if wants_storage_faults(faults, chaos):
-                from elastic.checkpoint.faulty_storage import FaultProxy
-
-                proxy = FaultProxy(emulator.url, host=emulator.host).start()
-                extra_env = proxy.env  # the controller and every host go through it
-                print(f"elasticd local: storage faults through a proxy at {proxy.url}",
-                      flush=True)
+        around = stack.enter_context(surroundings(state, spec.job_id, hosts, isolate,
+                                                  gcs_emulator, wants_storage_faults(faults, chaos)))
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
-                            insecure, checkpoint_dir, extra_env,
+                            insecure, around.checkpoint_dir, around.extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
-                            if compile_cache_dir else None, net)
+                            if compile_cache_dir else None, around.net)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")
@@ -532,7 +581,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector = Chaos(chaos, local.address, local.tls, state,
                              lambda h: restart_agent(local, h),
                              lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                             planned=faults, storage=proxy, network=net)
+                             planned=faults, storage=around.proxy, network=around.net)
             injector.start()
         live = sys.stdout.isatty()
         next_line = time.monotonic() + (0.5 if live else progress_every_s)
@@ -553,17 +602,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector.stop()
         if local is not None:
             stop_slice(local)
-        if proxy is not None:
-            proxy.stop()
-        if emulator is not None:
-            emulator.stop()
-        if net is not None:
-            left = network.destroy(net)
-            if left:
-                print(f"elasticd local: could not remove {', '.join(left)}; "
-                      f"`elasticd local --cleanup --state-dir {state}` will", file=sys.stderr)
-        if not (net and network.exists(net)):
-            (state / leftovers.RECORD).unlink(missing_ok=True)
+        stack.close()  # the emulator, the proxy, the network
         if follower:
             follower.stop()
         if not quiet:
