@@ -119,15 +119,17 @@ def main() -> int:
                     worker.get(f"{name}_s", 0.0))
     results = {}
     for kind in args.kinds:
-        mine = [i for i in incidents if i.kind == kind]
+        every = [i for i in incidents if i.kind == kind]
+        mine = [i for i in every if i.noticed]  # (a throttled link may go unnoticed)
+        recovered = [i.recovered_after_s for i in mine if i.recovered_after_s is not None]
         results[kind] = {
-            "faults": len(mine),
+            "faults": len(every),
+            "unnoticed": len(every) - len(mine),
             # a stopped agent whose worker trains on is ridden out: then
             # "to_first_step" is the time until its heartbeats resumed
             "restarts": sum(i.restarted for i in mine),
             "detection": summarize([i.detected_after_s for i in mine]) if mine else None,
-            "to_first_step": summarize([i.recovered_after_s for i in mine
-                                        if i.recovered_after_s is not None]) if mine else None,
+            "to_first_step": summarize(recovered) if recovered else None,
             "worker_phases": {k: summarize(v) for k, v in phases.get(kind, {}).items()},
             "lost_steps_median": statistics.median(i.lost_steps for i in mine) if mine else None,
         }
@@ -141,13 +143,18 @@ def main() -> int:
     for kind, r in results.items():
         if not r["faults"]:
             continue
+        if r["detection"] is None or r["to_first_step"] is None:
+            print(f"{kind:18} {r['faults']:>3}  {r['unnoticed']} unnoticed (nothing timed out, "
+                  f"no restart), {r['restarts']} restart(s)")
+            continue
         d, f, ph = r["detection"], r["to_first_step"], r["worker_phases"]
+        ridden = r["faults"] - r["unnoticed"] - r["restarts"]
         phase_text = ", ".join(f"{ph[k]['median_s']:.2f}" for k in PHASES if k in ph)
         print(f"{kind:18} {r['faults']:>3} {d['median_s']:9.2f}s {d['p95_s']:6.2f}s "
               f"{f['median_s']:13.2f}s {f['p95_s']:6.2f}s  {phase_text}"
-              + (f"  ({r['faults'] - r['restarts']} ridden out without a restart: detection "
-                 f"is agent_silent, first step is agent_heard)"
-                 if r["restarts"] < r["faults"] else ""))
+              + (f"  ({ridden} ridden out without a restart: detection "
+                 f"is agent_silent, first step is agent_heard)" if ridden else "")
+              + (f"  ({r['unnoticed']} unnoticed)" if r["unnoticed"] else ""))
     print(f"\ncheckpoint saves: median blocking {statistics.median(blocking):.3f} s per save "
           f"every {INTERVAL} steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),

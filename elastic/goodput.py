@@ -48,7 +48,9 @@ class Incident:
     a silent agent the slice rode out (`agent_silent`: its worker trained
     on, no restart, nothing lost): then detected_after_s runs to
     `agent_silent` and recovered_after_s to `agent_heard` (None if its
-    heartbeats had not resumed when the generation ended).
+    heartbeats had not resumed when the generation ended). noticed: False
+    for an injected fault that left no sign at all (a partition that healed
+    before anything timed out, a throttled link): then both are 0.0.
     """
 
     kind: str
@@ -60,6 +62,7 @@ class Incident:
     lost_steps: int
     reason: str
     restarted: bool = True
+    noticed: bool = True
 
 
 @dataclasses.dataclass
@@ -108,6 +111,8 @@ class _Generation:
     signs: list[tuple[float, str, str | None, str, bool]] = dataclasses.field(default_factory=list)
     # agent_silent entries, and (when, host) of agent_heard / host_lost entries
     silences: list[dict] = dataclasses.field(default_factory=list)
+    # (when, host) of every fault_injected
+    faults: list[tuple[float, str | None]] = dataclasses.field(default_factory=list)
     heard: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     lost: list[tuple[float, str]] = dataclasses.field(default_factory=list)
 
@@ -148,6 +153,8 @@ def _generations(entries: list[dict]) -> list[_Generation]:
         elif kind in ("agent_heard", "host_lost"):
             (gen.heard if kind == "agent_heard" else gen.lost).append((e["ts"], e.get("host")))
         # signs of the failure that ends this generation, with the moment it happened
+        if kind == "fault_injected":
+            gen.faults.append((e["ts"], e.get("host")))
         if kind == "fault_injected" and not str(e.get("fault", "")).startswith("storage-"):
             # (storage faults slow or fail saves; they end no generation)
             gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
@@ -183,6 +190,23 @@ def _ridden_out(gen: _Generation) -> list[Incident]:
                                   None if heard is None else heard - at, 0, e["reason"],
                                   restarted=False))
     return incidents
+
+
+def _unnoticed(gen: _Generation, stop: float, blamed: tuple | None) -> list[Incident]:
+    """Injected faults of `gen` up to `stop` that were not `blamed` for its
+    end (nor a silence the slice rode out) and left no sign (a loss, a
+    hang, a crash, a silence) on their host before the next fault there: a
+    partition that healed before anything timed out, a throttled link."""
+    faults = sorted(s for s in gen.signs if s[4] and s[0] <= stop + 1e-6 and s != blamed)
+    seen = [(at, host) for at, _, host, _, injected in gen.signs if not injected] + \
+        [(e["ts"], e.get("host")) for e in gen.silences]
+    out = []
+    for at, kind, host, reason, _ in faults:
+        until = min((t for t, h in gen.faults if h == host and t > at), default=stop + 1e-6)
+        if not any(h == host and at <= t <= until for t, h in seen):
+            out.append(Incident(kind, host, gen.number, at, 0.0, 0.0, 0,
+                                f"{reason} (nothing noticed)", restarted=False, noticed=False))
+    return out
 
 
 def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
@@ -222,14 +246,19 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
                 (nxt.first_step - 1 if nxt.first is not None else None)
             if resumed is not None:
                 lost_steps = max(0, gen.last_step - resumed)
-        detection, at = 0.0, stop
+        detection, at, blamed = 0.0, stop, None
         cause = (gen.stop_entry or {}).get("cause")
         if gen.stop_entry and gen.stop_entry["kind"] == "slice_stopping" and \
                 cause in ("failure", "preemption"):
             signs = [s for s in gen.signs if s[0] <= stop + 1e-6] or \
                 [(stop, cause, gen.stop_entry.get("host"), gen.stop_entry["reason"], False)]
-            # an injected fault is the known cause; else the earliest sign of trouble
-            at, kind, host, reason, _ = min(signs, key=lambda s: (not s[4], s[0]))
+            # an injected fault is the known cause: the latest one on the host
+            # the stop names, else the latest one (those before it the slice
+            # rode out); without one, the earliest sign of trouble
+            injected = [s for s in signs if s[4]]
+            named = [s for s in injected if s[2] == gen.stop_entry.get("host")]
+            blamed = max(named or injected) if injected else min(signs)
+            at, kind, host, reason, _ = blamed
             if cause == "failure":
                 detection = min(training, max(0.0, stop - max(at, first)))
             recovered = (nxt.first - at) if nxt is not None and nxt.first is not None else None
@@ -247,6 +276,7 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
             useful_until = kept_until
         saving = min(max(0.0, training - detection - lost),
                      sum(s for ts, s in gen.save_blocking if first <= ts - s <= useful_until))
+        incidents += _unnoticed(gen, stop, blamed)
         bad["detection"] += detection
         bad["lost_work"] += lost
         bad["checkpoint_save"] += saving
@@ -271,7 +301,11 @@ def format_report(g: Goodput) -> str:
                       f"{'RECOVERED AFTER':>15} {'LOST STEPS':>10}"]
         for i in g.incidents:
             recovered = f"{i.recovered_after_s:.2f} s" if i.recovered_after_s is not None else "-"
+            detected = f"{i.detected_after_s:.2f} s" if i.noticed else "-"
+            if not i.noticed:
+                recovered = "-"
             lines.append(f"  {i.generation:>4}  {i.kind:16} {i.host or '-':8} "
-                         f"{i.detected_after_s:12.2f} s {recovered:>15} {i.lost_steps:>10}"
-                         + ("" if i.restarted else "  no restart: the slice kept stepping"))
+                         f"{detected:>14} {recovered:>15} {i.lost_steps:>10}"
+                         + ("" if i.restarted else "  no restart: the slice kept stepping")
+                         + ("" if i.noticed else " (nothing noticed)"))
     return "\n".join(lines)

@@ -162,3 +162,21 @@ def test_a_carried_agent_that_is_then_lost_is_one_incident():
     [incident] = account(journal, now=1000.0 + 20).incidents
     assert (incident.kind, incident.restarted) == ("stop-agent", True)
     assert incident.detected_after_s == pytest.approx(4.0)
+
+
+def test_faults_the_slice_rode_out_are_not_blamed_for_a_later_stop():
+    # a partition at 8 that healed unnoticed, then a worker kill at 20 that
+    # ends the generation: the kill is the cause, the partition an incident
+    # that nobody noticed
+    journal = JOURNAL[:5] + [
+        e(8, "fault_injected", 1, "a", fault="partition-peers", step=30),
+        e(12, "fault_healed", 1, "a", fault="partition-peers"),
+    ] + JOURNAL[5:]
+    g = account(journal)
+    partition, killed = g.incidents
+    assert (partition.kind, partition.noticed, partition.restarted) == \
+        ("partition-peers", False, False)
+    assert (killed.kind, killed.restarted) == ("kill-worker", True)
+    assert killed.detected_after_s == pytest.approx(0.1)
+    assert g.productive_s == pytest.approx(account(JOURNAL).productive_s)
+    assert "(nothing noticed)" in format_report(g)
