@@ -70,6 +70,8 @@ def main() -> int:
                         help="steps before the first fault (checkpoint overhead is measured there)")
     parser.add_argument("--isolate", action="store_true",
                         help="isolated hosts (root), checkpoints on a GCS emulator")
+    parser.add_argument("--gcs-emulator", action="store_true",
+                        help="checkpoints on a GCS emulator (implied by --isolate)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
 
@@ -80,7 +82,7 @@ def main() -> int:
     state = work / "state"
     stack = contextlib.ExitStack()
     around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
-                                              gcs_emulator=args.isolate))
+                                              gcs_emulator=args.isolate or args.gcs_emulator))
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
                         net=around.net)
@@ -160,6 +162,7 @@ def main() -> int:
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "hosts": args.hosts, "trials": args.trials, "faults": results,
                             "isolated": args.isolate,
+                            "gcs_emulator": args.isolate or args.gcs_emulator,
                             "checkpoint": {"median_blocking_s": statistics.median(blocking),
                                            "median_step_time_s": step_time,
                                            "interval_steps": INTERVAL, "blocking_share": share}})

@@ -250,12 +250,12 @@ def choose_restore(votes: Sequence[dict], committed_step: int | None
     return None
 
 
-def coordination_service_agree(tag: str, timeout_s: float = 60.0) -> Callable[[list[int]], list[list[int]]]:
+def coordination_service_agree(tag: str, timeout_s: float = 60.0) -> Callable[[dict], list[dict]]:
     """An all-gather of each process's vote through the JAX coordination
     service's key-value store (no compiled collective). `tag` must be new for
     every agreement within one distributed runtime."""
 
-    def agree(own: list[int]) -> list[list[int]]:
+    def agree(own: dict) -> list[dict]:
         from elastic.worker.coordination import all_gather
 
         return all_gather(f"snapshot-vote-{tag}", own, timeout_s)
@@ -277,12 +277,12 @@ class LocalSnapshots:
     keep: snapshots kept (>= 2, so that processes one snapshot apart on a
       crash still share one).
     run_id: the controller run they belong to; others are never restored.
-    agree(own_steps) -> every process's steps: defaults to the coordination
-      service; tests pass their own.
+    agree(own_vote) -> every process's vote (see `choose_restore`): defaults
+      to the coordination service; tests pass their own.
     """
 
     def __init__(self, directory: str | None, run_id: str, every_steps: int = 10, keep: int = 2,
-                 agree: Callable[[list[int]], list[list[int]]] | None = None,
+                 agree: Callable[[dict], list[dict]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if every_steps < 1 or keep < 2:
             raise ValueError(f"every_steps ({every_steps}) must be >= 1 and keep ({keep}) >= 2")

@@ -480,8 +480,8 @@ def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
     and the bucket `elastic-local` (checkpoints under `job_id`), on the
     network's gateway when isolated; with `storage_faults` too, the fault
     proxy in front of it. Prints what it made unless `quiet`. Makes
-    `state` (private) if needed. Raises network.IsolationError when the network cannot be made, RuntimeError
-    when the emulator does not start."""
+    `state` (private) if needed. Raises network.IsolationError when the
+    network cannot be made, RuntimeError when the emulator does not start."""
     say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
     made = Surroundings()
     emulator = None
@@ -566,8 +566,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     stack = contextlib.ExitStack()
     local = injector = None
     try:
-        around = stack.enter_context(surroundings(state, spec.job_id, hosts, isolate,
-                                                  gcs_emulator, wants_storage_faults(faults, chaos)))
+        around = stack.enter_context(surroundings(
+            state, spec.job_id, hosts, isolate, gcs_emulator, wants_storage_faults(faults, chaos)))
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
                             insecure, around.checkpoint_dir, around.extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
