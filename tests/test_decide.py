@@ -300,14 +300,19 @@ def test_restart_budget(earlier, max_restarts, fails):
 
 # --- grow ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy,commit_after_join,grows", [
-    ("never", True, False),
-    ("immediately", False, True),
-    ("after_checkpoint", False, False),
-    ("after_checkpoint", True, True),
+@pytest.mark.parametrize("policy,commit_after_join,finishing,grows", [
+    ("never", True, False, False),
+    ("immediately", False, False, True),
+    ("after_checkpoint", False, False, False),
+    ("after_checkpoint", True, False, True),
+    # the last step is taken and its checkpoint commits: nothing to grow for
+    ("after_checkpoint", True, True, False),
+    ("immediately", False, True, False),
 ])
-def test_grow_policy(policy, commit_after_join, grows):
+def test_grow_policy(policy, commit_after_join, finishing, grows):
     state, view = slice_with_a_waiting_host()
+    if finishing:
+        view.hosts["h0"].finishing_generation = state.generation
     s = spec(restart={"grow": policy})
     first = decide(state, view, T0 + 1, s)
     if commit_after_join:

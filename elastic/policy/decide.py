@@ -460,7 +460,8 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
                    actions: list[Action]) -> SliceState:
     """Whether a plan with the hosts there are now puts more devices in the
     mesh than the running slice (another host, or hosts with more devices:
-    a repaired chip); if so, stop for a grow when `restart.grow` says. Notes
+    a repaired chip); if so, stop for a grow when `restart.grow` says, unless
+    a worker said training is done (`worker_finishing`). Notes
     the hosts such a plan leaves out. Planning is skipped (O(members), or
     O(hosts) without a sort) while nothing could make a bigger slice."""
     if state.phase is not Phase.RUNNING:
@@ -478,6 +479,11 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     state = _note_left_out(state, plan, actions, members)
     policy = spec.restart.grow
     if policy == "never" or plan.devices <= len(state.members) * state.devices_per_host:
+        return _no_grow(state)
+    if any(view.hosts[h].finishing_generation == state.generation
+           for h in members if h in view.hosts):
+        # training is done (its last checkpoint may be what commits now): a
+        # grow would only restart a slice to restore and exit at once
         return _no_grow(state)
     ready_since = state.grow_ready_since if state.grow_ready_since is not None else now
     state = dataclasses.replace(state, grow_ready_since=ready_since)
