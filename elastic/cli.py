@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                             "costs; default: mutual TLS with a throwaway CA under the state dir)")
     local.add_argument("--compile-cache-dir", metavar="DIR",
                        help="the simulated hosts' executable cache, kept across runs "
-                            "(default: a new one under the state dir)")
+                            "(default: a new one under the state dir; with --isolate each "
+                            "host starts with a copy of it)")
     local.add_argument("--gcs-emulator", action="store_true",
                        help="keep checkpoints in a bucket of a local GCS emulator "
                             "(fake-gcs-server, from the dev extra) started for this run "

@@ -232,7 +232,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     replaces the spec's; `extra_env` is added to every process's
     environment; `compile_cache_dir` is the hosts' executable cache
     (default: one under the state dir, new each run; isolated hosts have
-    their own). With `net` (made by the caller: network.create), the
+    their own, which starts as a copy of `compile_cache_dir` if given). With `net` (made by the caller: network.create), the
     controller and each host run in their namespaces on that network.
     Every process started dies with this one (spawn_bound).
 
@@ -244,6 +244,11 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     private_dir(state_dir / "hosts")
     (state_dir / ADDRESS_FILE).unlink(missing_ok=True)
     host_ids = [f"host-{i}" for i in range(hosts)]
+    if net is not None and compile_cache_dir is not None and compile_cache_dir.is_dir():
+        for host_id in host_ids:  # each its own copy: a disk that kept its cache
+            own_cache = host_dir(state_dir, host_id) / "compile-cache"
+            if not own_cache.exists():
+                shutil.copytree(compile_cache_dir, own_cache)
     tls = None
     if insecure:
         security = ["--insecure"]
@@ -540,8 +545,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     the checkpoints in its bucket `elastic-local`, under the job id; with
     storage faults planned or drawn (storage-slow, storage-outage), the
     controller and hosts reach it through a fault proxy.
-    `compile_cache_dir`: an executable cache kept across runs (shared
-    hosts only). `isolate`: hosts and controller in namespaces of their own
+    `compile_cache_dir`: an executable cache kept across runs (isolated
+    hosts each start with a copy of it, as hosts whose disks kept theirs). `isolate`: hosts and controller in namespaces of their own
     (elastic.local.network; needs `gcs_emulator`, which then listens on the
     network's gateway). What a killed earlier run in `state_dir` left is
     removed first (elastic.local.leftovers).
