@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-gcs test proto bench clean
+.PHONY: demo demo-gcs demo-isolated test proto bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ demo-gcs: $(BIN)/.installed
 	rm -rf elastic-state/demo-gcs
 	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
 		--fault kill-host:host-1@step=120 --state-dir elastic-state/demo-gcs --gcs-emulator
+
+# The same on hosts that share nothing (needs root): each in namespaces of its
+# own, checkpoints in the emulator's bucket; host-2 is also cut off from every
+# other node at step 200, for 12 s.
+demo-isolated: $(BIN)/.installed
+	rm -rf elastic-state/demo-isolated
+	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
+		--fault kill-host:host-1@step=120 --fault partition:host-2@step=200 \
+		--state-dir elastic-state/demo-isolated --isolate
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
