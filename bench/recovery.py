@@ -82,7 +82,7 @@ def main() -> int:
     state = work / "state"
     stack = contextlib.ExitStack()
     around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
-                                              gcs_emulator=args.isolate or args.gcs_emulator))
+                                              gcs_emulator=args.gcs_emulator))
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
                         net=around.net)

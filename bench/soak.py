@@ -60,7 +60,7 @@ def main() -> int:
     state = work / "state"
     stack = contextlib.ExitStack()
     around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
-                                              gcs_emulator=args.isolate))
+                                              gcs_emulator=False))
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
                         net=around.net)

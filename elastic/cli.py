@@ -320,6 +320,7 @@ def _local(args) -> int:
     spec = _load(args.config)
     args.isolate = args.isolate or spec.local.isolate
     # isolated hosts share no directory: the checkpoints live in a bucket
+    # (elastic.local.surroundings starts the emulator for them)
     args.gcs_emulator = args.gcs_emulator or spec.local.gcs_emulator or args.isolate
     if args.isolate:
         problem = network.capability_problem()

@@ -152,9 +152,9 @@ def _generations(entries: list[dict]) -> list[_Generation]:
             gen.silences.append(e)
         elif kind in ("agent_heard", "host_lost"):
             (gen.heard if kind == "agent_heard" else gen.lost).append((e["ts"], e.get("host")))
-        # signs of the failure that ends this generation, with the moment it happened
         if kind == "fault_injected":
             gen.faults.append((e["ts"], e.get("host")))
+        # signs of the failure that ends this generation, with the moment it happened
         if kind == "fault_injected" and not str(e.get("fault", "")).startswith("storage-"):
             # (storage faults slow or fail saves; they end no generation)
             gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
@@ -300,10 +300,9 @@ def format_report(g: Goodput) -> str:
         lines += ["", f"  {'GEN':>4}  {'KIND':16} {'HOST':8} {'DETECTED AFTER':>14} "
                       f"{'RECOVERED AFTER':>15} {'LOST STEPS':>10}"]
         for i in g.incidents:
-            recovered = f"{i.recovered_after_s:.2f} s" if i.recovered_after_s is not None else "-"
             detected = f"{i.detected_after_s:.2f} s" if i.noticed else "-"
-            if not i.noticed:
-                recovered = "-"
+            recovered = f"{i.recovered_after_s:.2f} s" \
+                if i.noticed and i.recovered_after_s is not None else "-"
             lines.append(f"  {i.generation:>4}  {i.kind:16} {i.host or '-':8} "
                          f"{detected:>14} {recovered:>15} {i.lost_steps:>10}"
                          + ("" if i.restarted else "  no restart: the slice kept stepping")

@@ -61,8 +61,9 @@ _spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_pref
 def die_with_parent(argv: Sequence[str]) -> list[str]:
     """`argv` wrapped so the process gets SIGKILL when its parent dies
     (PR_SET_PDEATHSIG through util-linux `setpriv`, which then execs it).
-    Unchanged where setpriv is missing. (A preexec_fn would do the same in-process, but calling into libc
-    between fork and exec in a process with gRPC's threads is unsafe.)"""
+    Unchanged where setpriv is missing. (A preexec_fn would do the same
+    in-process, but calling into libc between fork and exec in a process
+    with gRPC's threads is unsafe.)"""
     if _SETPRIV is None:
         return list(argv)
     return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]

@@ -1,6 +1,6 @@
 """Simulated hosts that share nothing, and what a killed runner leaves.
 
-Isolated runs (`elasticd local --isolate --gcs-emulator`) put every host and
+Isolated runs (`elasticd local --isolate`) put every host and
 the controller in namespaces of their own (elastic.local.network); the
 checkpoints live in the emulator's bucket, reached over the private bridge.
 Network faults are injected on their links; the split-brain checks read the
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from tests.conftest import lm_spec, tagged_pids, tiny_spec, wait_until
 
 PROBLEM = network.capability_problem()
 needs_namespaces = pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM))
-ISOLATED = ("--isolate", "--gcs-emulator")
+ISOLATED = ("--isolate",)  # (the emulator comes with it)
 
 
 def test_killed_runner_takes_everything_with_it(tmp_path, local_job, proc_env):
@@ -215,8 +214,8 @@ def test_network_plan_addresses_and_names():
     assert network.choose_prefix([ipaddress.ip_network("10.213.0.0/24")]) == "10.213.1"
     with pytest.raises(ValueError, match="cannot name"):
         network.new_plan(["Host 0"], [])
-    assert "host-1" in network.hosts_file(plan, "host-1")
-    assert json.loads(json.dumps(plan.to_json())) == plan.to_json()
-    assert network.NetworkPlan.from_json(plan.to_json()) == plan
-    assert os.path.basename(network.wrap(plan, "host-0", ["true"],
-                                         pathlib.Path("/x"))[0]) == "ip"
+    assert "10.213.0.4 host-1\n" in network.hosts_file(plan, "host-0")
+    assert network.NetworkPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    argv = network.wrap(plan, "host-0", ["true"], pathlib.Path("/x"))
+    assert argv[:4] == ["ip", "netns", "exec", plan.namespace("host-0")]
+    assert argv[-1].endswith("exec true") and "hostname host-0" in argv[-1]

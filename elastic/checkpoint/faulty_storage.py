@@ -61,7 +61,8 @@ class FaultCounts:
 
 class FaultProxy:
     """A proxy to `upstream` ("http://host:port") on a free port of `host`
-    (loopback by default), served from a thread of its own. `start()` returns once it listens;
+    (loopback by default), served from a thread of its own. `start()`
+    returns once it listens;
     `faults` may be replaced at any time (`set(...)`); `counts` says what it
     did; `stop()` ends it. `seed` makes the random faults repeatable."""
 

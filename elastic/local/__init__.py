@@ -43,7 +43,6 @@ from typing import Any
 import grpc
 
 from elastic import simdevices
-from elastic.agent import snapshot_dir
 from elastic.config import JobSpec
 from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
 from elastic.controller.server import ADDRESS_FILE
@@ -232,8 +231,9 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     replaces the spec's; `extra_env` is added to every process's
     environment; `compile_cache_dir` is the hosts' executable cache
     (default: one under the state dir, new each run; isolated hosts have
-    their own, which starts as a copy of `compile_cache_dir` if given). With `net` (made by the caller: network.create), the
-    controller and each host run in their namespaces on that network.
+    their own, which starts as a copy of `compile_cache_dir` if given).
+    With `net` (made by the caller: network.create), the controller and
+    each host run in their namespaces on that network.
     Every process started dies with this one (spawn_bound).
 
     Raises RuntimeError when the controller exits or does not listen within
@@ -343,13 +343,8 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    # a host killed by a fault and not started again left its snapshots in
-    # memory (isolated hosts: in their own /dev/shm, gone with their namespace)
-    for agent_dir in local.state_dir.glob("agents/*"):
-        try:
-            snapshot_dir.remove_recorded(agent_dir)
-        except OSError:
-            pass
+    # a host killed by a fault and not started again left its snapshots in memory
+    leftovers.remove_snapshot_dirs(local.state_dir)
 
 
 def format_entry(entry: dict, t0: float) -> str:
@@ -481,9 +476,10 @@ def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
                  quiet: bool = False) -> Iterator[Surroundings]:
     """Make what a local slice of `hosts` hosts runs in, and remove it on
     exit: with `isolate`, the network of elastic.local.network (recorded in
-    leftovers.json before it is made); with `gcs_emulator`, fake-gcs-server
-    and the bucket `elastic-local` (checkpoints under `job_id`), on the
-    network's gateway when isolated; with `storage_faults` too, the fault
+    leftovers.json before it is made); with `gcs_emulator`, or `isolate`
+    (isolated hosts share no directory), fake-gcs-server and the bucket
+    `elastic-local` (checkpoints under `job_id`), on the network's gateway
+    when isolated; with `storage_faults` too, the fault
     proxy in front of it. Prints what it made unless `quiet`. Makes
     `state` (private) if needed. Raises network.IsolationError when the
     network cannot be made, RuntimeError when the emulator does not start."""
@@ -500,7 +496,7 @@ def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
             network.create(made.net)
             say(f"elasticd local: isolated hosts on {made.net.prefix}.0/24 "
                 f"(bridge {made.net.bridge})")
-        if gcs_emulator:
+        if gcs_emulator or isolate:
             from elastic.checkpoint.emulator import GCSEmulator
 
             log = open_private(state / "gcs-emulator.log", "ab")
@@ -546,10 +542,11 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     storage faults planned or drawn (storage-slow, storage-outage), the
     controller and hosts reach it through a fault proxy.
     `compile_cache_dir`: an executable cache kept across runs (isolated
-    hosts each start with a copy of it, as hosts whose disks kept theirs). `isolate`: hosts and controller in namespaces of their own
-    (elastic.local.network; needs `gcs_emulator`, which then listens on the
-    network's gateway). What a killed earlier run in `state_dir` left is
-    removed first (elastic.local.leftovers).
+    hosts each start with a copy of it, as hosts whose disks kept theirs).
+    `isolate`: hosts and controller in namespaces of their own
+    (elastic.local.network), with the emulator on the network's gateway
+    (as if `gcs_emulator`). What a killed earlier run in `state_dir` left
+    is removed first (elastic.local.leftovers).
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
     after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).

@@ -62,6 +62,23 @@ def agent_state_dirs(state_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(state_dir.glob("agents/*")) + sorted(state_dir.glob("hosts/*/agent"))
 
 
+def remove_snapshot_dirs(state_dir: pathlib.Path) -> list[str]:
+    """Remove the snapshot directories that the agents of a run in
+    `state_dir` recorded and did not remove (killed, or not started again):
+    shared hosts keep them in the machine's /dev/shm; an isolated host's
+    went with its mount namespace. Returns the hosts whose directory went;
+    one that cannot be removed is skipped."""
+    removed = []
+    for agent_dir in sorted(state_dir.glob("agents/*")):
+        if (agent_dir / snapshot_dir.RECORD).exists():
+            try:
+                snapshot_dir.remove_recorded(agent_dir)
+            except OSError:
+                continue
+            removed.append(agent_dir.name)
+    return removed
+
+
 def cleanup(state_dir: pathlib.Path) -> list[str]:
     """Remove what a run in `state_dir` left: its processes (SIGKILL), the
     processes inside its namespaces, its network, the snapshot directories
@@ -93,11 +110,6 @@ def cleanup(state_dir: pathlib.Path) -> list[str]:
                 raise network.IsolationError(f"could not remove {', '.join(left)}")
             removed.append(f"network {plan.prefix}.0/24 (bridge {plan.bridge}, "
                            f"{len(plan.nodes)} namespaces)")
-    # shared hosts keep snapshots in the machine's /dev/shm; an isolated
-    # host's went with its mount namespace
-    for agent_dir in state_dir.glob("agents/*"):
-        if (agent_dir / snapshot_dir.RECORD).exists():
-            snapshot_dir.remove_recorded(agent_dir)
-            removed.append(f"snapshot directory of {agent_dir.name}")
+    removed += [f"snapshot directory of {host}" for host in remove_snapshot_dirs(state_dir)]
     (state_dir / RECORD).unlink(missing_ok=True)
     return removed

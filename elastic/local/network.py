@@ -185,28 +185,34 @@ def namespace_pids(plan: NetworkPlan) -> list[int]:
     return pids
 
 
+def _namespaces() -> set[str]:
+    return set(_run("ip", "netns", "list", check=False).stdout.split())
+
+
+def _has_bridge(plan: NetworkPlan) -> bool:
+    return _run("ip", "link", "show", plan.bridge, check=False).returncode == 0
+
+
 def destroy(plan: NetworkPlan) -> list[str]:
     """Remove the namespaces (their veth pairs go with them) and the bridge;
     whatever is already gone is skipped. Returns what could not be removed
     (empty when everything is gone)."""
     left = []
-    existing = set(_run("ip", "netns", "list", check=False).stdout.split())
+    existing = _namespaces()
     for node in plan.nodes:
         ns = plan.namespace(node)
         if ns in existing and _run("ip", "netns", "del", ns, check=False).returncode != 0:
             left.append(f"network namespace {ns}")
         _run("ip", "link", "del", plan.root_link(node), check=False)
-    if _run("ip", "link", "show", plan.bridge, check=False).returncode == 0 and \
-            _run("ip", "link", "del", plan.bridge, check=False).returncode != 0:
+    if _has_bridge(plan) and _run("ip", "link", "del", plan.bridge, check=False).returncode != 0:
         left.append(f"bridge {plan.bridge}")
     return left
 
 
 def exists(plan: NetworkPlan) -> bool:
     """Whether any namespace or the bridge of `plan` is still there."""
-    existing = set(_run("ip", "netns", "list", check=False).stdout.split())
-    return any(plan.namespace(n) in existing for n in plan.nodes) or \
-        _run("ip", "link", "show", plan.bridge, check=False).returncode == 0
+    existing = _namespaces()
+    return any(plan.namespace(n) in existing for n in plan.nodes) or _has_bridge(plan)
 
 
 def hosts_file(plan: NetworkPlan, node: str) -> str:
@@ -238,7 +244,8 @@ def wrap(plan: NetworkPlan, node: str, argv: Sequence[str], etc_hosts: pathlib.P
                        f"mount --no-canonicalize --bind /proc/self/fd/{fd} {q(str(path))}",
                        f"exec {fd}<&-"]
     script.append(f"exec {shlex.join(argv)}")
-    return ["ip", "netns", "exec", plan.namespace(node), "unshare", "--uts", "--", "sh", "-c", "\n".join(script)]
+    return ["ip", "netns", "exec", plan.namespace(node), "unshare", "--uts", "--",
+            "sh", "-c", "\n".join(script)]
 
 
 # --- network faults --------------------------------------------------------
@@ -264,11 +271,10 @@ def set_rate(plan: NetworkPlan, node: str, rate_kbit: int | None) -> None:
     """Throttle `node`'s link to `rate_kbit` kbit/s both ways (tbf on both
     ends of its veth pair; bursts of 32 kbit, at most 400 ms queued), or
     lift the limit (None). Raises IsolationError when `tc` fails to set it."""
-    ends = (("tc", "qdisc", "{verb}", "dev", plan.root_link(node), "root"),
-            ("tc", "-n", plan.namespace(node), "qdisc", "{verb}", "dev", "eth0", "root"))
-    for end in ends:
+    for tc, dev in ((["tc"], plan.root_link(node)),
+                    (["tc", "-n", plan.namespace(node)], "eth0")):
         if rate_kbit is None:
-            _run(*(w.format(verb="del") for w in end), check=False)
+            _run(*tc, "qdisc", "del", "dev", dev, "root", check=False)
         else:
-            _run(*(w.format(verb="replace") for w in end), "tbf", "rate", f"{rate_kbit}kbit",
+            _run(*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_kbit}kbit",
                  "burst", "32kbit", "latency", "400ms")
