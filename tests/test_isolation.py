@@ -67,8 +67,11 @@ def _poll_bucket(url: str, stop: threading.Event, seen: dict) -> None:
 
 def assert_no_split_brain(journal: list[dict], objects: dict[str, float]) -> None:
     """Every object of step S was written while a generation that saved S
-    was running (from its generation_started to its slice_stopped), and no
-    report of a deposed worker reached the controller."""
+    was running (from its generation_started to its slice_stopped; any
+    generation when none journaled a save of S: a save still in its
+    barriers when its slice is stopped has written its directory but never
+    reported), every step was committed once, and no report of a deposed
+    worker reached the controller."""
     start = {e["generation"]: e["ts"] for e in journal if e["kind"] == "generation_started"}
     stop = {e["generation"]: e["ts"] for e in journal if e["kind"] == "slice_stopped"}
     end = journal[-1]["ts"]
@@ -81,7 +84,7 @@ def assert_no_split_brain(journal: list[dict], objects: dict[str, float]) -> Non
         if not step_dir.isdigit():
             continue  # Orbax's metadata beside the steps
         step = int(step_dir)
-        windows = [(start[g], stop.get(g, end) + 0.5) for g in saved.get(step, ())]
+        windows = [(start[g], stop.get(g, end) + 0.5) for g in saved.get(step) or start]
         assert any(a <= created <= b for a, b in windows), \
             f"{name} written at {created:.2f}, outside generations {saved.get(step)} " \
             f"that saved step {step}: {windows}"
