@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from elastic.procs import signal_group
 from tests.conftest import tiny_spec, wait_until
 
 
@@ -56,7 +57,8 @@ def test_lost_host_then_rejoin(tmp_path, local_job, proc_env):
     victim = job.host("host-1")
     killed_at = time.time()
     os.kill(victim["agentPid"], signal.SIGKILL)
-    os.killpg(victim["workerPid"], signal.SIGKILL)
+    # the worker dies with its agent (PR_SET_PDEATHSIG); its group may be gone already
+    signal_group(victim["workerPid"], signal.SIGKILL)
     lost = job.wait_for("host_lost", host="host-1")
     assert lost["ts"] - killed_at <= 1.5 + 1.0, lost  # heartbeat_timeout_s + 1 s
     started = job.wait_for("generation_started", generation=2)
