@@ -18,12 +18,16 @@ from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_sli
 
 # --- silent agents ----------------------------------------------------------------------
 
-def silent_member_setup(peer_step: int, peer_step_at: float, carry: bool = True):
-    """h0, h1, h2 at step 5 at T0; then only h0 and h2 are heard from, at
-    `peer_step` (reached at T0 + `peer_step_at`), heartbeating every second."""
+def silent_member_setup(peer_step: int, peer_step_at: float, carry: bool = True,
+                        h1_jump: int = 0):
+    """h0, h1, h2 at step 5 at T0 (h1's last report `h1_jump` steps above
+    its one before); then only h0 and h2 are heard from, at `peer_step`
+    (reached at T0 + `peer_step_at`), heartbeating every second."""
     view = ClusterView()
     for h in ("h0", "h1", "h2"):
         register(view, h)
+    if h1_jump:
+        worker(view, "h1", T0 - 1, 1, WorkerState.RUNNING, step=5 - h1_jump)
     state = running_slice(view, ["h0", "h1", "h2"])
     for h in ("h0", "h2"):
         observe(view, ProgressReported(h, f"inc-{h}", 1, peer_step, -1), T0 + peer_step_at)
@@ -37,16 +41,20 @@ def beat_peers(view: ClusterView, now: float) -> None:
         observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), now)
 
 
-@pytest.mark.parametrize("peer_step,peer_step_at,now,carry,outcome", [
-    (20, 4.0, 4.9, True, None),         # not silent for heartbeat_timeout_s (5 s) yet
-    (8, 4.0, 5.1, True, "carried"),     # the slice went 3 steps past h1's last report
-    (7, 4.0, 5.1, True, "lost"),        # 2 steps: h1 may have died inside step 7
-    (20, 0.05, 5.1, True, "lost"),      # far ahead, but no step for 5 s: the slice stalled
-    (20, 4.0, 5.1, False, "lost"),      # health.carry_silent_hosts = false
+@pytest.mark.parametrize("peer_step,peer_step_at,now,carry,h1_jump,outcome", [
+    (20, 4.0, 4.9, True, 0, None),         # not silent for heartbeat_timeout_s (5 s) yet
+    (8, 4.0, 5.1, True, 0, "carried"),     # the slice went 3 steps past h1's last report
+    (7, 4.0, 5.1, True, 0, "lost"),        # 2 steps: h1 may have died inside step 7
+    (20, 0.05, 5.1, True, 0, "lost"),      # far ahead, but no step for 5 s: the slice stalled
+    (20, 4.0, 5.1, False, 0, "lost"),      # health.carry_silent_hosts = false
+    # h1's reports went up 4 steps at a time: its worker may have stepped on
+    # to 9 after its last report and died there, its peers waiting at 10
+    (10, 4.0, 5.1, True, 4, "lost"),
+    (12, 4.0, 5.1, True, 4, "carried"),
 ])
 def test_a_silent_member_is_carried_while_the_slice_steps_past_it(peer_step, peer_step_at, now,
-                                                                  carry, outcome):
-    state, view, s = silent_member_setup(peer_step, peer_step_at, carry)
+                                                                  carry, h1_jump, outcome):
+    state, view, s = silent_member_setup(peer_step, peer_step_at, carry, h1_jump)
     beat_peers(view, T0 + now)
     decision = decide(state, view, T0 + now, s)
     if outcome is None:
@@ -54,7 +62,7 @@ def test_a_silent_member_is_carried_while_the_slice_steps_past_it(peer_step, pee
     elif outcome == "carried":
         assert kinds(decision) == ["agent_silent"]
         entry = decision.actions[0]
-        assert entry.host == "h1" and entry.fields["lead_steps"] == 3
+        assert entry.host == "h1" and entry.fields["lead_steps"] == peer_step - 5
         assert decision.state.phase is Phase.RUNNING and not decision.state.lost
         assert decision.state.carried == {"h1": T0}
     else:

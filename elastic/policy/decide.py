@@ -196,7 +196,7 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         host = record.host_id
         silent_s = round(now - record.last_heartbeat_at, 3)
         lead = _lead(state, record, front)
-        if lead >= silence.CARRY_LEAD_STEPS:
+        if lead >= silence.lead_needed(record):
             if host not in carried:
                 carried[host] = record.last_heartbeat_at
                 actions.append(Journal(

@@ -9,7 +9,13 @@ k + 1 before every other one has reached step k + 1: a peer that reports
 step `s + CARRY_LEAD_STEPS` proves the silent host's worker went past its
 last reported step `s`. The lead is 3 and not 2 because the silent worker may
 have finished a step whose report its stopped agent never sent, and may have
-taken part in all of the next step's collectives before it died.
+taken part in all of the next step's collectives before it died. Agents report
+steps with their heartbeats, not at every step, so a worker may also have gone
+as many steps past its last report as one report usually carries
+(`HostRecord.step_jump`): those are added to the lead a silent host needs.
+Without them, a host frozen whole (agent and worker) just before its next
+heartbeat, on steps faster than heartbeats, looked carried for a moment and
+was lost a timeout later than it should have been.
 
 The same idea as Kubernetes' node lifecycle: a node that stops reporting
 becomes NotReady, but its pods keep running until the taint's
@@ -36,6 +42,12 @@ def slice_front(members: Iterable[HostRecord], generation: int, now: float,
     members is the front of its peers. O(members): computed once per pass."""
     return max((r.worker.step for r in members if r.worker.generation == generation
                 and r.worker.step >= 0 and now - r.step_at <= window_s), default=-1)
+
+
+def lead_needed(silent: HostRecord) -> int:
+    """Steps the slice must be ahead of `silent`'s last report to carry it:
+    CARRY_LEAD_STEPS plus the steps its reports lately went up by."""
+    return CARRY_LEAD_STEPS + silent.step_jump
 
 
 def peer_lead(silent: HostRecord, front: int, generation: int) -> int:

@@ -80,6 +80,9 @@ class HostRecord:
     first_step_at: float = 0.0
     # When the worker's step last went up (0: no step in this generation yet).
     step_at: float = 0.0
+    # Steps its reports went up by per report, lately (a decaying maximum, in
+    # this generation): how far its worker may have gone past its last report.
+    step_jump: int = 0
     # Since when its agent reports the worker stopped (SIGSTOP; 0: it is not).
     suspended_at: float = 0.0
     # Why the host is being taken away ("" if it is not), and since when.
@@ -249,12 +252,21 @@ def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
         record.first_step_at = now if reported.step >= 0 else 0.0
     if old.generation != reported.generation:
         record.step_at = now if reported.step >= 0 else 0.0
+        record.step_jump = 0
     elif reported.step > old.step:
         record.step_at = now
+        _note_jump(record, old.step, reported.step)
     changed |= old.suspended != reported.suspended
     record.suspended_at = (record.suspended_at or now) if reported.suspended else 0.0
     record.worker = reported
     return changed
+
+
+def _note_jump(record: HostRecord, old_step: int, step: int) -> None:
+    """Fold one report's step increase into record.step_jump (halved at
+    every report, so one slow report ages out)."""
+    if old_step >= 0:
+        record.step_jump = max(step - old_step, record.step_jump // 2)
 
 
 def _note_commit(view: ClusterView, record: HostRecord, generation: int,
@@ -364,6 +376,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             record.first_step_at = now
         if event.step > w.step:
             record.step_at = now
+            _note_jump(record, w.step, event.step)
             if event.metrics:
                 w.metrics = dict(event.metrics)
         w.step = max(w.step, event.step)
