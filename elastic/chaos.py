@@ -30,6 +30,10 @@ Fault kinds (each journaled as `fault_injected`):
 The network kinds need isolated hosts (`elasticd local --isolate`,
 elastic.local.network); elsewhere they are skipped with a journaled message
 (`fault_skipped`). Their end is journaled as `fault_healed`;
+- kill-controller: SIGKILL the controller; it starts again at the same
+  address after CONTROLLER_RESTART_S, as systemd restarts it, and adopts the
+  running slice (the HOST is not used; needs the launcher that owns the
+  controller: `elasticd local`, not `elasticd chaos`);
 - storage-slow: STORAGE_SLOW_LATENCY_S added to every request to the
   checkpoint bucket for STORAGE_FAULT_S (a bucket in a farther region);
 - storage-outage: every request to the bucket answered 503 for
@@ -79,10 +83,17 @@ PARTITION_S = 12.0
 SLOW_LINK_KBIT = 1000
 SLOW_LINK_S = 30.0
 
+#: Seconds from a kill of the controller to its new start (systemd's
+#: RestartSec=1 and a process start).
+CONTROLLER_RESTART_S = 2.0
+
 STORAGE_KINDS = ("storage-slow", "storage-outage")
+#: Kinds that act on the whole job; the HOST of a planned one is not used.
+JOB_KINDS = (*STORAGE_KINDS, "kill-controller")
 NETWORK_KINDS = ("partition", "partition-controller", "partition-peers", "slow-link")
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
-               "kill-during-save", "lose-device", *NETWORK_KINDS, *STORAGE_KINDS)
+               "kill-during-save", "lose-device", *NETWORK_KINDS, *STORAGE_KINDS,
+               "kill-controller")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +159,19 @@ class Chaos(threading.Thread):
     storage: the proxy between the slice and its checkpoint bucket
     (elastic.checkpoint.faulty_storage.FaultProxy) for the storage kinds.
     network: the isolated hosts' network (elastic.local.network.NetworkPlan)
-    for the network kinds.
+    for the network kinds. controller: (kill, restart) of the controller
+    for kill-controller (kill returns the pid it killed).
     """
 
     def __init__(self, spec: ChaosSpec | None, address: str, tls: TLSFiles | None,
                  state_dir, restart_agent:
                  Callable[[str], None], agent_pid: Callable[[str], int],
                  heartbeat_timeout_s: float, planned: list[Fault] | None = None,
-                 keep_running: bool = False, storage=None, network=None) -> None:
+                 keep_running: bool = False, storage=None, network=None,
+                 controller: tuple[Callable[[], int], Callable[[], None]] | None = None
+                 ) -> None:
         super().__init__(daemon=True)
-        self.storage, self.network = storage, network
+        self.storage, self.network, self.controller = storage, network, controller
         self.keep_running = keep_running
         self.spec, self.address, self.tls, self.state_dir = spec, address, tls, state_dir
         self.planned = list(planned or [])
@@ -225,19 +239,30 @@ class Chaos(threading.Thread):
 
     def _run_planned(self) -> None:
         t0 = time.monotonic()
+        order = list(self.planned)  # an after= trigger is armed once those before it fired
+        tail = JournalTail(self.state_dir, from_end=True)
+        journaled: set[str] = set()  # kinds written since the last planned injection
         while self.planned and self._wait(0.1):
+            journaled.update(e["kind"] for e in tail.new())
             try:
                 status = fetch_status(self.address, self.tls, timeout_s=2.0)
             except grpc.RpcError:
                 continue
             step = slice_step(status)
-            for fault in [f for f in self.planned if f.due(step, time.monotonic() - t0)]:
+            for fault in list(self.planned):
+                armed = fault.after is None or all(f not in self.planned
+                                                   for f in order[:order.index(fault)])
+                if not armed or not fault.due(step, time.monotonic() - t0, frozenset(journaled)):
+                    continue
                 host = next((h for h in status.hosts if h.host_id == fault.host
-                             or (fault.kind in STORAGE_KINDS and h.state == "member")), None)
+                             or (fault.kind in JOB_KINDS and h.state == "member")
+                             or fault.kind == "kill-controller"), None)
                 if host is not None:
                     self.planned.remove(fault)
                     self.inject(fault.kind, host, status)
                     self.injected += 1
+                    journaled = set(e["kind"] for e in tail.new() if e["kind"] != "fault_injected")
+                    break  # the status is stale after a fault
 
     def _run_random(self) -> None:
         n = self.spec.count if self.spec.count is not None else 100_000
@@ -267,6 +292,9 @@ class Chaos(threading.Thread):
             return
         if kind in NETWORK_KINDS:
             self._network_fault(kind, host, status)
+            return
+        if kind == "kill-controller":
+            self._kill_controller(status)
             return
         if kind == "kill-during-save":
             since = time.time()
@@ -307,6 +335,23 @@ class Chaos(threading.Thread):
             signal_pid(agent, signal.SIGTERM)
             self._record(kind, host, status, [agent])
             self._later(1.0, lambda: self._come_back_after_exit(h, agent))
+
+    def _kill_controller(self, status) -> None:
+        """SIGKILL the controller; start it again after CONTROLLER_RESTART_S."""
+        step = slice_step(status)
+        if self.controller is None:
+            self.journal.write(time.time(), "fault_skipped", status.generation,
+                               "kill-controller: only the launcher that owns the controller "
+                               "(elasticd local) can start it again; skipped", None,
+                               {"fault": "kill-controller"})
+            return
+        kill, restart = self.controller
+        pid = kill()
+        self.journal.write(time.time(), "fault_injected", status.generation,
+                           f"chaos: kill-controller (slice at step {step}); it starts again "
+                           f"in {CONTROLLER_RESTART_S:g} s", None,
+                           {"fault": "kill-controller", "step": step, "pids": [pid]})
+        self._later(CONTROLLER_RESTART_S, restart)
 
     def _storage_fault(self, kind: str, status) -> None:
         """Slow down or cut off the checkpoint bucket for STORAGE_FAULT_S."""

@@ -24,6 +24,7 @@ Example (units are in the key names; all keys but `job.command` are optional)::
     [health]
     heartbeat_interval_s = 1.0
     heartbeat_timeout_s = 5.0
+    controller_lease_s = 30.0            # no controller this long: agents stop their workers
 
     [batch]                              # batch under resize (elastic.worker.batch)
     mode = "global"                      # "global" | "per_device"
@@ -131,6 +132,13 @@ class HealthSpec:
       programs whose processes step in lockstep (every step has a collective
       across all processes: any multi-host JAX training step); set false for
       one whose processes step independently.
+    controller_lease_s: an agent that hears from no controller this long
+      stops its worker on its own (self-fencing); until then its worker
+      trains on, and a controller restarted meanwhile (by systemd, or a
+      standby taking over) adopts the running slice. Well above a restart of
+      the controller (~1-3 s) and above heartbeat_timeout_s. A slice whose
+      members are all lost at once (cut off from the controller together)
+      is replaced only after this long (see elastic.policy.decide).
     """
 
     heartbeat_interval_s: float = 1.0
@@ -140,6 +148,7 @@ class HealthSpec:
     stop_timeout_s: float = 10.0
     rendezvous_settle_s: float = 1.0
     carry_silent_hosts: bool = True
+    controller_lease_s: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +444,9 @@ def validate(spec: JobSpec) -> None:
          f"health.heartbeat_timeout_s ({h.heartbeat_timeout_s}) must be greater than "
          f"health.heartbeat_interval_s ({h.heartbeat_interval_s})"),
         (h.reconnect_grace_s > 0, "health.reconnect_grace_s must be > 0"),
+        (h.controller_lease_s > h.heartbeat_interval_s,
+         f"health.controller_lease_s ({h.controller_lease_s}) must be greater than "
+         f"health.heartbeat_interval_s ({h.heartbeat_interval_s})"),
         (0 <= h.stop_grace_s <= MAX_STOP_GRACE_S,
          f"health.stop_grace_s must be from 0 to {MAX_STOP_GRACE_S:g} s"),
         (h.stop_timeout_s > h.stop_grace_s,

@@ -164,15 +164,17 @@ LM_TRAIN = REPO / "workers" / "lm" / "train.py"
 
 def lm_spec(path: pathlib.Path, job_id: str, args: list[str], min_hosts: int, max_hosts: int,
             heartbeat_timeout_s: float, job_extra: str = "",
-            grow: str = "") -> pathlib.Path:
+            grow: str = "", controller_lease_s: float | None = None) -> pathlib.Path:
     """Write to `path` a job spec running the reference model small (one
     layer, d_model 64, sequence 64 bytes: it compiles in half the time of
     two; `args` added) on mesh data=-1 x model=2, with
     heartbeats every 0.5 s and the given timeout (seconds). `job_extra`: more
-    [job] lines (e.g. checkpoint_dir); `grow`: restart.grow if not the default."""
+    [job] lines (e.g. checkpoint_dir); `grow`: restart.grow if not the default;
+    `controller_lease_s`: health.controller_lease_s if not the default."""
     argv = [sys.executable, str(LM_TRAIN), "--layers", "1", "--d-model", "64", "--seq-len", "64",
             *args]
     restart = f'[restart]\ngrow = "{grow}"\n' if grow else ""
+    lease = f"controller_lease_s = {controller_lease_s}" if controller_lease_s else ""
     return write_spec(path, f"""
         [job]
         id = "{job_id}"
@@ -188,6 +190,7 @@ def lm_spec(path: pathlib.Path, job_id: str, args: list[str], min_hosts: int, ma
         [health]
         heartbeat_interval_s = 0.5
         heartbeat_timeout_s = {heartbeat_timeout_s}
+        {lease}
         """ + restart)
 
 

@@ -476,9 +476,19 @@ def d_event_saved():
 def test_an_older_emergency_save_does_not_end_the_drain():
     state, view = preempted_slice()
     view.emergency_save_step, view.emergency_save_at = 5, T0 - 50  # an earlier generation's
-    observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 2)  # a regular commit
+    # a regular commit of step 9, the slice at step 12 by now
+    observe(view, ProgressReported("h0", "inc-h0", 1, 12, 9), T0 + 2)
     decision = decide(state, view, T0 + 2, spec())
     assert decision.state.phase is Phase.RUNNING and "draining" in decision.reason
+
+
+def test_a_drain_ends_once_the_step_the_slice_stands_at_is_committed():
+    """As after an adoption: the emergency save ran while no controller did."""
+    state, view = preempted_slice()
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 2)
+    decision = decide(state, view, T0 + 2, spec())
+    assert decision.state.phase is Phase.STOPPING and decision.state.stop_kind == "preemption"
+    assert "checkpoint step 9, the step the slice reached, committed" in decision.reason
 
 
 def test_a_failed_emergency_save_ends_the_drain_at_once():

@@ -111,7 +111,8 @@ def test_isolated_hosts_survive_partitions_without_split_brain(tmp_path, local_j
     timeout_s = 2.0
     spec = lm_spec(tmp_path / "job.toml", "iso", [
         "--steps", "100", "--checkpoint-every", "10", "--eval-every", "1000"],
-        min_hosts=2, max_hosts=3, heartbeat_timeout_s=timeout_s, grow="never")
+        min_hosts=2, max_hosts=3, heartbeat_timeout_s=timeout_s, grow="never",
+        controller_lease_s=1.5)  # (30 s by default: see test_controller_failover)
     job = local_job(spec, hosts=3, devices=2, name="iso", extra_args=ISOLATED,
                     faults=("partition-controller:host-2@step=10", "partition:host-1@step=40",
                             "partition-peers:host-2@step=75"))

@@ -396,7 +396,7 @@ def test_agents_do_not_talk_to_an_unverified_controller(tmp_path, pki, caplog, s
         task = asyncio.create_task(agent.run())
         with caplog.at_level(logging.INFO, logger="elastic-agent"):
             deadline = asyncio.get_running_loop().time() + 30
-            while not any("retrying (attempt 2)" in r.getMessage() for r in caplog.records):
+            while not any("retrying (round 2)" in r.getMessage() for r in caplog.records):
                 assert asyncio.get_running_loop().time() < deadline, "the agent never dialled"
                 await asyncio.sleep(0.05)  # the agent tried (and failed) twice
         agent.shutdown()

@@ -60,6 +60,17 @@ def test_unit_sandbox_exposure(tmp_path, unit):
     assert exposure <= MAX_EXPOSURE[unit], out.stdout
 
 
+def test_the_controller_restarts_well_inside_the_agents_lease():
+    """systemd restarts a crashed controller within RestartSec; the agents
+    keep their workers for the default controller lease, so the restarted
+    controller finds the slice training and adopts it."""
+    from elastic.config import HealthSpec
+
+    text = (UNITS / "elasticd.service").read_text()
+    delay = float(re.search(r"\nRestartSec=(\d+(?:\.\d+)?)\n", text).group(1))
+    assert "\nRestart=always\n" in text and delay + 5.0 < HealthSpec().controller_lease_s
+
+
 def test_sysusers_creates_the_units_user(tmp_path):
     sysusers = tool("systemd-sysusers")
     (tmp_path / "etc").mkdir()

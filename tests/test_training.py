@@ -20,13 +20,20 @@ from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples
 
 def test_training_through_a_lost_host_matches_undisturbed_run(tmp_path, local_job,
                                                               lm_reference):
+    """host-1 killed at step 25; while the slice restarts without it, the
+    controller is killed too and started again 2 s later: it adopts the
+    generation being started (no third generation), and the run still ends
+    where the undisturbed run ends."""
     faulty = local_job(lm_run_spec(tmp_path, "fault"), hosts=4, devices=2, name="fault",
-                       faults=("kill-host:host-1@step=25",))
+                       faults=("kill-host:host-1@step=25",
+                               "kill-controller:all@after=generation_started"))
     assert faulty.wait(240) == 0, faulty.output()
 
     journal = faulty.journal()
     started = [e for e in journal if e["kind"] == "generation_started"]
     assert [len(e["hosts"]) for e in started] == [4, 3]
+    adopted = [e for e in journal if e["kind"] == "slice_adopted"]
+    assert [e["generation"] for e in adopted] == [2], [e["kind"] for e in journal]
     assert "host-1" not in started[1]["hosts"] and started[1]["mesh_shape"] == [3, 2]
     restored = next(e for e in journal if e["kind"] == "checkpoint_restored")
     # the newest committed checkpoint (every 10 steps), or a local snapshot

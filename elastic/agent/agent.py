@@ -10,6 +10,7 @@ registers again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -21,12 +22,14 @@ import time
 import uuid
 
 import grpc
+import tenacity
 
 from elastic import config, transport
 from elastic.agent import fence, snapshot_dir
 from elastic.agent.host import Devices, PortProber, discover_devices
 from elastic.agent.preemption import watch_metadata
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
+from elastic.policy.adopt import AGENT_RECONNECT_MAX_S
 from elastic.security.allow import AllowList, check_launch
 from elastic.security.text import clean_text
 from elastic.security.files import private_dir
@@ -38,9 +41,19 @@ from elastic.v1 import control_pb2_grpc as pb_grpc
 log = logging.getLogger("elastic-agent")
 
 
+#: Reports kept for the next controller while none is connected (the oldest
+#: are dropped past this many).
+UNDELIVERED_MAX = 256
+
+
+class _NoController(Exception):
+    """No controller address answered in one round."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentSettings:
-    """controller: "HOST:PORT"; devices / device_kind: this host's
+    """controller: "HOST:PORT", or several comma-separated (a leader and
+    its standbys, tried in turn); devices / device_kind: this host's
     accelerators at start; device_dir: where to count them again at every
     heartbeat (None: `devices` is fixed, e.g. given on the command line;
     the kind is fixed at start either way);
@@ -92,6 +105,10 @@ class Agent:
         self._prestart_next = False
         self.progress_address = f"@elastic-progress-{self.incarnation}"
         self._outbox: asyncio.Queue | None = None
+        # reports made while no controller was connected (a worker's events,
+        # a commit, an exit), sent to the next one: its journal stays whole
+        self._undelivered: collections.deque[pb.AgentMessage] = collections.deque(
+            maxlen=UNDELIVERED_MAX)
         self._stopping = asyncio.Event()
         self.preemption = ""  # why this host is being taken away, once it is
         self._leave_after_stop = False
@@ -151,8 +168,12 @@ class Agent:
                          generation=self.supervisor.status.generation)
 
     def _post(self, **body) -> None:
-        if self._outbox is not None and self._outbox.qsize() < 1000:
-            self._outbox.put_nowait(pb.AgentMessage(header=self._header(), **body))
+        message = pb.AgentMessage(header=self._header(), **body)
+        if self._outbox is None:
+            if "heartbeat" not in body:  # (the next session starts with a fresh one)
+                self._undelivered.append(message)
+        elif self._outbox.qsize() < 1000:
+            self._outbox.put_nowait(message)
 
     def _heartbeat(self) -> None:
         self._seq += 1
@@ -353,25 +374,20 @@ class Agent:
             worker=self.supervisor.status, fenced=self._fenced,
             free_port=0 if self.supervisor.running else self.ports.probe())
 
-    async def _session(self, channel: grpc.aio.Channel) -> None:
+    async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
+        """Register with the controller at `address` (one attempt) and
+        serve its stream until it ends. Raises grpc.RpcError when the
+        controller cannot be reached or refuses."""
         stub = pb_grpc.ControllerStub(channel)
-
-        def waiting(state) -> None:
-            error = state.outcome.exception()
-            log.info("controller %s unavailable; retrying (attempt %d): %s",
-                     self.settings.controller, state.attempt_number,
-                     error.details() if isinstance(error, grpc.RpcError) else error)
-
-        async for attempt in transport.retrying(before_sleep=waiting):
-            with attempt:
-                reply = await stub.Register(self._register_request(),
-                                            timeout=self.settings.rpc_timeout_s)
+        reply = await stub.Register(self._register_request(),
+                                    timeout=self.settings.rpc_timeout_s)
         self.job_id = reply.job_id
         self._heard_at, self._fenced = time.monotonic(), ""
         self._heartbeat_interval_s = reply.heartbeat_interval_s
-        self._lease_s = fence.lease_s(reply.heartbeat_interval_s, reply.heartbeat_timeout_s)
+        self._lease_s = reply.controller_lease_s or fence.lease_s(reply.heartbeat_interval_s,
+                                                                  reply.heartbeat_timeout_s)
         log.info("registered with %s as %s (incarnation %s), job %s, generation %d",
-                 self.settings.controller, self.settings.host_id, self.incarnation,
+                 address, self.settings.host_id, self.incarnation,
                  reply.job_id, reply.generation)
         argv = self._vet(reply.launch) if reply.HasField("launch") else "no launch"
         if reply.HasField("launch") and isinstance(argv, str):
@@ -386,6 +402,8 @@ class Agent:
         call = stub.Connect()
         self._outbox = outbox = asyncio.Queue()
         self._heartbeat()
+        while self._undelivered:
+            outbox.put_nowait(self._undelivered.popleft())
 
         async def write() -> None:
             while True:
@@ -408,25 +426,46 @@ class Agent:
             call.cancel()
 
     async def _connect_forever(self) -> None:
-        delay = 0.1
+        """Keep a session with a controller: try each address of
+        `settings.controller` (comma-separated: a leader and its standbys) in
+        turn; when none answers, wait with jittered exponential backoff
+        (0.1 s doubling to AGENT_RECONNECT_MAX_S, tenacity's
+        wait_random_exponential: thousands of agents do not come back in
+        step) and go round again. A session that ended starts a new round at
+        once. The worker trains on meanwhile, for the controller lease."""
+        addresses = [a.strip() for a in self.settings.controller.split(",") if a.strip()]
+
+        def waiting(state: tenacity.RetryCallState) -> None:
+            log.info("no controller answers at %s; retrying (round %d)",
+                     ", ".join(addresses), state.attempt_number)
+
         while True:
+            async for attempt in tenacity.AsyncRetrying(
+                    retry=tenacity.retry_if_exception_type(_NoController),
+                    wait=tenacity.wait_random_exponential(multiplier=0.1,
+                                                          max=AGENT_RECONNECT_MAX_S),
+                    before_sleep=waiting):
+                with attempt:
+                    await self._one_round(addresses)
+
+    async def _one_round(self, addresses: list[str]) -> None:
+        """One session with the first of `addresses` that answers; raises
+        _NoController when none did."""
+        for address in addresses:
             channel = None
             try:  # certificates are read again at every connect (renewals)
-                channel = transport.aio_channel(self.settings.controller, self.settings.tls)
-                await self._session(channel)
-                log.info("controller closed the stream; reconnecting")
-                delay = 0.1
+                channel = transport.aio_channel(address, self.settings.tls)
+                await self._session(channel, address)
+                log.info("controller %s closed the stream; reconnecting", address)
+                return
             except TLSError as e:
-                log.error("cannot connect: %s", e)
-                delay = min(delay * 2, 5.0)
+                log.error("cannot connect to %s: %s", address, e)
             except grpc.RpcError as e:
-                log.warning("controller %s: %s: %s", self.settings.controller,
-                            e.code().name, e.details())
-                delay = min(delay * 2, 5.0)
+                log.warning("controller %s: %s: %s", address, e.code().name, e.details())
             finally:
                 if channel is not None:
                     await channel.close()
-            await asyncio.sleep(delay)
+        raise _NoController()
 
     async def _keep_lease(self, tick_s: float = 0.25) -> None:
         """Stop the worker when the controller has not been heard for the

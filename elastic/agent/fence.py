@@ -1,11 +1,15 @@
-"""Self-fencing: an agent that has not heard its controller for a lease stops
-its worker on its own, so a host cut off from the controller never trains
-on beside the generation that replaced it.
+"""Self-fencing: an agent that has not heard any controller for a lease stops
+its worker on its own, so a host cut off from every controller cannot train
+on alone for long.
 
-The controller answers every heartbeat (HeartbeatAck) and declares a silent
-host lost after `heartbeat_timeout_s`. The agent's lease is shorter by one
-heartbeat interval (`lease_s`), so that the host has stopped its worker by
-the time the controller gives up on it and starts a generation without it.
+The controller answers every heartbeat (HeartbeatAck) and tells the lease at
+registration (`health.controller_lease_s`, 30 s by default): long enough
+that a controller restarted by systemd, or a standby taking over, finds the
+slice still training and adopts it (elastic.policy.adopt). A host cut off
+from the controller alone cannot step meanwhile: the controller stops its
+peers, and every step needs all processes. Only when every member of a
+generation is cut off together could they train on, and then the controller
+starts no generation until their lease has run out (elastic.policy.decide).
 This is the lease of Gray and Cheriton ("Leases", SOSP 1989) as fencing uses
 it: the holder stops acting before the grantor acts as if it had.
 
@@ -23,7 +27,8 @@ HELD_UP_S = 1.0
 
 
 def lease_s(heartbeat_interval_s: float, heartbeat_timeout_s: float) -> float:
-    """The agent's lease (seconds): one heartbeat interval inside the
+    """The lease (seconds) for a controller that tells none (before
+    `controller_lease_s` existed): one heartbeat interval inside the
     controller's timeout, and at least one interval."""
     return max(heartbeat_interval_s, heartbeat_timeout_s - heartbeat_interval_s)
 

@@ -32,7 +32,9 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         "the controller, heartbeat, and run the worker it asks for (if this host's "
         "allow-list permits it). SIGTERM: preemption (emergency checkpoint, then leave; a "
         "second SIGTERM stops at once). SIGINT: stop now. SIGHUP: ignored.")
-    parser.add_argument("--controller", required=True, help="controller HOST:PORT")
+    parser.add_argument("--controller", required=True,
+                        help="controller HOST:PORT; a leader and its standbys as a "
+                             "comma-separated list (tried in turn)")
     parser.add_argument("--host-id", required=True,
                         help="this host's id, stable across restarts; must be the CN of its "
                              "certificate")
@@ -95,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
             check_id(args.job_id, "--job-id")
         if args.failure_domain:
             check_id(args.failure_domain, "--failure-domain")
-        parse_address(args.controller, "--controller")
+        for address in args.controller.split(","):
+            parse_address(address.strip(), "--controller")
         allow = AllowList.parse(args.allow_worker, args.allow_workdir, args.allow_env,
                                 args.allow_any_worker)
     except ValueError as e:

@@ -156,8 +156,10 @@ class WorkerSupervisor:
         self._tail.clear()
         self._stop_requested = False
         self._last_launch = (list(argv), dict(env), workdir)
-        self.status = pb.WorkerStatus(generation=generation, state=pb.WORKER_RUNNING,
-                                      step=-1, committed_step=-1)
+        self.status = pb.WorkerStatus(
+            generation=generation, state=pb.WORKER_RUNNING, step=-1, committed_step=-1,
+            process_id=int(env.get(config.ENV_PROCESS_ID) or 0),
+            num_processes=int(env.get(config.ENV_NUM_PROCESSES) or 0))
         proc = await self._launch_prestarted(argv, full_env, workdir)
         how = "in its pre-started process" if proc else "cold"
         if proc is None:

@@ -11,7 +11,8 @@ from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.executor import Executor
 from elastic.controller.journal import JournalTail, JournalWriter
-from elastic.policy.decide import SliceState, decide
+from elastic.policy.adopt import Inherited
+from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
 
 log = logging.getLogger("elasticd")
@@ -28,17 +29,27 @@ class Controller:
     known_step: the highest step the job had reached before this
       controller started (its journal, its checkpoint directory; -1 if
       none): where the plausibility of reported steps starts.
+    inherited: the generation the journal says was still running (see
+      elastic.policy.adopt): the controller adopts it if its agents agree.
+    run_id: the run id the job's first controller gave its workers ("":
+      this controller is the first and makes one).
     """
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
-                 tick_s: float = 0.1, initial_generation: int = 0, known_step: int = -1) -> None:
+                 tick_s: float = 0.1, initial_generation: int = 0, known_step: int = -1,
+                 inherited: Inherited | None = None, run_id: str = "") -> None:
         self.spec = spec
         self.known_step = known_step
         self.clock = clock
         self.tick_s = tick_s
         self.view = ClusterView()
         self.state = SliceState(generation=initial_generation, phase_since=clock.monotonic())
-        self.executor = Executor(spec, journal, clock)
+        if inherited is not None:
+            self.state = SliceState(
+                phase=Phase.ADOPTING, generation=inherited.generation,
+                phase_since=clock.monotonic(), inherited=inherited,
+                reason=f"adopting generation {inherited.generation}: waiting for its hosts")
+        self.executor = Executor(spec, journal, clock, run_id)
         # the journal as written so far, read incrementally (status computes ETTR from it)
         self.journal_tail = JournalTail(journal.path.parent)
         self._wake = asyncio.Event()
@@ -70,11 +81,17 @@ class Controller:
 
     async def run(self) -> int:
         """Reconcile until the job ends; returns the exit code (0 or 1)."""
+        inherited = self.state.inherited
+        adopting = (f"; adopting generation {inherited.generation} on "
+                    f"{', '.join(inherited.hosts)}" if inherited else "")
         self.executor.record("controller_started", self.state.generation,
                              f"job {self.spec.job_id}: {self.spec.min_hosts} to "
-                             f"{self.spec.max_hosts} hosts, mesh {self.spec.mesh.to_text()}",
+                             f"{self.spec.max_hosts} hosts, mesh {self.spec.mesh.to_text()}"
+                             f"{adopting}",
                              None, {"spec": self.spec.source,
-                                    "checkpoint_dir": self.spec.checkpoint_dir})
+                                    "checkpoint_dir": self.spec.checkpoint_dir,
+                                    "run_id": self.executor.run_id,
+                                    "adopting": inherited.describe() if inherited else None})
         pass_s = 0.0
         while not self.state.phase.terminal:
             # Ticks catch what no event announces (timeouts). A pass over a very

@@ -64,11 +64,13 @@ class Session:
 
 class Executor:
     """Applies actions. `sessions` maps host id to its open stream; `run_id`
-    names this controller run to the workers (local snapshots of another run
-    are never restored)."""
+    names this run of the job to the workers (local snapshots of another run
+    are never restored): the one given (the journal's, kept by every
+    controller that takes the job over), else a new one."""
 
-    def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock) -> None:
-        self.run_id = uuid.uuid4().hex[:16]
+    def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
+                 run_id: str = "") -> None:
+        self.run_id = run_id or uuid.uuid4().hex[:16]
         self.spec = spec
         self.journal = journal
         self.clock = clock

@@ -6,8 +6,8 @@ Kinds: host_registered, host_lost, host_returned, agent_silent, agent_heard,
 host_dropped, worker_exited, waiting_for_hosts, generation_started,
 first_progress, checkpoint_committed, slice_stopping, slice_stopped,
 stray_worker_stopping, stale_message_rejected, message_refused,
-job_succeeded, job_failed, controller_started, controller_stopped, sighup,
-insecure_mode.
+job_succeeded, job_failed, controller_started, controller_stopped,
+slice_adopted, sighup, insecure_mode.
 
 The journal is private (0600 in a 0700 state directory): it names hosts,
 pids and the job's spec path. Readers skip what is not a journal entry (a
@@ -25,6 +25,7 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from elastic.policy.adopt import Inherited
 from elastic.security.files import open_private, private_dir
 
 JOURNAL_NAME = "events.jsonl"
@@ -151,22 +152,65 @@ class Recorded:
       (`generation_started`; 0 if none), so that generations never repeat
       and fencing stays sound;
     step: the highest training or checkpoint step recorded (-1 if none);
-    committed_step: the newest committed checkpoint step (-1 if none)."""
+    committed_step: the newest committed checkpoint step (-1 if none);
+    run_id: the run id the first controller of this job gave its workers
+      ("" if none), kept by the controllers after it;
+    running: the generation that was running when the journal's last
+      controller stopped writing (started or adopted, and neither stopping,
+      stopped nor ended), or None."""
 
     generation: int = 0
     step: int = -1
     committed_step: int = -1
+    run_id: str = ""
+    running: Inherited | None = None
+
+
+#: Kinds after which the latest generation no longer runs.
+_ENDED = ("slice_stopping", "slice_stopped", "job_succeeded", "job_failed")
 
 
 def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
     """Scan the journal line by line (never all of it in memory)."""
-    generation, step, committed = 0, -1, -1
+    generation, step, committed, run_id = 0, -1, -1, ""
+    running: Inherited | None = None
     for e in read_journal(state_dir):
+        kind = e["kind"]
         value = e.get("step")
         if isinstance(value, int) and not isinstance(value, bool):
             step = max(step, value)
-            if e["kind"] == "checkpoint_committed":
+            if kind == "checkpoint_committed":
                 committed = max(committed, value)
-        if e["kind"] == "generation_started":
+        if kind == "generation_started":
             generation = max(generation, e["generation"])
-    return Recorded(generation, step, committed)
+            running = _inherited(e)
+        elif kind == "controller_started" and not run_id and isinstance(e.get("run_id"), str):
+            run_id = e["run_id"]
+        elif running is not None and e["generation"] == running.generation:
+            if kind == "first_progress":
+                running = dataclasses.replace(running, progressed=True)
+            elif kind in _ENDED:
+                running = None
+    return Recorded(generation, step, committed, run_id, running)
+
+
+def _inherited(entry: dict) -> Inherited | None:
+    """The generation a `generation_started` entry describes, or None when
+    the entry lacks what adoption needs (hosts, a coordinator)."""
+    hosts, incarnations = entry.get("hosts"), entry.get("incarnations") or []
+    if not (isinstance(hosts, list) and hosts and all(isinstance(h, str) for h in hosts)):
+        return None
+    if not (isinstance(incarnations, list) and all(isinstance(i, str) for i in incarnations)
+            and len(incarnations) in (0, len(hosts))):
+        incarnations = []
+
+    def number(key: str) -> int:
+        value = entry.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    return Inherited(generation=entry["generation"], hosts=tuple(hosts),
+                     incarnations=tuple(incarnations),
+                     coordinator=str(entry.get("coordinator") or ""),
+                     devices_per_host=number("devices_per_host"),
+                     device_kind=str(entry.get("device_kind") or ""),
+                     restarts=number("restarts"))

@@ -57,7 +57,8 @@ class ControllerServer:
         self.controller = Controller(
             self.spec, self.journal, clock or SystemClock(), tick_s,
             initial_generation=before.generation,
-            known_step=max(before.step, latest_step(self.spec.checkpoint_dir)))
+            known_step=max(before.step, latest_step(self.spec.checkpoint_dir)),
+            inherited=before.running, run_id=before.run_id)
         self.controller.view.committed_step = before.committed_step
         self.server = transport.aio_server()
         self.servicer = ControllerServicer(self.controller, authenticated=tls is not None)

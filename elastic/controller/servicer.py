@@ -82,7 +82,8 @@ def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
         stderr_tail=clean_text(status.stderr_tail, adm.MAX_STDERR_CHARS, keep_newlines=True),
         stopped_on_request=status.stopped_on_request,
         step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics),
-        suspended=status.suspended)
+        suspended=status.suspended, process_id=status.process_id,
+        num_processes=status.num_processes)
 
 
 def fence(controller: Controller, header: pb.Header) -> str | None:
@@ -241,7 +242,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         health = c.spec.health
         reply = pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
                                     heartbeat_interval_s=health.heartbeat_interval_s,
-                                    heartbeat_timeout_s=health.heartbeat_timeout_s)
+                                    heartbeat_timeout_s=health.heartbeat_timeout_s,
+                                    controller_lease_s=health.controller_lease_s)
         if c.spec.restart.prestart_workers:
             reply.launch.CopyFrom(c.executor.launch())
         return reply

@@ -76,6 +76,10 @@ class LocalSlice:
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     # isolated hosts: the network they live on (None: the root namespace)
     network: network.NetworkPlan | None = None
+    # the controller's command line, listening at `address` (for restarts)
+    controller_argv: list[str] = dataclasses.field(default_factory=list)
+    # True from a kill of the controller (chaos: kill-controller) until its restart
+    controller_away: bool = False
 
 
 TLS_DIR = "tls"
@@ -259,21 +263,14 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         tls = TLSFiles.in_dir(certs.bundle_dir(pki, Role.OPERATOR, "local"))
     extra_env = dict(extra_env or {})
     env = {**child_env(), **extra_env}
-    log = open_private(state_dir / "controller.log", "ab")
     listen = f"{net.address(network.CONTROLLER)}:0" if net else "127.0.0.1:0"
     argv = [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
             "--listen", listen, "--state-dir", str(state_dir), *security,
             *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])]
     if net is not None:
         argv = isolated_argv(net, network.CONTROLLER, argv, state_dir)
-    controller = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env=env)
-    log.close()
-    address = _wait_for_address(state_dir, controller, 30.0)
-    if address is None:
-        controller.kill()
-        controller.wait()
-        raise RuntimeError(f"the controller did not start; see {state_dir / 'controller.log'}")
+    controller, address = _spawn_controller(argv, state_dir, env)
+    controller_argv = [address if arg == listen else arg for arg in argv]
     per_domain = spec.hosts_per_failure_domain
     agents, argvs = {}, {}
     for i, host_id in enumerate(host_ids):
@@ -286,9 +283,49 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         out.close()
         argvs[host_id] = argv
     local = LocalSlice(state_dir, controller, address, agents, argvs, tls,
-                       spec.health.heartbeat_timeout_s, extra_env, net)
+                       spec.health.heartbeat_timeout_s, extra_env, net, controller_argv)
     write_local_file(local)
     return local
+
+
+def _spawn_controller(argv: list[str], state_dir: pathlib.Path,
+                      env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start the controller (bound to this process) and wait for the
+    address it listens at. Raises RuntimeError when it exits or does not
+    listen within 30 s (its log says why)."""
+    (state_dir / ADDRESS_FILE).unlink(missing_ok=True)  # a killed one's is stale
+    log = open_private(state_dir / "controller.log", "ab")
+    controller = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, env=env)
+    log.close()
+    address = _wait_for_address(state_dir, controller, 30.0)
+    if address is None:
+        controller.kill()
+        controller.wait()
+        raise RuntimeError(f"the controller did not start; see {state_dir / 'controller.log'}")
+    return controller, address
+
+
+def kill_controller(local: LocalSlice) -> int:
+    """SIGKILL the controller (a crash, an OOM kill) and mark it away
+    until `restart_controller`; returns its pid."""
+    local.controller_away = True
+    local.controller.kill()
+    local.controller.wait()
+    return local.controller.pid
+
+
+def restart_controller(local: LocalSlice) -> None:
+    """Start the controller again at the address it had, with the same
+    spec and state directory, as systemd's Restart=on-failure would; it
+    adopts the running slice (elastic.policy.adopt). Raises RuntimeError
+    when it does not start."""
+    try:
+        local.controller, _ = _spawn_controller(local.controller_argv, local.state_dir,
+                                                {**child_env(), **local.extra_env})
+    finally:  # (if it did not start, the run ends with the dead one's code)
+        local.controller_away = False
+    write_local_file(local)
 
 
 def write_local_file(local: LocalSlice) -> None:
@@ -583,11 +620,13 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector = Chaos(chaos, local.address, local.tls, state,
                              lambda h: restart_agent(local, h),
                              lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                             planned=faults, storage=around.proxy, network=around.net)
+                             planned=faults, storage=around.proxy, network=around.net,
+                             controller=(lambda: kill_controller(local),
+                                         lambda: restart_controller(local)))
             injector.start()
         live = sys.stdout.isatty()
         next_line = time.monotonic() + (0.5 if live else progress_every_s)
-        while not received and local.controller.poll() is None:
+        while not received and (local.controller.poll() is None or local.controller_away):
             time.sleep(0.05)
             if not quiet and time.monotonic() >= next_line:
                 next_line = time.monotonic() + (0.5 if live else progress_every_s)

@@ -8,7 +8,10 @@ mutate the view, so tests build a state by hand, pick `now` and assert on the
 decision (after torchft's lighthouse `quorum_compute`).
 
 Phases: WAITING (for hosts) -> STARTING (generation g sent, no step yet) ->
-RUNNING -> STOPPING -> WAITING (then g+1) | SUCCEEDED | FAILED.
+RUNNING -> STOPPING -> WAITING (then g+1) | SUCCEEDED | FAILED. A controller
+that starts on a journal whose generation was still running begins in
+ADOPTING (elastic.policy.adopt) -> RUNNING (or STARTING) of that same
+generation, or STOPPING when the agents' reports disagree with the journal.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import enum
 from collections.abc import Mapping
 
 from elastic.config import JobSpec
-from elastic.policy import quarantine, silence
+from elastic.policy import adopt, quarantine, silence
+from elastic.policy.adopt import Inherited
 from elastic.policy.hang import check_hang
 from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
@@ -26,6 +30,7 @@ from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
 class Phase(enum.Enum):
     """The controller's phase for the job (see the module docstring)."""
+    ADOPTING = "adopting"
     WAITING = "waiting"
     STARTING = "starting"
     RUNNING = "running"
@@ -112,6 +117,10 @@ class SliceState:
     left_out: host -> why the last plan could not use it (another device
       kind, too few devices, an incomplete failure domain); journaled when
       it changes.
+    inherited: while ADOPTING, the generation the journal says was running.
+    fenced_until: no generation starts before this time: the members of
+      the last one were all lost at once, none seen to stop, and may train
+      on until their agents' controller lease runs out.
     """
 
     phase: Phase = Phase.WAITING
@@ -140,6 +149,8 @@ class SliceState:
     device_kind: str = ""
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
     exit_code: int | None = None
+    inherited: Inherited | None = None
+    fenced_until: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,18 +175,58 @@ def decide(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> D
                                    "quarantine cooldown over", host))
         if released:
             state = dataclasses.replace(state, quarantined=quarantined)
+    if state.phase is Phase.ADOPTING:
+        return Decision(*_adopting(state, view, now, spec, actions))
     if state.phase is Phase.WAITING:
         state = _waiting(state, view, now, spec, actions)
     elif state.phase in (Phase.STARTING, Phase.RUNNING):
         state = _running(state, view, now, spec, actions)
     elif state.phase is Phase.STOPPING:
         state = _stopping(state, view, now, spec, actions)
-    if not state.phase.terminal:
+    if not state.phase.terminal:  # (ADOPTING returned above)
         state = _stop_strays(state, view, now, spec, actions)
     return Decision(state, tuple(actions), state.reason)
 
 
 # --- helpers -------------------------------------------------------------------
+
+def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+              actions: list[Action]) -> tuple[SliceState, tuple[Action, ...], str]:
+    """Adopt the inherited generation, restart it, or wait for its hosts.
+    (No stray is stopped meanwhile: the workers being adopted look like strays.)"""
+    inherited = state.inherited
+    g = inherited.generation
+    verdict = adopt.judge(inherited, view, now - state.phase_since,
+                          adopt.window_s(spec.health.heartbeat_timeout_s))
+    lost = [h for h in inherited.hosts if h in state.lost]
+    if lost:
+        verdict = "restart", f"host {lost[0]} was lost before the slice could be adopted"
+    if verdict is None:
+        here = sum(h in view.hosts for h in inherited.hosts)
+        reason = (f"adopting generation {g}: {here} of its {len(inherited.hosts)} hosts "
+                  f"registered")
+        state = dataclasses.replace(state, reason=reason) if reason != state.reason else state
+        return state, tuple(actions), state.reason
+    what, why = verdict
+    incarnations = tuple(view.hosts[h].incarnation if h in view.hosts else ""
+                         for h in inherited.hosts)
+    common = dict(members=inherited.hosts, incarnations=incarnations,
+                  coordinator=inherited.coordinator, devices_per_host=inherited.devices_per_host,
+                  device_kind=inherited.device_kind, restarts=inherited.restarts,
+                  inherited=None)
+    if what == "adopt":
+        steps = [view.hosts[h].worker.step for h in inherited.hosts]
+        progressed = inherited.progressed or min(steps) >= 0
+        actions.append(Journal("slice_adopted", g, why, None, {
+            "hosts": list(inherited.hosts), "step": min(steps),
+            "after_start_s": round(now - state.phase_since, 3)}))
+        state = _enter(state, Phase.RUNNING if progressed else Phase.STARTING, now,
+                       f"generation {g} adopted on {len(inherited.hosts)} hosts",
+                       progressed=progressed, **common)
+    else:
+        state = _begin_stop(dataclasses.replace(state, **common), now, spec, actions,
+                            "adoption", f"cannot adopt generation {g}: {why}", ())
+    return state, tuple(actions), state.reason
 
 def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                 actions: list[Action]) -> SliceState:
@@ -301,6 +352,10 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
 
 def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                actions: list[Action]) -> SliceState:
+    if now < state.fenced_until:
+        reason = (f"waiting {state.fenced_until - now:.1f} s more for the lost hosts of "
+                  f"generation {state.generation} to fence themselves")
+        return dataclasses.replace(state, reason=reason)
     heartbeating = len(view.hosts) - len(state.lost)
     if heartbeating < spec.min_hosts:  # O(1): no plan can start (thousands registering)
         reason = f"waiting for hosts: {heartbeating} heartbeating, min_hosts is {spec.min_hosts}"
@@ -340,7 +395,8 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     actions.append(Journal("generation_started", generation, reason, None, {
         "hosts": list(plan.hosts), "mesh_shape": list(plan.shape),
         "devices_per_host": plan.devices_per_host, "device_kind": plan.kind,
-        "coordinator": address, "restarts": state.restarts}))
+        "coordinator": address, "restarts": state.restarts,
+        "incarnations": [view.hosts[h].incarnation for h in plan.hosts]}))
     state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
     for rank, host in enumerate(plan.hosts):
         actions.append(StartWorker(host, generation, rank, len(plan.hosts), address,
@@ -514,9 +570,16 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         state = dataclasses.replace(state, draining_since=since,
                                     reason=f"draining: {hosts} leaving; waiting for the "
                                            f"emergency checkpoint")
+    rank0 = view.get(state.members[0]) if state.members else None
     if _emergency_committed(view, since):
         why = (f"preemption of {hosts}: emergency checkpoint step "
                f"{view.emergency_save_step} committed")
+    elif rank0 is not None and 0 <= rank0.worker.step <= view.committed_step:
+        # the step the slice stands at is committed: an emergency save this
+        # controller did not see start (it was saved while no controller
+        # ran, before an adoption), or a periodic one; nothing is lost
+        why = (f"preemption of {hosts}: checkpoint step {view.committed_step}, the step "
+               f"the slice reached, committed")
     elif view.emergency_failed_at >= since:
         why = (f"preemption of {hosts}: the emergency checkpoint failed "
                f"({view.emergency_failure}); resuming from checkpoint step {view.committed_step}")
@@ -596,6 +659,7 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                            {"cause": state.stop_kind,
                             "stop_s": round(now - state.phase_since, 3),
                             "dropped": pending}))
+    state = _fence_lost_slice(state, view, spec, actions, pending)
     if state.stop_kind != "failure":
         return _enter(state, Phase.WAITING, now, f"restarting: {state.reason}",
                       restarts=state.restarts + 1)
@@ -613,6 +677,32 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                      f"last: {state.reason}")
     return _enter(state, Phase.WAITING, now, f"restarting after failure: {state.reason}",
                   failure_restarts=recent, restarts=state.restarts + 1)
+
+
+def _fence_lost_slice(state: SliceState, view: ClusterView, spec: JobSpec,
+                      actions: list[Action], pending: list[str]) -> SliceState:
+    """Agents keep their workers for `health.controller_lease_s` without a
+    controller. Once one member of the stopped generation is seen to have
+    stopped (its agent acknowledged the stop, or its agent's connection was
+    closed: the agent process ended, and its worker with it), the others
+    cannot step or commit (every step and every commit needs all
+    processes). When none was (all cut off from the controller together,
+    `pending` ones dropped unanswered), they may train on together, so no
+    generation starts until their leases have run out."""
+    seen_stopped = [h for h in state.members if h in view.disconnected or (
+        h in view.hosts and h not in state.lost and h not in pending)]
+    if not state.members or seen_stopped:
+        return state
+    heard = max((view.hosts[h].last_heartbeat_at for h in state.members if h in view.hosts),
+                default=0.0)
+    until = heard + spec.health.controller_lease_s + spec.health.heartbeat_interval_s
+    actions.append(Journal("waiting_for_fencing", state.generation,
+                           f"every host of generation {state.generation} was lost; none is "
+                           f"known to have stopped its worker, so no generation starts "
+                           f"until their controller lease (health.controller_lease_s = "
+                           f"{spec.health.controller_lease_s:g}) has run out", None,
+                           {"hosts": list(state.members)}))
+    return dataclasses.replace(state, fenced_until=until)
 
 
 def _fail(state: SliceState, now: float, actions: list[Action], reason: str) -> SliceState:

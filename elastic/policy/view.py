@@ -28,6 +28,8 @@ class WorkerObs:
     generation: the worker's generation (0 = never started one).
     exit_code / signal: how it ended when EXITED (signal 0 = normal exit).
     step / committed_step: last reported training / checkpoint step, -1 none.
+    process_id / num_processes: its rank in its generation and the
+      generation's process count (0 / 0: not reported).
     """
 
     generation: int = 0
@@ -41,6 +43,8 @@ class WorkerObs:
     committed_step: int = -1
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     suspended: bool = False
+    process_id: int = 0
+    num_processes: int = 0
 
     @property
     def running(self) -> bool:

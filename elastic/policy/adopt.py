@@ -1,0 +1,101 @@
+"""Adoption: a controller that starts while a generation is running (its
+predecessor was killed, crashed, or lost its leadership) takes that slice
+over instead of restarting it.
+
+The journal says what was running (`Inherited`: the generation, its hosts in
+rank order, their agents' incarnations, the coordinator); the agents, as
+they register again, say what runs now (their incarnation, their worker's
+generation, rank, state and step). When every member agrees with the
+journal, the slice is adopted as it stands: no new generation, no restore,
+no step lost. When one disagrees (its agent restarted, its worker of another
+generation, ended, or of another rank) or a member does not come back within
+the adoption window, the slice is restarted, saying why. A pure function of
+the view and a clock, as `elastic.policy.decide` is.
+
+The same idea as Kubernetes controllers that rebuild their state from the
+cluster's objects after a restart instead of from memory, and as the
+adoption of a running slice by a restarted Borgmaster (Verma et al.,
+"Large-scale cluster management at Google with Borg", EuroSys 2015: the
+elected master "reads state from the Paxos store and polls the Borglets").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elastic.policy.view import ClusterView, WorkerState
+
+#: Agents reconnect with jittered exponential backoff of at most this many
+#: seconds between attempts (elastic.agent.agent).
+AGENT_RECONNECT_MAX_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Inherited:
+    """The generation the journal says was running when its controller
+    stopped writing: `hosts` in rank order, the agent `incarnations` they
+    had (empty in journals written before they were recorded),
+    `coordinator` "host:port", what each member puts in the mesh, whether
+    it had made a step (`progressed`) and the restarts before it."""
+
+    generation: int
+    hosts: tuple[str, ...]
+    incarnations: tuple[str, ...] = ()
+    coordinator: str = ""
+    devices_per_host: int = 0
+    device_kind: str = ""
+    progressed: bool = False
+    restarts: int = 0
+
+    def describe(self) -> dict:
+        """The fields `controller_started` journals about it."""
+        return {"generation": self.generation, "hosts": list(self.hosts),
+                "progressed": self.progressed}
+
+
+def window_s(heartbeat_timeout_s: float) -> float:
+    """How long (seconds) a controller waits for the members of an
+    inherited generation to register before it restarts the slice
+    without the missing ones: a heartbeat timeout, and at least two of
+    the agents' longest reconnect waits."""
+    return max(heartbeat_timeout_s, 2 * AGENT_RECONNECT_MAX_S)
+
+
+def judge(inherited: Inherited, view: ClusterView, waited_s: float,
+          window: float) -> tuple[str, str] | None:
+    """("adopt", why) when every member reports the inherited generation
+    as the journal has it; ("restart", why) when one disagrees, or when
+    `waited_s` (seconds since the controller started) reached `window`
+    with members still missing; None while it waits for them."""
+    g = inherited.generation
+    missing = []
+    for rank, host in enumerate(inherited.hosts):
+        record = view.get(host)
+        if record is None:
+            missing.append(host)
+            continue
+        if inherited.incarnations and record.incarnation != inherited.incarnations[rank]:
+            return "restart", (f"the agent of host {host} restarted while no controller ran "
+                               f"(incarnation {inherited.incarnations[rank]} -> "
+                               f"{record.incarnation})")
+        w = record.worker
+        if w.generation != g:
+            runs = f"a worker of generation {w.generation}" if w.generation else "no worker"
+            return "restart", f"host {host} reports {runs}, not of generation {g}"
+        if w.state is WorkerState.EXITED and not w.succeeded:
+            return "restart", f"the worker on host {host} exited with {w.describe_exit()}"
+        if w.state is WorkerState.IDLE:
+            return "restart", f"host {host} reports no worker of generation {g}"
+        if w.num_processes and (w.process_id, w.num_processes) != (rank, len(inherited.hosts)):
+            return "restart", (f"host {host} runs rank {w.process_id} of {w.num_processes}; "
+                               f"the journal has rank {rank} of {len(inherited.hosts)}")
+        if inherited.devices_per_host and record.devices < inherited.devices_per_host:
+            return "restart", (f"host {host} now has {record.devices} device(s); generation "
+                               f"{g} uses {inherited.devices_per_host} per host")
+    if not missing:
+        return "adopt", (f"all {len(inherited.hosts)} hosts of generation {g} report its "
+                         f"workers as the journal has them")
+    if waited_s >= window:
+        return "restart", (f"host(s) {', '.join(missing)} of generation {g} did not register "
+                           f"within {window:g} s")
+    return None

@@ -1,0 +1,160 @@
+"""Table tests of adoption (elastic.policy.adopt, the ADOPTING phase of
+elastic.policy.decide) and of what the journal hands a restarted controller
+(elastic.controller.journal.recorded), with a fake clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from elastic.controller.journal import recorded
+from elastic.policy.adopt import Inherited, judge, window_s
+from elastic.policy.decide import Phase, SliceState, decide
+from elastic.policy.view import ClusterView, Registered, WorkerObs, WorkerState, observe
+from tests.policy_tables import T0, kinds, spec
+
+HOSTS = ("h0", "h1", "h2")
+INHERITED = Inherited(generation=4, hosts=HOSTS, incarnations=("inc-h0", "inc-h1", "inc-h2"),
+                      coordinator="10.0.0.1:5000", devices_per_host=2, device_kind="cpu",
+                      progressed=True, restarts=3)
+
+
+def come_back(view: ClusterView, host: str, now: float = T0, **worker) -> None:
+    """`host`'s agent registers again, reporting its worker (by default:
+    running generation 4 at its rank of 3, step 120)."""
+    rank = HOSTS.index(host)
+    obs = dict(generation=4, state=WorkerState.RUNNING, pid=40 + rank, step=120,
+               process_id=rank, num_processes=3)
+    obs.update(worker)
+    incarnation = obs.pop("incarnation", f"inc-{host}")
+    observe(view, Registered(host, incarnation, 2, "10.0.0.1", host, 100, 0,
+                             WorkerObs(**obs), "cpu"), now)
+
+
+@pytest.mark.parametrize("changes,back,waited,verdict,why", [
+    ({}, HOSTS, 0.5, "adopt", "all 3 hosts"),
+    ({}, HOSTS[:2], 1.0, None, ""),                                   # h2 not back yet
+    ({}, HOSTS[:2], 5.0, "restart", "h2 of generation 4 did not register within 5 s"),
+    ({"h1": {"incarnation": "new"}}, HOSTS, 0.5, "restart", "agent of host h1 restarted"),
+    ({"h1": {"generation": 5}}, HOSTS, 0.5, "restart", "a worker of generation 5"),
+    ({"h1": {"generation": 0, "state": WorkerState.IDLE}}, HOSTS, 0.5, "restart", "no worker"),
+    ({"h2": {"state": WorkerState.EXITED, "exit_code": 1}}, HOSTS, 0.5, "restart",
+     "exited with exit code 1"),
+    ({"h1": {"process_id": 2}}, HOSTS, 0.5, "restart", "runs rank 2 of 3"),
+    # a worker that finished while no controller ran is adopted (the job may be done)
+    ({"h0": {"state": WorkerState.EXITED}}, HOSTS, 0.5, "adopt", "all 3 hosts"),
+    # an agent that does not say its worker's rank (older) is judged on the rest
+    ({"h1": {"process_id": 0, "num_processes": 0}}, HOSTS, 0.5, "adopt", "all 3"),
+])
+def test_judge(changes, back, waited, verdict, why):
+    view = ClusterView()
+    for host in back:
+        come_back(view, host, **changes.get(host, {}))
+    result = judge(INHERITED, view, waited, window_s(5.0))
+    if verdict is None:
+        assert result is None
+    else:
+        assert result[0] == verdict and why in result[1], result
+
+
+def adopting(now: float = T0) -> SliceState:
+    return SliceState(phase=Phase.ADOPTING, generation=4, phase_since=now, inherited=INHERITED)
+
+
+def test_a_slice_whose_hosts_agree_is_adopted_as_it_runs():
+    view, s = ClusterView(), spec()
+    for host in HOSTS[:2]:
+        come_back(view, host, T0 + 0.2)
+    waiting = decide(adopting(), view, T0 + 0.3, s)
+    # nothing sent meanwhile: the workers being adopted are no strays
+    assert waiting.actions == () and waiting.state.phase is Phase.ADOPTING
+    assert "2 of its 3 hosts" in waiting.reason
+    come_back(view, "h2", T0 + 0.4)
+    adopted = decide(waiting.state, view, T0 + 0.5, s)
+    assert kinds(adopted) == ["slice_adopted"], adopted.actions
+    st = adopted.state
+    assert (st.phase, st.generation, st.members, st.coordinator, st.restarts) == (
+        Phase.RUNNING, 4, HOSTS, "10.0.0.1:5000", 3)
+    assert st.incarnations == INHERITED.incarnations and st.inherited is None
+    assert adopted.actions[0].fields["step"] == 120
+    # and it runs on: no stop, no new generation, a later pass is quiet
+    assert kinds(decide(st, view, T0 + 1.0, s)) == []
+
+
+def test_a_disagreeing_host_restarts_the_slice_without_blame():
+    view, s = ClusterView(), spec()
+    come_back(view, "h0")
+    come_back(view, "h1", incarnation="new")
+    come_back(view, "h2")
+    stopping = decide(adopting(), view, T0 + 0.1, s)
+    assert kinds(stopping) == ["slice_stopping"]
+    entry = stopping.actions[0]
+    assert entry.fields["cause"] == "adoption" and "restarted" in entry.reason
+    assert stopping.state.phase is Phase.STOPPING and not stopping.state.host_failures
+    assert {a.host for a in stopping.actions[1:]} == set(HOSTS)  # every member told to stop
+    # the agents acknowledge: the next generation is 5, not counted as a failure
+    for host in HOSTS:
+        come_back(view, host, T0 + 0.2, state=WorkerState.EXITED, signal=9,
+                  incarnation=view.hosts[host].incarnation)
+    waiting = decide(stopping.state, view, T0 + 0.3, s)
+    assert waiting.state.phase in (Phase.WAITING, Phase.STARTING)
+    assert waiting.state.failure_restarts == () and waiting.state.restarts == 4
+
+
+def test_a_slice_cut_off_whole_is_replaced_only_after_its_lease():
+    """Every member lost at once, none seen to stop: they may train on
+    together until their agents' controller lease runs out."""
+    from tests.policy_tables import heartbeat_all, register, running_slice
+    s = spec(min_hosts=1)
+    s = dataclasses.replace(s, health=dataclasses.replace(s.health, controller_lease_s=30.0))
+    view = ClusterView()
+    for h in ("h0", "h1", "h3"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    heartbeat_all(view, T0)
+    for t in range(1, 8):  # only the spare h3 is heard from
+        register(view, "h3", T0 + t, incarnation="inc-h3")
+    lost = decide(state, view, T0 + 5.5, s)
+    assert kinds(lost)[:2] == ["host_lost", "host_lost"]
+    stopped = decide(lost.state, view, T0 + 5.6, s)
+    assert "waiting_for_fencing" in kinds(stopped)
+    assert stopped.state.phase is Phase.WAITING
+    assert "fence themselves" in decide(stopped.state, view, T0 + 20.0, s).reason
+    # the lease (30 s from when they were last heard) plus an interval later
+    assert stopped.state.fenced_until == T0 + 31.0
+    register(view, "h3", T0 + 30.0, incarnation="inc-h3")
+    assert "fence themselves" in decide(stopped.state, view, T0 + 30.9, s).reason
+    started = decide(stopped.state, view, T0 + 31.1, s)
+    assert "generation_started" in kinds(started), started.reason
+
+
+def journal(tmp_path, *entries) -> None:
+    lines = [json.dumps({"ts": 1.0 + i, "host": None, "reason": "", **e})
+             for i, e in enumerate(entries)]
+    (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
+
+
+STARTED = {"kind": "generation_started", "generation": 2, "hosts": ["h0", "h1"],
+           "incarnations": ["a", "b"], "coordinator": "10.0.0.1:5000",
+           "devices_per_host": 2, "device_kind": "cpu", "restarts": 1}
+
+
+@pytest.mark.parametrize("after,running,progressed", [
+    ([], True, False),
+    ([{"kind": "first_progress", "generation": 2, "step": 0}], True, True),
+    ([{"kind": "slice_adopted", "generation": 2}], True, False),
+    ([{"kind": "slice_stopping", "generation": 2}], False, False),
+    ([{"kind": "job_succeeded", "generation": 2}], False, False),
+])
+def test_the_journal_names_the_generation_still_running(tmp_path, after, running, progressed):
+    journal(tmp_path, {"kind": "controller_started", "generation": 0, "run_id": "r1"},
+            STARTED, *after, {"kind": "controller_started", "generation": 2, "run_id": "r2"})
+    got = recorded(tmp_path)
+    assert got.generation == 2 and got.run_id == "r1"  # the first controller's run id
+    if not running:
+        assert got.running is None
+    else:
+        assert got.running == Inherited(2, ("h0", "h1"), ("a", "b"), "10.0.0.1:5000", 2, "cpu",
+                                        progressed, 1)

@@ -1,0 +1,64 @@
+"""The controller dies and comes back (`kill-controller`: SIGKILL, started
+again 2 s later at the same address with the same spec and state dir, as
+systemd restarts it) while the slice trains, and while a preempted host's
+emergency checkpoint is under way: each time the new controller adopts the
+running slice from the journal and the agents' reports, with no new
+generation and no step lost. (The kill during a restart of the slice is in
+tests/test_training.py, against the undisturbed run's loss.)"""
+
+from __future__ import annotations
+
+from tests.conftest import tiny_spec
+
+
+def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
+    spec = tiny_spec(tmp_path, "--steps 500 --step-time-s 0.04 --checkpoint-every 100 "
+                     "--save-time-s 1.5",
+                     min_hosts=2, max_hosts=3)
+    job = local_job(spec, hosts=3, faults=(
+        "kill-controller:all@step=20",
+        "preempt:host-0@after=slice_adopted",
+        "kill-controller:all@after=preemption_notice"))
+    assert job.wait(120) == 0, job.output()
+    journal = job.journal()
+    kinds = [e["kind"] for e in journal]
+    faults = [i for i, k in enumerate(kinds) if k == "fault_injected"]
+    starts = [e for e in journal if e["kind"] == "controller_started"]
+    assert len(faults) == 3 and len(starts) == 3, kinds
+
+    # 1. killed while the slice trained: adopted, nothing restarted
+    kill = journal[faults[0]]
+    adopted = next(e for e in journal[faults[0]:] if e["kind"] == "slice_adopted")
+    assert starts[1]["adopting"] == {"generation": 1, "hosts": ["host-0", "host-1", "host-2"],
+                                     "progressed": True}
+    assert starts[1]["run_id"] == starts[0]["run_id"]  # the same run: snapshots stay valid
+    assert adopted["generation"] == 1 and adopted["step"] > kill["step"]  # it trained on
+    between = kinds[faults[0]:journal.index(adopted)]
+    assert not {"generation_started", "slice_stopping", "host_lost"} & set(between), between
+
+    # 2. killed right after a preemption notice: the new controller adopts
+    # generation 1, then drains it for the emergency checkpoint and goes on
+    # without the preempted host
+    notice = kinds.index("preemption_notice")
+    assert faults[1] < notice < faults[2]
+    second = next(e for e in journal[faults[2]:] if e["kind"] in ("slice_adopted",
+                                                                   "slice_stopping"))
+    assert second["kind"] == "slice_adopted" and second["generation"] == 1, second
+    stop = next(e for e in journal[faults[2]:] if e["kind"] == "slice_stopping")
+    assert stop["cause"] == "preemption" and stop["generation"] == 1, stop
+    emergency = [e for e in journal if e["kind"] == "checkpoint_committed"
+                 and e["ts"] > journal[notice]["ts"] and e["ts"] < stop["ts"]]
+    assert emergency, "the emergency checkpoint committed before the slice stopped"
+    started = [e for e in journal if e["kind"] == "generation_started"]
+    assert [e["generation"] for e in started][:2] == [1, 2], started
+    assert "host-0" not in started[1]["hosts"]  # (it may come back at a grow, generation 3)
+    restored = next(e for e in journal if e["kind"] == "checkpoint_restored")
+    assert restored["step"] == emergency[-1]["step"]  # not a step of it lost
+
+    # never two generations at once: each started after the last one stopped
+    stopped = [e for e in journal if e["kind"] == "slice_stopped"]
+    assert stopped[0]["generation"] == 1 and stopped[0]["ts"] <= started[1]["ts"]
+    assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
+    assert journal[-2]["step"] == 499
+    # every exit of a controller but the kills journaled controller_stopped
+    assert kinds.count("controller_stopped") == 1
