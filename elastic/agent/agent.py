@@ -401,9 +401,11 @@ class Agent:
                 (argv, self._worker_env(reply.launch), reply.launch.workdir))
         call = stub.Connect()
         self._outbox = outbox = asyncio.Queue()
-        self._heartbeat()
+        # what happened while no controller listened first, in order, then
+        # the state now (a heartbeat would journal a newer commit ahead of them)
         while self._undelivered:
             outbox.put_nowait(self._undelivered.popleft())
+        self._heartbeat()
 
         async def write() -> None:
             while True:
