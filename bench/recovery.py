@@ -9,7 +9,10 @@ grows back). From the journal (elastic.goodput): detection (the fault ->
 generation), median and p95; and for worker SIGKILL the startup phases
 process 0 reports (`worker_phases`). A stopped agent whose worker trains on
 costs no restart (health.carry_silent_hosts): its row times `agent_silent`
-and `agent_heard` instead.
+and `agent_heard` instead. A killed controller (`kill-controller`: started
+again 2 s later, or with --standby replaced by the standby) costs no restart:
+its row times the kill -> `slice_adopted` and counts the steps lost (the
+slice's step at the kill minus the step it resumed from; 0 when adopted).
 
     .venv/bin/python bench/recovery.py --trials 10 --kinds kill-worker kill-host
 
@@ -27,6 +30,8 @@ import sys
 import tempfile
 import time
 
+import grpc
+
 from common import lm_job, machine, summarize, write_result
 
 from elastic.chaos import Chaos
@@ -34,7 +39,8 @@ from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.status import fetch_status, slice_step
 from elastic.goodput import account
-from elastic.local import restart_agent, start_slice, stop_slice, surroundings
+from elastic.local import (kill_controller, restart_agent, restart_controller, start_slice,
+                           stop_slice, surroundings)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ["kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt", "kill-during-save"]
@@ -48,7 +54,11 @@ def wait_full(local, hosts: int, steps: int) -> None:
     deadline = time.monotonic() + 300
     start = None
     while time.monotonic() < deadline:
-        st = fetch_status(local.address, local.tls)
+        try:
+            st = fetch_status(_leader(local) if local.standby else local.address, local.tls)
+        except grpc.RpcError:  # the controller is away (kill-controller)
+            time.sleep(0.1)
+            continue
         members = [h for h in st.hosts if h.state == "member"]
         if st.phase == "running" and len(members) == hosts and slice_step(st) >= 0:
             start = slice_step(st) if start is None else start
@@ -58,6 +68,36 @@ def wait_full(local, hosts: int, steps: int) -> None:
             start = None
         time.sleep(0.1)
     raise TimeoutError("the slice did not come back to all hosts")
+
+
+def _leader(local) -> str:
+    """The address of the controller that leads now (its address file)."""
+    try:
+        return (local.state_dir / "controller.addr").read_text().strip()
+    except OSError:  # between a kill and the standby's start
+        return local.address
+
+
+def controller_kills(journal: list[dict]) -> dict | None:
+    """Per kill-controller fault: seconds to `slice_adopted`, whether a
+    generation started in between (a restart), and the steps lost."""
+    adopted, restarts, lost = [], 0, []
+    for i, e in enumerate(journal):
+        if e["kind"] != "fault_injected" or e.get("fault") != "kill-controller":
+            continue
+        after = journal[i + 1:]
+        adoption = next((x for x in after if x["kind"] == "slice_adopted"), None)
+        started = next((x for x in after if x["kind"] == "generation_started"), None)
+        if adoption is not None and (started is None or started["ts"] > adoption["ts"]):
+            adopted.append(adoption["ts"] - e["ts"])
+            lost.append(max(0, e["step"] - adoption["step"]))
+        else:
+            restarts += 1
+    if not adopted and not restarts:
+        return None
+    return {"faults": len(adopted) + restarts, "restarts": restarts,
+            "to_adopted": summarize(adopted) if adopted else None,
+            "lost_steps_max": max(lost) if lost else None}
 
 
 def main() -> int:
@@ -72,6 +112,9 @@ def main() -> int:
                         help="isolated hosts (root), checkpoints on a GCS emulator")
     parser.add_argument("--gcs-emulator", action="store_true",
                         help="checkpoints on a GCS emulator (implied by --isolate)")
+    parser.add_argument("--standby", action="store_true",
+                        help="a standby controller beside the leader (kill-controller then "
+                             "fails over to it instead of waiting for a restart)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
 
@@ -85,10 +128,11 @@ def main() -> int:
                                               gcs_emulator=args.gcs_emulator))
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                        net=around.net)
-    chaos = Chaos(None, local.address, local.tls, state, lambda h: restart_agent(local, h),
+                        net=around.net, standby=args.standby)
+    chaos = Chaos(None, local.addresses, local.tls, state, lambda h: restart_agent(local, h),
                   lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                  keep_running=True, network=around.net)
+                  keep_running=True, network=around.net,
+                  controller=(lambda: kill_controller(local), lambda: restart_controller(local)))
     chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
     trial_of: dict[float, str] = {}
     try:
@@ -96,7 +140,7 @@ def main() -> int:
         for kind in args.kinds:
             for trial in range(args.trials):
                 wait_full(local, args.hosts, args.steps_between)
-                status = fetch_status(local.address, local.tls)
+                status = chaos._status()
                 host = next(h for h in status.hosts
                             if h.host_id == f"host-{1 + trial % (args.hosts - 1)}")
                 t0 = time.time()
@@ -110,7 +154,9 @@ def main() -> int:
         stack.close()
 
     journal = list(read_journal(state))
-    incidents = [i for i in account(journal).incidents if i.kind in args.kinds]
+    kills = controller_kills(journal)
+    incidents = [i for i in account(journal).incidents if i.kind in args.kinds
+                 and i.kind != "kill-controller"]
     phases = {}
     for incident in incidents:
         worker = next((e for e in journal if e["kind"] == "worker_phases"
@@ -120,7 +166,7 @@ def main() -> int:
                 phases.setdefault(incident.kind, {}).setdefault(name, []).append(
                     worker.get(f"{name}_s", 0.0))
     results = {}
-    for kind in args.kinds:
+    for kind in (k for k in args.kinds if k != "kill-controller"):
         every = [i for i in incidents if i.kind == kind]
         mine = [i for i in every if i.noticed]  # (a throttled link may go unnoticed)
         recovered = [i.recovered_after_s for i in mine if i.recovered_after_s is not None]
@@ -135,6 +181,8 @@ def main() -> int:
             "worker_phases": {k: summarize(v) for k, v in phases.get(kind, {}).items()},
             "lost_steps_median": statistics.median(i.lost_steps for i in mine) if mine else None,
         }
+    if kills is not None:
+        results["kill-controller"] = kills
     saves = [e for e in journal if e["kind"] == "checkpoint_saved" and e.get("step_time_s")
              and not e.get("preemption")]
     blocking = [e["blocking_s"] for e in saves[1:]]
@@ -144,6 +192,13 @@ def main() -> int:
           f"{'p95':>7}  startup phases p50 (process, dist init, restore, first step)")
     for kind, r in results.items():
         if not r["faults"]:
+            continue
+        if kind == "kill-controller":
+            a = r["to_adopted"]
+            print(f"{kind:18} {r['faults']:>3}  adopted after {a['median_s']:.2f} s p50, "
+                  f"{a['p95_s']:.2f} s p95; {r['restarts']} restart(s); at most "
+                  f"{r['lost_steps_max']} step(s) lost" if a else
+                  f"{kind:18} {r['faults']:>3}  never adopted: {r['restarts']} restart(s)")
             continue
         if r["detection"] is None or r["to_first_step"] is None:
             print(f"{kind:18} {r['faults']:>3}  {r['unnoticed']} unnoticed (nothing timed out, "
@@ -161,7 +216,7 @@ def main() -> int:
           f"every {INTERVAL} steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "hosts": args.hosts, "trials": args.trials, "faults": results,
-                            "isolated": args.isolate,
+                            "isolated": args.isolate, "standby": args.standby,
                             "gcs_emulator": args.isolate or args.gcs_emulator,
                             "checkpoint": {"median_blocking_s": statistics.median(blocking),
                                            "median_step_time_s": step_time,

@@ -32,7 +32,8 @@ elastic.local.network); elsewhere they are skipped with a journaled message
 (`fault_skipped`). Their end is journaled as `fault_healed`;
 - kill-controller: SIGKILL the controller; it starts again at the same
   address after CONTROLLER_RESTART_S, as systemd restarts it, and adopts the
-  running slice (the HOST is not used; needs the launcher that owns the
+  running slice (with a standby, `elasticd local --standby`, the standby
+  takes over at once and the killed one comes back as the standby) (the HOST is not used; needs the launcher that owns the
   controller: `elasticd local`, not `elasticd chaos`);
 - storage-slow: STORAGE_SLOW_LATENCY_S added to every request to the
   checkpoint bucket for STORAGE_FAULT_S (a bucket in a farther region);
@@ -160,7 +161,8 @@ class Chaos(threading.Thread):
     (elastic.checkpoint.faulty_storage.FaultProxy) for the storage kinds.
     network: the isolated hosts' network (elastic.local.network.NetworkPlan)
     for the network kinds. controller: (kill, restart) of the controller
-    for kill-controller (kill returns the pid it killed).
+    for kill-controller (kill returns the pid it killed and what happens
+    next, for the journal).
     """
 
     def __init__(self, spec: ChaosSpec | None, address: str, tls: TLSFiles | None,
@@ -168,7 +170,7 @@ class Chaos(threading.Thread):
                  Callable[[str], None], agent_pid: Callable[[str], int],
                  heartbeat_timeout_s: float, planned: list[Fault] | None = None,
                  keep_running: bool = False, storage=None, network=None,
-                 controller: tuple[Callable[[], int], Callable[[], None]] | None = None
+                 controller: tuple[Callable[[], tuple[int, str]], Callable[[], None]] | None = None
                  ) -> None:
         super().__init__(daemon=True)
         self.storage, self.network, self.controller = storage, network, controller
@@ -182,6 +184,18 @@ class Chaos(threading.Thread):
         self._halt = threading.Event()
         self._lock = threading.Lock()  # inject() may be called from another thread
         self._pending: list[tuple[float, Callable[[], None]]] = []
+
+    def _status(self):
+        """The job's status from the first controller address that answers
+        (`address` may list a leader and its standby, comma-separated).
+        Raises grpc.RpcError when none does."""
+        addresses = self.address.split(",")
+        for i, address in enumerate(addresses):
+            try:
+                return fetch_status(address, self.tls, timeout_s=2.0)
+            except grpc.RpcError:
+                if i == len(addresses) - 1:
+                    raise
 
     def stop(self) -> None:
         """Stop injecting; resume stopped agents and bring back hosts due back."""
@@ -219,7 +233,7 @@ class Chaos(threading.Thread):
         while not self._halt.is_set():
             self._run_due()
             try:
-                st = fetch_status(self.address, self.tls, timeout_s=2.0)
+                st = self._status()
                 if st.phase == "running" and slice_step(st) >= 0:
                     return st
             except grpc.RpcError:
@@ -245,7 +259,7 @@ class Chaos(threading.Thread):
         while self.planned and self._wait(0.1):
             journaled.update(e["kind"] for e in tail.new())
             try:
-                status = fetch_status(self.address, self.tls, timeout_s=2.0)
+                status = self._status()
             except grpc.RpcError:
                 continue
             step = slice_step(status)
@@ -299,7 +313,7 @@ class Chaos(threading.Thread):
         if kind == "kill-during-save":
             since = time.time()
             saved = self._wait_for_save(since, timeout_s=120)
-            status = fetch_status(self.address, self.tls, timeout_s=2.0)
+            status = self._status()
             host = next((x for x in status.hosts if x.host_id == h), host)
             worker = host.worker_pid
             note = f"save of step {saved['step']} in flight" if saved else "no save came; killed"
@@ -346,10 +360,9 @@ class Chaos(threading.Thread):
                                {"fault": "kill-controller"})
             return
         kill, restart = self.controller
-        pid = kill()
+        pid, then = kill()
         self.journal.write(time.time(), "fault_injected", status.generation,
-                           f"chaos: kill-controller (slice at step {step}); it starts again "
-                           f"in {CONTROLLER_RESTART_S:g} s", None,
+                           f"chaos: kill-controller (slice at step {step}); {then}", None,
                            {"fault": "kill-controller", "step": step, "pids": [pid]})
         self._later(CONTROLLER_RESTART_S, restart)
 

@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--checkpoint-dir", metavar="DIR_OR_URL",
                        help="the job's checkpoint directory, local or gs://bucket/prefix, "
                             "instead of job.checkpoint_dir")
+    start.add_argument("--standby", action="store_true",
+                       help="wait while another controller leads the job in --state-dir, "
+                            "then take over and adopt its slice (agents list both "
+                            "addresses: --controller LEADER,STANDBY)")
     _tls_args(start, CONTROLLER_TLS_DIR + " (a controller certificate)")
 
     status = sub.add_parser("status", help="show a running job")
@@ -104,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep checkpoints in a bucket of a local GCS emulator "
                             "(fake-gcs-server, from the dev extra) started for this run "
                             "(or gcs_emulator = true in the spec's [local] table)")
+    local.add_argument("--standby", action="store_true",
+                       help="run a standby controller beside the leader (elasticd start "
+                            "--standby): a killed leader is replaced at once; agents get both "
+                            "addresses")
     local.add_argument("--isolate", action="store_true",
                        help="each host and the controller in namespaces of their own: an "
                             "address on a private bridge, private /dev/shm and disk (needs "
@@ -290,7 +298,7 @@ def _start(args) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s elasticd %(levelname)s %(message)s")
     try:
-        return asyncio.run(serve(spec, args.listen, args.state_dir, tls))
+        return asyncio.run(serve(spec, args.listen, args.state_dir, tls, args.standby))
     except StartError as e:
         raise UsageError(str(e)) from None
 
@@ -329,6 +337,9 @@ def _local(args) -> int:
         if args.gce_metadata:
             raise UsageError("--isolate does not take --gce-metadata: the hosts cannot "
                              "reach this machine's loopback")
+    if args.standby and args.isolate:
+        raise UsageError("--standby does not work with --isolate yet: the controllers would "
+                         "share a state directory across namespaces")
     if not 1 <= args.hosts <= 256:
         raise UsageError("--hosts must be from 1 to 256")
     parts = args.devices_per_host.split(",")
@@ -359,7 +370,8 @@ def _local(args) -> int:
         return run_local(args.config, spec, args.hosts, devices, args.state_dir,
                          quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,
                          chaos=chaos, insecure=args.insecure, gcs_emulator=args.gcs_emulator,
-                         compile_cache_dir=args.compile_cache_dir, isolate=args.isolate)
+                         compile_cache_dir=args.compile_cache_dir, isolate=args.isolate,
+                         standby=args.standby)
     except NotADirectoryError as e:
         raise UsageError(str(e)) from None
     except RuntimeError as e:

@@ -62,3 +62,44 @@ def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
     assert journal[-2]["step"] == 499
     # every exit of a controller but the kills journaled controller_stopped
     assert kinds.count("controller_stopped") == 1
+
+
+def test_a_standby_takes_over_at_once_and_a_deposed_term_is_not_obeyed(tmp_path, local_job):
+    """`elasticd local --standby`: the leader is killed and the standby, on
+    another port, takes the lock, adopts the slice and leads as term 2; the
+    killed one comes back as the new standby. The job ends once."""
+    spec = tiny_spec(tmp_path, "--steps 250 --step-time-s 0.04 --checkpoint-every 50",
+                     min_hosts=2, max_hosts=2)
+    job = local_job(spec, hosts=2, faults=("kill-controller:all@step=20",),
+                    extra_args=("--standby",))
+    assert job.wait(90) == 0, job.output()
+    journal = job.journal()
+    kinds = [e["kind"] for e in journal]
+    starts = [e for e in journal if e["kind"] == "controller_started"]
+    assert [e["term"] for e in starts] == [1, 2], starts
+    kill = journal[kinds.index("fault_injected")]
+    adopted = journal[kinds.index("slice_adopted")]
+    assert "standby takes over" in kill["reason"]
+    assert adopted["ts"] - kill["ts"] < 3.0, (kill, adopted)  # no restart delay to wait out
+    assert kinds.count("generation_started") == 1 and "slice_stopping" not in kinds
+    assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
+    log = (tmp_path / "state" / "controller.log").read_text()
+    assert "standby: the leader is gone; leading the job as term 2" in log
+    assert "this standby has nothing to do" in log  # the killed one, back as standby
+
+
+def test_an_agent_refuses_commands_of_a_deposed_term(tmp_path):
+    from elastic.agent.agent import Agent, AgentSettings
+    from elastic.v1 import control_pb2 as pb
+
+    agent = Agent(AgentSettings(controller="127.0.0.1:1", host_id="h0", devices=1,
+                                address="127.0.0.1", failure_domain="h0",
+                                state_dir=str(tmp_path), tls=None))
+    spawned = []
+    agent._spawn = lambda coro: (spawned.append(coro), coro.close())
+    agent._term = 3
+    stop = pb.StopWorker(generation=1, grace_s=0.0, reason="from the old leader")
+    agent._command(pb.ControllerMessage(job_id="", generation=1, term=2, stop=stop))
+    assert spawned == []  # refused
+    agent._command(pb.ControllerMessage(job_id="", generation=1, term=3, stop=stop))
+    assert len(spawned) == 1  # the current leader's is carried out

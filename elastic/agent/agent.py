@@ -50,6 +50,10 @@ class _NoController(Exception):
     """No controller address answered in one round."""
 
 
+class _Deposed(Exception):
+    """A controller answered with a lower term than one already followed."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentSettings:
     """controller: "HOST:PORT", or several comma-separated (a leader and
@@ -126,6 +130,9 @@ class Agent:
         self._heartbeat_interval_s = 1.0
         self._heard_at = time.monotonic()
         self._fenced = ""  # why this agent stopped its worker on its own, until told
+        # the highest controller term heard (elastic.controller.leadership):
+        # a controller of a lower term was deposed and is not obeyed
+        self._term = 0
 
     def _recount_devices(self) -> None:
         """Count the device nodes again (when not fixed); a change rides on
@@ -345,6 +352,10 @@ class Agent:
         return None
 
     def _command(self, message: pb.ControllerMessage) -> None:
+        if message.term < self._term:
+            log.error("ignoring a %s of term %d: a controller of term %d leads the job",
+                      message.WhichOneof("body"), message.term, self._term)
+            return
         problem = self._command_problem(message)
         if problem:
             log.error("ignoring a malformed command from the controller: %s", problem)
@@ -381,6 +392,10 @@ class Agent:
         stub = pb_grpc.ControllerStub(channel)
         reply = await stub.Register(self._register_request(),
                                     timeout=self.settings.rpc_timeout_s)
+        if reply.term < self._term:
+            raise _Deposed(f"controller {address} leads term {reply.term}; a controller of "
+                           f"term {self._term} has led since: not following it")
+        self._term = reply.term
         self.job_id = reply.job_id
         self._heard_at, self._fenced = time.monotonic(), ""
         self._heartbeat_interval_s = reply.heartbeat_interval_s
@@ -460,8 +475,8 @@ class Agent:
                 await self._session(channel, address)
                 log.info("controller %s closed the stream; reconnecting", address)
                 return
-            except TLSError as e:
-                log.error("cannot connect to %s: %s", address, e)
+            except (TLSError, _Deposed) as e:
+                log.error("cannot follow %s: %s", address, e)
             except grpc.RpcError as e:
                 log.warning("controller %s: %s: %s", address, e.code().name, e.details())
             finally:

@@ -33,11 +33,13 @@ class Controller:
       elastic.policy.adopt): the controller adopts it if its agents agree.
     run_id: the run id the job's first controller gave its workers ("":
       this controller is the first and makes one).
+    term: its leadership term (elastic.controller.leadership).
     """
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
                  tick_s: float = 0.1, initial_generation: int = 0, known_step: int = -1,
-                 inherited: Inherited | None = None, run_id: str = "") -> None:
+                 inherited: Inherited | None = None, run_id: str = "",
+                 term: int = 0) -> None:
         self.spec = spec
         self.known_step = known_step
         self.clock = clock
@@ -49,7 +51,7 @@ class Controller:
                 phase=Phase.ADOPTING, generation=inherited.generation,
                 phase_since=clock.monotonic(), inherited=inherited,
                 reason=f"adopting generation {inherited.generation}: waiting for its hosts")
-        self.executor = Executor(spec, journal, clock, run_id)
+        self.executor = Executor(spec, journal, clock, run_id, term)
         # the journal as written so far, read incrementally (status computes ETTR from it)
         self.journal_tail = JournalTail(journal.path.parent)
         self._wake = asyncio.Event()
@@ -91,6 +93,7 @@ class Controller:
                              None, {"spec": self.spec.source,
                                     "checkpoint_dir": self.spec.checkpoint_dir,
                                     "run_id": self.executor.run_id,
+                                    "term": self.executor.term,
                                     "adopting": inherited.describe() if inherited else None})
         pass_s = 0.0
         while not self.state.phase.terminal:

@@ -66,11 +66,14 @@ class Executor:
     """Applies actions. `sessions` maps host id to its open stream; `run_id`
     names this run of the job to the workers (local snapshots of another run
     are never restored): the one given (the journal's, kept by every
-    controller that takes the job over), else a new one."""
+    controller that takes the job over), else a new one. `term`: this
+    controller's leadership term, sent with every command
+    (elastic.controller.leadership)."""
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
-                 run_id: str = "") -> None:
+                 run_id: str = "", term: int = 0) -> None:
         self.run_id = run_id or uuid.uuid4().hex[:16]
+        self.term = term
         self.spec = spec
         self.journal = journal
         self.clock = clock
@@ -111,6 +114,7 @@ class Executor:
         """Queue `message` on `host`'s stream; False (and a warning) when the
         host has no registration (its heartbeats will show what it runs)."""
         session = self.sessions.get(host)
+        message.term = self.term
         if session is None:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
                         host, message.WhichOneof("body"))

@@ -157,13 +157,16 @@ class Recorded:
       ("" if none), kept by the controllers after it;
     running: the generation that was running when the journal's last
       controller stopped writing (started or adopted, and neither stopping,
-      stopped nor ended), or None."""
+      stopped nor ended), or None;
+    ended: the job's exit code when its last generation ended the job
+      (0 after job_succeeded, 1 after job_failed), else None."""
 
     generation: int = 0
     step: int = -1
     committed_step: int = -1
     run_id: str = ""
     running: Inherited | None = None
+    ended: int | None = None
 
 
 #: Kinds after which the latest generation no longer runs.
@@ -174,6 +177,7 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
     """Scan the journal line by line (never all of it in memory)."""
     generation, step, committed, run_id = 0, -1, -1, ""
     running: Inherited | None = None
+    ended: int | None = None
     for e in read_journal(state_dir):
         kind = e["kind"]
         value = e.get("step")
@@ -181,9 +185,11 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
             step = max(step, value)
             if kind == "checkpoint_committed":
                 committed = max(committed, value)
+        if kind in ("job_succeeded", "job_failed"):
+            ended = 0 if kind == "job_succeeded" else 1
         if kind == "generation_started":
             generation = max(generation, e["generation"])
-            running = _inherited(e)
+            running, ended = _inherited(e), None
         elif kind == "controller_started" and not run_id and isinstance(e.get("run_id"), str):
             run_id = e["run_id"]
         elif running is not None and e["generation"] == running.generation:
@@ -191,7 +197,7 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
                 running = dataclasses.replace(running, progressed=True)
             elif kind in _ENDED:
                 running = None
-    return Recorded(generation, step, committed, run_id, running)
+    return Recorded(generation, step, committed, run_id, running, ended)
 
 
 def _inherited(entry: dict) -> Inherited | None:

@@ -13,6 +13,7 @@ from elastic.config import JobSpec
 from elastic.controller.core import Controller
 from elastic.checkpoint.storage import latest_step
 from elastic.controller.journal import JournalWriter, recorded
+from elastic.controller.leadership import Leadership
 from elastic.controller.servicer import ControllerServicer, add_servicer
 from elastic.security.files import private_dir
 from elastic.security.tls import TLSError, TLSFiles
@@ -20,6 +21,8 @@ from elastic.security.tls import TLSError, TLSFiles
 log = logging.getLogger("elasticd")
 
 ADDRESS_FILE = "controller.addr"
+#: How often (seconds) a standby tries the leader's lock.
+LEADERSHIP_POLL_S = 0.2
 
 
 class StartError(RuntimeError):
@@ -47,7 +50,7 @@ class ControllerServer:
 
     def __init__(self, spec: JobSpec, listen: str, state_dir: str | pathlib.Path,
                  tls: TLSFiles | None, clock: Clock | None = None,
-                 tick_s: float = 0.1) -> None:
+                 tick_s: float = 0.1, term: int = 0) -> None:
         self.state_dir = private_dir(state_dir)
         self.spec = spec.with_checkpoint_dir(str((self.state_dir / "checkpoints").resolve()))
         self.listen = listen
@@ -58,7 +61,8 @@ class ControllerServer:
             self.spec, self.journal, clock or SystemClock(), tick_s,
             initial_generation=before.generation,
             known_step=max(before.step, latest_step(self.spec.checkpoint_dir)),
-            inherited=before.running, run_id=before.run_id)
+            inherited=before.running, run_id=before.run_id, term=term)
+        self.ended = before.ended
         self.controller.view.committed_step = before.committed_step
         self.server = transport.aio_server()
         self.servicer = ControllerServicer(self.controller, authenticated=tls is not None)
@@ -111,8 +115,15 @@ class ControllerServer:
         self.journal.close()
 
 
-async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None) -> int:
+async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None,
+                standby: bool = False) -> int:
     """Run the controller until the job ends or SIGTERM/SIGINT arrives.
+
+    First it takes the job's leadership (elastic.controller.leadership):
+    raises StartError when another controller holds it, or with `standby`
+    waits until that one ends, then adopts what it left running. A standby
+    that takes over a job whose journal says it ended returns the job's
+    exit code at once.
 
     Returns the exit code: 0 job succeeded, 1 job failed, 143 / 130 stopped
     by SIGTERM / SIGINT (agents keep their workers; a restarted controller
@@ -120,13 +131,54 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     at every new connection anyway; the job spec is not reloaded). Every
     exit, an unexpected error included, journals `controller_stopped`.
     Raises StartError when the controller cannot start."""
-    try:
-        server = ControllerServer(spec, listen, state_dir, tls)
-    except (RuntimeError, TLSError, OSError) as e:
-        raise StartError(str(e)) from None
     received: list[int] = []
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
+    leadership = Leadership(state_dir)
+    try:
+        try:
+            code = await _lead(leadership, standby, stopped, received, loop)
+            if code is not None:
+                return code
+            server = ControllerServer(spec, listen, state_dir, tls, term=leadership.term)
+        except (RuntimeError, TLSError, OSError) as e:
+            raise StartError(str(e)) from None
+        if standby and server.ended is not None:
+            log.info("the job in %s has ended (exit %d); this standby has nothing to do",
+                     state_dir, server.ended)
+            server.journal.close()
+            return server.ended
+        return await _serve(server, stopped, received, loop)
+    finally:
+        leadership.release()
+
+
+async def _lead(leadership: Leadership, standby: bool, stopped: asyncio.Event,
+                received: list[int], loop) -> int | None:
+    """Take the leadership, waiting for it as a standby (SIGTERM/SIGINT end
+    the wait: returns 128 + the signal). None once it is held."""
+    if leadership.try_acquire():
+        return None
+    if not standby:
+        raise leadership.taken()
+    log.info("standby: another controller leads the job in %s; taking over when it ends",
+             leadership.state_dir)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stopped.set()))
+    try:
+        while stopped.is_set() or not leadership.try_acquire():
+            if stopped.is_set():
+                return 128 + received[0]
+            await asyncio.sleep(LEADERSHIP_POLL_S)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("standby: the leader is gone; leading the job as term %d", leadership.term)
+    return None
+
+
+async def _serve(server: ControllerServer, stopped: asyncio.Event, received: list[int],
+                 loop) -> int:
 
     def on_stop(sig: int) -> None:
         received.append(sig)

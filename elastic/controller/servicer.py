@@ -243,7 +243,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         reply = pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
                                     heartbeat_interval_s=health.heartbeat_interval_s,
                                     heartbeat_timeout_s=health.heartbeat_timeout_s,
-                                    controller_lease_s=health.controller_lease_s)
+                                    controller_lease_s=health.controller_lease_s,
+                                    term=c.executor.term)
         if c.spec.restart.prestart_workers:
             reply.launch.CopyFrom(c.executor.launch())
         return reply
@@ -351,7 +352,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def _reject(self, session: Session, reason: str) -> None:
         c = self.controller
         session.send(pb.ControllerMessage(
-            job_id=c.spec.job_id, generation=c.state.generation,
+            job_id=c.spec.job_id, generation=c.state.generation, term=c.executor.term,
             rejected=pb.Rejected(current_generation=c.state.generation, reason=reason)))
 
     def _handle(self, session: Session, message: pb.AgentMessage) -> None:
@@ -369,6 +370,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             # the agent's proof that it is still heard (its fencing lease)
             session.send(pb.ControllerMessage(job_id=c.spec.job_id,
                                               generation=c.state.generation,
+                                              term=c.executor.term,
                                               ack=pb.HeartbeatAck(seq=hb.seq)))
             return
         if refusal is None and not self._report_budget.take(h.host_id, c.clock.monotonic())[0]:

@@ -47,7 +47,7 @@ from elastic.config import JobSpec
 from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
 from elastic.controller.server import ADDRESS_FILE
 from elastic.controller.status import fetch_status, slice_step
-from elastic.chaos import STORAGE_KINDS, Chaos, ChaosSpec
+from elastic.chaos import CONTROLLER_RESTART_S, STORAGE_KINDS, Chaos, ChaosSpec
 from elastic.faults import Fault
 from elastic.local import leftovers, network
 from elastic.procs import spawn_bound
@@ -80,6 +80,11 @@ class LocalSlice:
     controller_argv: list[str] = dataclasses.field(default_factory=list)
     # True from a kill of the controller (chaos: kill-controller) until its restart
     controller_away: bool = False
+    # a standby controller (elasticd start --standby) and its command line
+    standby: subprocess.Popen | None = None
+    standby_argv: list[str] = dataclasses.field(default_factory=list)
+    # what the agents are given: the controller's address, and the standby's
+    addresses: str = ""
 
 
 TLS_DIR = "tls"
@@ -227,7 +232,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 checkpoint_dir: str | None = None,
                 extra_env: dict[str, str] | None = None,
                 compile_cache_dir: pathlib.Path | None = None,
-                net: network.NetworkPlan | None = None) -> LocalSlice:
+                net: network.NetworkPlan | None = None, standby: bool = False) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
@@ -237,7 +242,9 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     (default: one under the state dir, new each run; isolated hosts have
     their own, which starts as a copy of `compile_cache_dir` if given).
     With `net` (made by the caller: network.create), the controller and
-    each host run in their namespaces on that network.
+    each host run in their namespaces on that network. With `standby`, a
+    second controller waits as a standby on another loopback port
+    (elastic.controller.leadership) and agents are given both addresses.
     Every process started dies with this one (spawn_bound).
 
     Raises RuntimeError when the controller exits or does not listen within
@@ -271,11 +278,18 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         argv = isolated_argv(net, network.CONTROLLER, argv, state_dir)
     controller, address = _spawn_controller(argv, state_dir, env)
     controller_argv = [address if arg == listen else arg for arg in argv]
+    standby_proc, standby_argv, addresses = None, [], address
+    if standby:
+        other = f"127.0.0.1:{free_port()}"
+        standby_argv = [other if arg == address else arg for arg in controller_argv] + \
+            ["--standby"]
+        standby_proc = _spawn_standby(standby_argv, state_dir, env)
+        addresses = f"{address},{other}"
     per_domain = spec.hosts_per_failure_domain
     agents, argvs = {}, {}
     for i, host_id in enumerate(host_ids):
         simdevices.set_devices(simdevices.device_dir(state_dir, host_id), counts[i])
-        argv = agent_argv(address, host_id, f"domain-{i // per_domain}",
+        argv = agent_argv(addresses, host_id, f"domain-{i // per_domain}",
                           state_dir, spec, insecure, metadata_url, compile_cache_dir, net)
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = spawn_bound(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -283,7 +297,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         out.close()
         argvs[host_id] = argv
     local = LocalSlice(state_dir, controller, address, agents, argvs, tls,
-                       spec.health.heartbeat_timeout_s, extra_env, net, controller_argv)
+                       spec.health.heartbeat_timeout_s, extra_env, net, controller_argv,
+                       standby=standby_proc, standby_argv=standby_argv, addresses=addresses)
     write_local_file(local)
     return local
 
@@ -306,20 +321,76 @@ def _spawn_controller(argv: list[str], state_dir: pathlib.Path,
     return controller, address
 
 
-def kill_controller(local: LocalSlice) -> int:
-    """SIGKILL the controller (a crash, an OOM kill) and mark it away
-    until `restart_controller`; returns its pid."""
-    local.controller_away = True
-    local.controller.kill()
-    local.controller.wait()
-    return local.controller.pid
+def controller_running(local: LocalSlice) -> bool:
+    """Whether the job still has a controller: one alive (the leader, or a
+    standby that will take over), or one being started again."""
+    return local.controller_away or any(
+        p is not None and p.poll() is None for p in (local.controller, local.standby))
+
+
+def job_code(local: LocalSlice) -> int | None:
+    """The job's exit code once no controller runs: the leader's, or the
+    standby's when the leader was killed (a standby that takes over an ended
+    job exits with its code); None while one runs."""
+    codes = [p.poll() for p in (local.controller, local.standby) if p is not None]
+    if any(c is None for c in codes):
+        return None
+    return next((c for c in codes if c >= 0), codes[0])
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_standby(argv: list[str], state_dir: pathlib.Path,
+                   env: dict[str, str]) -> subprocess.Popen:
+    """Start a standby controller (it writes no address until it leads)."""
+    log = open_private(state_dir / "controller.log", "ab")
+    proc = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
+                       stdin=subprocess.DEVNULL, env=env)
+    log.close()
+    return proc
+
+
+def kill_controller(local: LocalSlice) -> tuple[int, str]:
+    """SIGKILL the controller (a crash, an OOM kill); returns its pid and
+    what happens next (for the journal).
+    With a standby, the standby becomes the controller the run waits on (it
+    takes over at once) and the killed one comes back as the new standby
+    (`restart_controller`); without one, the controller is away until
+    `restart_controller`."""
+    killed = local.controller
+    if local.standby is not None and local.standby.poll() is None:
+        local.controller, local.standby = local.standby, killed
+        local.controller_argv, local.standby_argv = (
+            [a for a in local.standby_argv if a != "--standby"],
+            local.controller_argv + ["--standby"])
+        then = (f"the standby takes over; the killed one comes back as the standby in "
+                f"{CONTROLLER_RESTART_S:g} s")
+    else:
+        local.controller_away = True
+        then = f"it starts again in {CONTROLLER_RESTART_S:g} s"
+    killed.kill()
+    killed.wait()
+    return killed.pid, then
 
 
 def restart_controller(local: LocalSlice) -> None:
     """Start the controller again at the address it had, with the same
     spec and state directory, as systemd's Restart=on-failure would; it
-    adopts the running slice (elastic.policy.adopt). Raises RuntimeError
-    when it does not start."""
+    adopts the running slice (elastic.policy.adopt), or, with a standby,
+    waits as the new standby. Raises RuntimeError when it does not start."""
+    env = {**child_env(), **local.extra_env}
+    if local.standby is not None:
+        local.standby = _spawn_standby(local.standby_argv, local.state_dir, env)
+        local.controller_away = False
+        write_local_file(local)
+        return
     try:
         local.controller, _ = _spawn_controller(local.controller_argv, local.state_dir,
                                                 {**child_env(), **local.extra_env})
@@ -359,6 +430,8 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
     failures to recover from), then the agents (SIGINT: they end their
     workers, no preemption drain), including agents that `elasticd chaos`
     started again (listed in local.json). Bounded."""
+    if local.standby is not None:  # first, so that it does not take over
+        _terminate([local.standby], 5.0)
     _terminate([local.controller], 5.0)
     _terminate(list(local.agents.values()), agent_grace_s, signal.SIGINT)
     ours = {p.pid for p in local.agents.values()}
@@ -570,7 +643,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
               progress_every_s: float = 5.0, metadata_url: str | None = None,
               chaos: ChaosSpec | None = None, insecure: bool = False,
               gcs_emulator: bool = False, compile_cache_dir: str | None = None,
-              isolate: bool = False) -> int:
+              isolate: bool = False, standby: bool = False) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting the planned `faults` and random `chaos` faults on the way;
     prints a summary at the end. Mutual TLS with a throwaway CA unless
@@ -583,7 +656,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     `isolate`: hosts and controller in namespaces of their own
     (elastic.local.network), with the emulator on the network's gateway
     (as if `gcs_emulator`). What a killed earlier run in `state_dir` left
-    is removed first (elastic.local.leftovers).
+    is removed first (elastic.local.leftovers). `standby`: a second
+    controller waits as a standby (not with `isolate`).
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
     after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).
@@ -610,14 +684,14 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
                             insecure, around.checkpoint_dir, around.extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
-                            if compile_cache_dir else None, around.net)
+                            if compile_cache_dir else None, around.net, standby)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")
         print(f"elasticd local: controller at {local.address}, {hosts} hosts x "
               f"{devices}, state in {state}", flush=True)
         if faults or chaos:
-            injector = Chaos(chaos, local.address, local.tls, state,
+            injector = Chaos(chaos, local.addresses, local.tls, state,
                              lambda h: restart_agent(local, h),
                              lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
                              planned=faults, storage=around.proxy, network=around.net,
@@ -626,14 +700,14 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector.start()
         live = sys.stdout.isatty()
         next_line = time.monotonic() + (0.5 if live else progress_every_s)
-        while not received and (local.controller.poll() is None or local.controller_away):
+        while not received and controller_running(local):
             time.sleep(0.05)
             if not quiet and time.monotonic() >= next_line:
                 next_line = time.monotonic() + (0.5 if live else progress_every_s)
                 # on a terminal one line updated in place; otherwise plain lines
                 print(("\r\033[K" if live else "") + progress_line(local.address, local.tls),
                       end="" if live else "\n", flush=True)
-        code = local.controller.poll()
+        code = job_code(local)
         stop_slice(local, agent_grace_s=spec.health.stop_grace_s + 5.0)
         if received:
             return 128 + received[0]
