@@ -139,6 +139,9 @@ class HealthSpec:
       the controller (~1-3 s) and above heartbeat_timeout_s. A slice whose
       members are all lost at once (cut off from the controller together)
       is replaced only after this long (see elastic.policy.decide).
+    leader_lease_s: with checkpoints in a bucket, the controllers' lease on
+      the journal object there (elastic.controller.bucket_lease): a standby
+      takes over once the leader has not renewed it for this long.
     """
 
     heartbeat_interval_s: float = 1.0
@@ -149,6 +152,7 @@ class HealthSpec:
     rendezvous_settle_s: float = 1.0
     carry_silent_hosts: bool = True
     controller_lease_s: float = 30.0
+    leader_lease_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +448,7 @@ def validate(spec: JobSpec) -> None:
          f"health.heartbeat_timeout_s ({h.heartbeat_timeout_s}) must be greater than "
          f"health.heartbeat_interval_s ({h.heartbeat_interval_s})"),
         (h.reconnect_grace_s > 0, "health.reconnect_grace_s must be > 0"),
+        (h.leader_lease_s > 0, "health.leader_lease_s must be > 0"),
         (h.controller_lease_s > h.heartbeat_interval_s,
          f"health.controller_lease_s ({h.controller_lease_s}) must be greater than "
          f"health.heartbeat_interval_s ({h.heartbeat_interval_s})"),

@@ -213,7 +213,10 @@ class LocalJob:
             env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def journal(self) -> list[dict]:
-        path = self.state_dir / "events.jsonl"
+        """The job's journal (a standby's own, once it holds more of it)."""
+        from elastic.local import journal_dir
+
+        path = journal_dir(self.state_dir) / "events.jsonl"
         if not path.exists():
             return []
         entries = []

@@ -12,7 +12,7 @@ from tests.conftest import tiny_spec
 
 
 def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
-    spec = tiny_spec(tmp_path, "--steps 500 --step-time-s 0.04 --checkpoint-every 100 "
+    spec = tiny_spec(tmp_path, "--steps 320 --step-time-s 0.04 --checkpoint-every 100 "
                      "--save-time-s 1.5",
                      min_hosts=2, max_hosts=3)
     job = local_job(spec, hosts=3, faults=(
@@ -59,7 +59,7 @@ def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
     stopped = [e for e in journal if e["kind"] == "slice_stopped"]
     assert stopped[0]["generation"] == 1 and stopped[0]["ts"] <= started[1]["ts"]
     assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
-    assert journal[-2]["step"] == 499
+    assert journal[-2]["step"] == 319
     # every exit of a controller but the kills journaled controller_stopped
     assert kinds.count("controller_stopped") == 1
 
@@ -84,7 +84,7 @@ def test_a_standby_takes_over_at_once_and_a_deposed_term_is_not_obeyed(tmp_path,
     assert kinds.count("generation_started") == 1 and "slice_stopping" not in kinds
     assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
     log = (tmp_path / "state" / "controller.log").read_text()
-    assert "standby: the leader is gone; leading the job as term 2" in log
+    assert "the leader is gone; this controller holds the lock on" in log
     assert "this standby has nothing to do" in log  # the killed one, back as standby
 
 
@@ -103,3 +103,82 @@ def test_an_agent_refuses_commands_of_a_deposed_term(tmp_path):
     assert spawned == []  # refused
     agent._command(pb.ControllerMessage(job_id="", generation=1, term=3, stop=stop))
     assert len(spawned) == 1  # the current leader's is carried out
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_bucket_lease_passes_only_after_the_leader_stops_renewing(tmp_path, gcs_emulator,
+                                                                       gcs_bucket):
+    """Two controllers with state dirs of their own and one bucket (the real
+    emulator, a fake clock): the lease is the journal object, renewed by
+    generation-matched uploads; a standby claims it only after lease_s
+    without a renewal, with the leader's journal; the deposed leader's next
+    renewal fails; a controller restarted on the holder's own state dir
+    takes it back at once."""
+    from elastic.controller.bucket_lease import BucketLease
+
+    clock, client = FakeClock(), gcs_emulator.client()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = BucketLease(f"{gcs_bucket}/job", tmp_path / "a", 10.0, client, clock)
+    b = BucketLease(f"{gcs_bucket}/job", tmp_path / "b", 10.0, client, clock)
+    (tmp_path / "a" / "events.jsonl").write_text('{"ts": 1, "kind": "controller_started"}\n')
+    assert a.try_acquire()  # no object yet: the first one leads
+    assert not b.try_acquire()  # first sight of the generation
+    clock.now += 8
+    assert not b.try_acquire()
+    with open(tmp_path / "a" / "events.jsonl", "a") as f:
+        f.write('{"ts": 2, "kind": "generation_started"}\n')
+    assert a.renew() == ""  # a new generation: the standby's wait starts again
+    clock.now += 8
+    assert not b.try_acquire()
+    clock.now += 8
+    assert not b.try_acquire()  # 8 s since it saw the renewal
+    clock.now += 3
+    assert b.try_acquire()  # 11 s without a renewal
+    assert (tmp_path / "b" / "events.jsonl").read_text() == \
+        (tmp_path / "a" / "events.jsonl").read_text()  # the journal goes on
+    assert "deposed" in a.renew()
+    assert b.renew() == ""
+    again = BucketLease(f"{gcs_bucket}/job", tmp_path / "b", 10.0, client, clock)
+    assert again.try_acquire()  # its own state dir's lease: no wait
+    assert "deposed" in b.renew()  # (the old process of that state dir)
+
+
+def test_a_frozen_leader_loses_the_bucket_lease_to_a_standby_and_steps_down(
+        tmp_path, local_job):
+    """Controllers that share only the bucket (the GCS emulator; the standby
+    has a state dir of its own). The leader is frozen (SIGSTOP: as cut off
+    from agents and bucket alike; its lock is still held, its connections
+    still open): the standby takes the lease once it has gone unrenewed for
+    health.leader_lease_s, continues the leader's journal and adopts the
+    slice; the agents leave the silent leader. Woken (SIGCONT), the old
+    leader's next renewal fails its precondition and it steps down."""
+    import os
+    import signal
+
+    spec = tiny_spec(tmp_path, "--steps 320 --step-time-s 0.04 --checkpoint-every 100000",
+                     min_hosts=2, max_hosts=2, extra="leader_lease_s = 3.0")
+    job = local_job(spec, hosts=2, extra_args=("--standby", "--gcs-emulator"))
+    job.wait_for("first_progress", generation=1, timeout_s=60)
+    leader = job.local_info()["controller_pid"]
+    os.kill(leader, signal.SIGSTOP)
+    try:
+        adopted = job.wait_for("slice_adopted", timeout_s=30)
+    finally:
+        os.kill(leader, signal.SIGCONT)
+    assert job.wait(60) == 0, job.output()
+    journal = job.journal()  # the standby's: the leader's lines, then its own
+    kinds = [e["kind"] for e in journal]
+    starts = [e for e in journal if e["kind"] == "controller_started"]
+    assert [e["term"] for e in starts] == [1, 2] and adopted["generation"] == 1
+    assert kinds.count("generation_started") == 1 and "slice_stopping" not in kinds
+    assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
+    log = (tmp_path / "state" / "controller.log").read_text()
+    assert "stepping down: deposed" in log, log[-3000:]

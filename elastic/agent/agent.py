@@ -432,8 +432,38 @@ class Agent:
                 self._heartbeat()
 
         tasks = [asyncio.create_task(write()), asyncio.create_task(beat())]
+        # A controller answers every heartbeat. One silent this long is
+        # stopped or cut off (its connection may stay open for minutes):
+        # end the session and go round the addresses (a standby may lead).
+        # (Reads go through a queue: a cancelled read would end the call.)
+        silence_s = max(reply.heartbeat_timeout_s, 3 * reply.heartbeat_interval_s)
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    inbox.put_nowait(message)
+            finally:
+                inbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        tasks.append(reader)
         try:
-            while (message := await call.read()) is not grpc.aio.EOF:
+            while True:
+                try:
+                    message = await asyncio.wait_for(inbox.get(), silence_s)
+                except TimeoutError:
+                    await asyncio.sleep(0.5)  # (this agent may have been stopped itself)
+                    if inbox.empty():
+                        log.warning("controller %s silent for %.1f s; looking for a "
+                                    "controller", address, silence_s)
+                        return
+                    continue
+                if message is None:
+                    await asyncio.wait([reader])
+                    if reader.exception() is not None:
+                        raise reader.exception()
+                    break
                 self._heard_at = time.monotonic()
                 self._command(message)
         finally:

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from elastic.policy.adopt import Inherited
@@ -40,6 +40,8 @@ class JournalWriter:
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.path = private_dir(state_dir) / JOURNAL_NAME
         self._file = open_private(self.path)
+        #: called with each entry once it is written (the bucket lease's mirror)
+        self.on_write: Callable[[dict], None] | None = None
 
     def write(self, ts: float, kind: str, generation: int, reason: str,
               host: str | None = None, fields: Mapping[str, Any] | None = None) -> dict:
@@ -54,6 +56,8 @@ class JournalWriter:
                 entry[key] = value
         self._file.write(json.dumps(entry, sort_keys=False) + "\n")
         self._file.flush()
+        if self.on_write is not None:
+            self.on_write(entry)
         return entry
 
     def close(self) -> None:
@@ -159,7 +163,8 @@ class Recorded:
       controller stopped writing (started or adopted, and neither stopping,
       stopped nor ended), or None;
     ended: the job's exit code when its last generation ended the job
-      (0 after job_succeeded, 1 after job_failed), else None."""
+      (0 after job_succeeded, 1 after job_failed), else None;
+    term: the highest leadership term a controller journaled (0 if none)."""
 
     generation: int = 0
     step: int = -1
@@ -167,6 +172,7 @@ class Recorded:
     run_id: str = ""
     running: Inherited | None = None
     ended: int | None = None
+    term: int = 0
 
 
 #: Kinds after which the latest generation no longer runs.
@@ -178,6 +184,7 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
     generation, step, committed, run_id = 0, -1, -1, ""
     running: Inherited | None = None
     ended: int | None = None
+    term = 0
     for e in read_journal(state_dir):
         kind = e["kind"]
         value = e.get("step")
@@ -190,14 +197,17 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
         if kind == "generation_started":
             generation = max(generation, e["generation"])
             running, ended = _inherited(e), None
-        elif kind == "controller_started" and not run_id and isinstance(e.get("run_id"), str):
-            run_id = e["run_id"]
+        elif kind == "controller_started":
+            if not run_id and isinstance(e.get("run_id"), str):
+                run_id = e["run_id"]
+            if isinstance(e.get("term"), int) and not isinstance(e.get("term"), bool):
+                term = max(term, e["term"])
         elif running is not None and e["generation"] == running.generation:
             if kind == "first_progress":
                 running = dataclasses.replace(running, progressed=True)
             elif kind in _ENDED:
                 running = None
-    return Recorded(generation, step, committed, run_id, running, ended)
+    return Recorded(generation, step, committed, run_id, running, ended, term)
 
 
 def _inherited(entry: dict) -> Inherited | None:

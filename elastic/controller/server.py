@@ -6,14 +6,16 @@ import asyncio
 import logging
 import pathlib
 import signal
+import time
 
 from elastic import transport
 from elastic.clock import Clock, SystemClock
 from elastic.config import JobSpec
 from elastic.controller.core import Controller
-from elastic.checkpoint.storage import latest_step
+from elastic.checkpoint.storage import StorageError, latest_step
 from elastic.controller.journal import JournalWriter, recorded
-from elastic.controller.leadership import Leadership
+from elastic.controller.bucket_lease import PROMPT_KINDS, BucketLease
+from elastic.controller.leadership import Leadership, LeadershipTaken
 from elastic.controller.servicer import ControllerServicer, add_servicer
 from elastic.security.files import private_dir
 from elastic.security.tls import TLSError, TLSFiles
@@ -23,6 +25,9 @@ log = logging.getLogger("elasticd")
 ADDRESS_FILE = "controller.addr"
 #: How often (seconds) a standby tries the leader's lock.
 LEADERSHIP_POLL_S = 0.2
+#: The exit code of a controller that stopped leading (deposed, or cut off
+#: from the bucket that holds its lease).
+DEPOSED_EXIT = 3
 
 
 class StartError(RuntimeError):
@@ -119,66 +124,129 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
                 standby: bool = False) -> int:
     """Run the controller until the job ends or SIGTERM/SIGINT arrives.
 
-    First it takes the job's leadership (elastic.controller.leadership):
-    raises StartError when another controller holds it, or with `standby`
+    First it takes the job's leadership: the lock on the state directory
+    (elastic.controller.leadership) and, with checkpoints in a bucket, the
+    lease on the journal object there (elastic.controller.bucket_lease).
+    Raises StartError when another controller holds either (after waiting
+    out the bucket lease once: its holder may be dead), or with `standby`
     waits until that one ends, then adopts what it left running. A standby
     that takes over a job whose journal says it ended returns the job's
     exit code at once.
 
-    Returns the exit code: 0 job succeeded, 1 job failed, 143 / 130 stopped
-    by SIGTERM / SIGINT (agents keep their workers; a restarted controller
-    takes over). SIGHUP is journaled and ignored (certificates are re-read
-    at every new connection anyway; the job spec is not reloaded). Every
-    exit, an unexpected error included, journals `controller_stopped`.
+    Returns the exit code: 0 job succeeded, 1 job failed, 3 deposed (another
+    controller took the bucket lease, or it could not be renewed), 143 / 130
+    stopped by SIGTERM / SIGINT (agents keep their workers; a restarted
+    controller takes over). SIGHUP is journaled and ignored (certificates are
+    re-read at every new connection anyway; the job spec is not reloaded).
+    Every exit, an unexpected error included, journals `controller_stopped`.
     Raises StartError when the controller cannot start."""
     received: list[int] = []
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
-    leadership = Leadership(state_dir)
+    leadership: Leadership | None = None
+    lease = None
     try:
         try:
-            code = await _lead(leadership, standby, stopped, received, loop)
+            leadership = Leadership(state_dir)
+
+            async def lock() -> bool:
+                return leadership.try_acquire()
+
+            code = await _wait_to_lead(lock, f"the lock on {leadership.state_dir}", standby,
+                                       0.0, LEADERSHIP_POLL_S, stopped, received, loop)
             if code is not None:
                 return code
-            server = ControllerServer(spec, listen, state_dir, tls, term=leadership.term)
-        except (RuntimeError, TLSError, OSError) as e:
+            if (spec.checkpoint_dir or "").startswith("gs://"):
+                try:
+                    lease = BucketLease(spec.checkpoint_dir, state_dir,
+                                        spec.health.leader_lease_s)
+                except StorageError as e:  # (a bucket's root: the lock alone then)
+                    log.warning("no lease in the bucket: %s", e)
+            if lease is not None:
+
+                async def claim() -> bool:
+                    return await asyncio.to_thread(lease.try_acquire)
+
+                code = await _wait_to_lead(claim, f"the lease on {lease.url}", standby,
+                                           1.5 * lease.lease_s, min(1.0, lease.lease_s / 5),
+                                           stopped, received, loop)
+                if code is not None:
+                    return code
+            before = recorded(state_dir)
+            server = ControllerServer(spec, listen, state_dir, tls,
+                                      term=max(leadership.term, before.term + 1))
+        except (RuntimeError, TLSError, OSError, StorageError) as e:
             raise StartError(str(e)) from None
         if standby and server.ended is not None:
             log.info("the job in %s has ended (exit %d); this standby has nothing to do",
                      state_dir, server.ended)
             server.journal.close()
             return server.ended
-        return await _serve(server, stopped, received, loop)
+        return await _serve(server, stopped, received, loop, lease)
     finally:
-        leadership.release()
+        if leadership is not None:
+            leadership.release()
 
 
-async def _lead(leadership: Leadership, standby: bool, stopped: asyncio.Event,
-                received: list[int], loop) -> int | None:
-    """Take the leadership, waiting for it as a standby (SIGTERM/SIGINT end
-    the wait: returns 128 + the signal). None once it is held."""
-    if leadership.try_acquire():
+async def _wait_to_lead(acquire, what: str, standby: bool, patience_s: float, poll_s: float,
+                        stopped: asyncio.Event, received: list[int], loop) -> int | None:
+    """Poll `acquire()` (async, True once held) every `poll_s` seconds: for
+    ever as a standby (SIGTERM/SIGINT end the wait: returns 128 + the
+    signal), else for `patience_s` (then LeadershipTaken). None once held."""
+    if await acquire():
         return None
-    if not standby:
-        raise leadership.taken()
-    log.info("standby: another controller leads the job in %s; taking over when it ends",
-             leadership.state_dir)
+    if not standby and patience_s <= 0:
+        raise LeadershipTaken(f"another controller holds {what}; start this one with "
+                              f"--standby to take over when it ends")
+    log.info("%s: another controller holds %s; taking over when it ends",
+             "standby" if standby else "waiting", what)
+    deadline = time.monotonic() + patience_s
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stopped.set()))
     try:
-        while stopped.is_set() or not leadership.try_acquire():
+        while not stopped.is_set():
+            await asyncio.sleep(poll_s)
             if stopped.is_set():
-                return 128 + received[0]
-            await asyncio.sleep(LEADERSHIP_POLL_S)
+                break
+            try:
+                if await acquire():
+                    log.info("the leader is gone; this controller holds %s", what)
+                    return None
+            except StorageError as e:
+                if not standby:
+                    raise
+                log.warning("standby: %s", e)
+            if not standby and time.monotonic() > deadline:
+                raise LeadershipTaken(f"another controller holds {what} and renews it; start "
+                                      f"this one with --standby to take over when it ends")
+        return 128 + received[0]
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    log.info("standby: the leader is gone; leading the job as term %d", leadership.term)
-    return None
 
 
 async def _serve(server: ControllerServer, stopped: asyncio.Event, received: list[int],
-                 loop) -> int:
+                 loop, lease: BucketLease | None = None) -> int:
+    deposed: list[str] = []
+
+    prompt = asyncio.Event()
+
+    async def keep_lease() -> None:
+        """Renew the bucket lease (and mirror the journal) every lease_s / 4,
+        and at once after an entry a standby needs; stop leading at once when
+        deposed or cut off from the bucket."""
+        while True:
+            try:
+                await asyncio.wait_for(prompt.wait(), lease.lease_s / 4)
+            except TimeoutError:
+                pass
+            prompt.clear()
+            why = await asyncio.to_thread(lease.renew)
+            if why:
+                log.error("stepping down: %s", why)
+                deposed.append(why)
+                stopped.set()
+                return
 
     def on_stop(sig: int) -> None:
         received.append(sig)
@@ -204,12 +272,19 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
         raise StartError(str(e)) from None
     run = asyncio.create_task(server.run())
     stop_wait = asyncio.create_task(stopped.wait())
+    renewing = None
+    if lease is not None:
+        server.journal.on_write = lambda entry: prompt.set() \
+            if entry["kind"] in PROMPT_KINDS else None
+        renewing = asyncio.create_task(keep_lease())
     reason, code = "controller ended unexpectedly", 1
     try:
         await asyncio.wait([run, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         if run.done():
             code = run.result()
             reason = f"job {'succeeded' if code == 0 else 'failed'}"
+        elif deposed:
+            code, reason = DEPOSED_EXIT, f"controller stepped down: {deposed[0]}"
         else:
             name = signal.Signals(received[0]).name
             code, reason = 128 + received[0], f"controller stopped by {name}"
@@ -217,7 +292,12 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
         reason = f"controller crashed: {type(e).__name__}: {e}"
         raise
     finally:
-        for task in (run, stop_wait):
-            task.cancel()
+        for task in (run, stop_wait, renewing):
+            if task is not None:
+                task.cancel()
         await server.stop(reason)
+        if lease is not None and not deposed:  # the journal's last lines, to the bucket
+            why = await asyncio.to_thread(lease.renew)
+            if why:
+                log.error("the journal's last lines did not reach the bucket: %s", why)
     return code

@@ -44,6 +44,7 @@ import grpc
 
 from elastic import simdevices
 from elastic.config import JobSpec
+from elastic.checkpoint.emulator import free_port
 from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
 from elastic.controller.server import ADDRESS_FILE
 from elastic.controller.status import fetch_status, slice_step
@@ -88,6 +89,8 @@ class LocalSlice:
 
 
 TLS_DIR = "tls"
+#: The state dir of a standby controller that shares only the bucket.
+STANDBY_DIR = "standby"
 
 
 def _literal(text: str) -> str:
@@ -280,9 +283,14 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     controller_argv = [address if arg == listen else arg for arg in argv]
     standby_proc, standby_argv, addresses = None, [], address
     if standby:
-        other = f"127.0.0.1:{free_port()}"
+        other = f"127.0.0.1:{free_port()}"  # (elastic.checkpoint.emulator's)
         standby_argv = [other if arg == address else arg for arg in controller_argv] + \
             ["--standby"]
+        if (checkpoint_dir or spec.checkpoint_dir or "").startswith("gs://"):
+            # controllers that share only the bucket: a state dir of its own
+            # (elastic.controller.bucket_lease); the journal follows the lease
+            own = private_dir(state_dir / STANDBY_DIR)
+            standby_argv[standby_argv.index("--state-dir") + 1] = str(own)
         standby_proc = _spawn_standby(standby_argv, state_dir, env)
         addresses = f"{address},{other}"
     per_domain = spec.hosts_per_failure_domain
@@ -335,16 +343,16 @@ def job_code(local: LocalSlice) -> int | None:
     codes = [p.poll() for p in (local.controller, local.standby) if p is not None]
     if any(c is None for c in codes):
         return None
-    return next((c for c in codes if c >= 0), codes[0])
+    return next((c for c in codes if c in (0, 1)), codes[0])  # (3: a deposed leader)
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def journal_dir(state_dir: pathlib.Path) -> pathlib.Path:
+    """Where the job's journal is whole: the state dir, or a standby's own
+    (when controllers share only the bucket, the one that led last holds
+    all of it)."""
+    dirs = [state_dir, state_dir / STANDBY_DIR]
+    return max((d for d in dirs if (d / JOURNAL_NAME).exists()),
+               key=lambda d: (d / JOURNAL_NAME).stat().st_size, default=state_dir)
 
 
 def _spawn_standby(argv: list[str], state_dir: pathlib.Path,
@@ -721,6 +729,6 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
         if follower:
             follower.stop()
         if not quiet:
-            print(summarize(read_journal(state)), flush=True)
+            print(summarize(read_journal(journal_dir(state))), flush=True)
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -1,0 +1,158 @@
+"""Leadership through the checkpoint bucket, for controllers that share only
+the bucket (a standby on another host, no shared file system).
+
+The lease is the job's journal itself, one object in the bucket beside the
+checkpoint directory (never in it: Orbax removes what it finds there that is
+not a committed step): `gs://bucket/a/b` keeps it in
+`gs://bucket/a/b.elastic-controller/events.jsonl`. The leader uploads its
+journal every `lease_s / 4`, and at once after an entry a standby needs
+(PROMPT_KINDS: a generation started, stopping, ended), with `ifGenerationMatch` = the generation it
+wrote last: each upload renews the lease and mirrors the journal. A standby
+polls the object's generation; when it has not changed for `lease_s` by the
+standby's own monotonic clock (so no clock skew between hosts matters), it
+downloads the journal at that generation into its state directory and
+claims the object by uploading it back with `ifGenerationMatch` = that
+generation: of two standbys only one succeeds. A leader whose upload fails
+its precondition has been deposed and stops at once; one that could not
+upload for `lease_s / 2` (a partition from the bucket) stops too, before any
+standby can have taken over. The object names its holder (host and state
+directory) in its metadata: a controller restarted on the holder's own state
+directory (which it locks, elastic.controller.leadership) takes the lease
+back at once instead of waiting it out.
+
+This is the lease-with-fencing-token pattern (Kleppmann, "How to do
+distributed locking", 2016) with the object generation as the token, as
+GCS documents for `ifGenerationMatch` ("Request preconditions").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import socket
+import time
+from collections.abc import Callable
+
+from elastic.checkpoint import gcs
+from elastic.checkpoint.storage import StorageError
+from elastic.controller.journal import JOURNAL_NAME
+from elastic.security.files import write_private
+
+log = logging.getLogger("elasticd")
+
+SUFFIX = ".elastic-controller/" + JOURNAL_NAME
+#: Entries uploaded at once, not at the next renewal: what a standby needs
+#: to adopt the slice (the generation running, whether it is stopping).
+PROMPT_KINDS = frozenset({"generation_started", "first_progress", "slice_adopted",
+                          "slice_stopping", "slice_stopped", "job_succeeded", "job_failed"})
+
+
+class BucketLease:
+    """The lease on the journal object beside `checkpoint_url`
+    (gs://bucket/prefix; raises StorageError for a bucket's root, which
+    leaves no place outside the checkpoints) for a controller with
+    `state_dir`.
+
+    `try_acquire()` (polled by a starting controller) and `renew()` (by the
+    leader, every `lease_s / 4`) do blocking I/O: call them from a thread.
+    `gcs`: a google-cloud-storage client (default: elastic.checkpoint.gcs).
+    `clock`: monotonic seconds."""
+
+    def __init__(self, checkpoint_url: str, state_dir: str | os.PathLike[str], lease_s: float,
+                 gcs_client=None, clock: Callable[[], float] = time.monotonic) -> None:
+        bucket, prefix = gcs.split(checkpoint_url)
+        if not prefix:
+            raise StorageError(f"checkpoint directory {checkpoint_url} is a bucket's root: the "
+                               f"controllers' journal needs a place beside it (use "
+                               f"gs://BUCKET/PREFIX)")
+        self._blob_name = prefix.rstrip("/") + SUFFIX
+        self.url = f"gs://{bucket}/{self._blob_name}"
+        self.state_dir = pathlib.Path(state_dir).resolve()
+        self.holder = f"{socket.gethostname()}:{self.state_dir}"
+        self.lease_s = lease_s
+        self.clock = clock
+        self._gcs = gcs_client or gcs.client()
+        self._bucket = self._gcs.bucket(bucket)
+        self.generation = 0  # of our last upload (0: not the leader)
+        self.renewed_at = float("-inf")
+        self._seen: tuple[int, float] | None = None  # (generation, first seen at)
+
+    def _journal(self) -> pathlib.Path:
+        return self.state_dir / JOURNAL_NAME
+
+    def try_acquire(self) -> bool:
+        """Claim the lease if the object is missing, is our own state
+        directory's, or has not changed for `lease_s` since this controller
+        first saw its generation; the journal it holds replaces the local
+        one. False while another controller holds it. Raises StorageError
+        (transient errors retried) when the bucket cannot be used."""
+        try:
+            return self._try_acquire()
+        except StorageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes one line
+            raise StorageError(f"the lease on {self.url}: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
+
+    def _try_acquire(self) -> bool:
+        from google.api_core import exceptions
+
+        blob = self._bucket.get_blob(self._blob_name, retry=None)
+        now = self.clock()
+        if blob is None:
+            return self._claim(0, self._journal().read_bytes() if self._journal().exists()
+                               else b"")
+        ours = (blob.metadata or {}).get("holder") == self.holder
+        if not ours:
+            if self._seen is None or self._seen[0] != blob.generation:
+                self._seen = (blob.generation, now)
+                return False
+            if now - self._seen[1] < self.lease_s:
+                return False
+        try:
+            journal = blob.download_as_bytes(if_generation_match=blob.generation, retry=None)
+        except exceptions.PreconditionFailed:
+            return False  # it was renewed meanwhile
+        return self._claim(blob.generation, journal)
+
+    def _claim(self, generation: int, journal: bytes) -> bool:
+        from google.api_core import exceptions
+
+        write_private(self._journal(), journal)
+        try:
+            self.generation = self._upload(journal, generation)
+        except exceptions.PreconditionFailed:
+            return False
+        self.renewed_at = self.clock()
+        log.info("leading through %s (generation %d)", self.url, self.generation)
+        return True
+
+    def _upload(self, data: bytes, if_generation_match: int) -> int:
+        blob = self._bucket.blob(self._blob_name)
+        blob.metadata = {"holder": self.holder}
+        blob.upload_from_string(data, content_type="application/jsonl",
+                                if_generation_match=if_generation_match, retry=None)
+        return blob.generation
+
+    def renew(self) -> str:
+        """Upload the local journal, renewing the lease. Returns "" when
+        renewed (or when a transient error left time to try again), else why
+        this controller must stop leading: deposed (the object changed under
+        it) or cut off from the bucket for `lease_s / 2`."""
+        from google.api_core import exceptions
+
+        try:
+            self.generation = self._upload(self._journal().read_bytes(), self.generation)
+            self.renewed_at = self.clock()
+            return ""
+        except exceptions.PreconditionFailed:
+            return (f"deposed: the journal object {self.url} was written by another "
+                    f"controller")
+        except Exception as e:  # noqa: BLE001 - any failure to renew counts against the lease
+            silent = self.clock() - self.renewed_at
+            log.warning("cannot renew the lease on %s for %.1f s: %s", self.url, silent, e)
+            if silent >= self.lease_s / 2:
+                return (f"could not renew the lease on {self.url} for {silent:.1f} s "
+                        f"(health.leader_lease_s = {self.lease_s:g}): a standby may take over")
+            return ""
