@@ -39,8 +39,8 @@ from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.status import fetch_status, slice_step
 from elastic.goodput import account
-from elastic.local import (kill_controller, restart_agent, restart_controller, start_slice,
-                           stop_slice, surroundings)
+from elastic.local import (journal_dir, kill_controller, restart_agent, restart_controller,
+                           start_slice, stop_slice, surroundings)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ["kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt", "kill-during-save"]
@@ -153,7 +153,7 @@ def main() -> int:
         stop_slice(local)
         stack.close()
 
-    journal = list(read_journal(state))
+    journal = list(read_journal(journal_dir(state)))  # (a standby's own, when it holds all)
     kills = controller_kills(journal)
     incidents = [i for i in account(journal).incidents if i.kind in args.kinds
                  and i.kind != "kill-controller"]

@@ -337,9 +337,6 @@ def _local(args) -> int:
         if args.gce_metadata:
             raise UsageError("--isolate does not take --gce-metadata: the hosts cannot "
                              "reach this machine's loopback")
-    if args.standby and args.isolate:
-        raise UsageError("--standby does not work with --isolate yet: the controllers would "
-                         "share a state directory across namespaces")
     if not 1 <= args.hosts <= 256:
         raise UsageError("--hosts must be from 1 to 256")
     parts = args.devices_per_host.split(",")

@@ -223,3 +223,31 @@ def test_network_plan_addresses_and_names():
     argv = network.wrap(plan, "host-0", ["true"], pathlib.Path("/x"))
     assert argv[:4] == ["ip", "netns", "exec", plan.namespace("host-0")]
     assert argv[-1].endswith("exec true") and "hostname host-0" in argv[-1]
+
+
+@needs_namespaces
+def test_a_leader_cut_off_from_everything_is_replaced_by_its_standby(tmp_path, local_job):
+    """Isolated hosts with a leader and a standby controller, each on a node
+    of its own, sharing nothing but the bucket. The leader's link goes down
+    (cut off from the agents and the bucket): it cannot renew its lease and
+    steps down; the standby takes the lease, adopts the slice and leads it
+    to the end. No new generation, no step lost."""
+    spec = tiny_spec(tmp_path, "--steps 400 --step-time-s 0.04 --checkpoint-every 100000",
+                     min_hosts=2, max_hosts=2, extra="leader_lease_s = 3.0")
+    job = local_job(spec, hosts=2, extra_args=(*ISOLATED, "--standby"))
+    job.wait_for("first_progress", generation=1, timeout_s=60)
+    plan = network.NetworkPlan.from_json(
+        json.loads((job.state_dir / "leftovers.json").read_text())["network"])
+    network.set_link(plan, network.CONTROLLER, False)
+    try:
+        adopted = job.wait_for("slice_adopted", timeout_s=40)
+    finally:
+        network.set_link(plan, network.CONTROLLER, True)
+    assert job.wait(60) == 0, job.output()
+    journal = job.journal()  # the standby's, continuing the leader's
+    kinds = [e["kind"] for e in journal]
+    assert [e["term"] for e in journal if e["kind"] == "controller_started"] == [1, 2]
+    assert adopted["generation"] == 1 and kinds.count("generation_started") == 1
+    assert "slice_stopping" not in kinds and kinds[-2:] == ["job_succeeded", "controller_stopped"]
+    log = (job.state_dir / "controller.log").read_text()
+    assert "stepping down: could not renew the lease" in log, log[-3000:]

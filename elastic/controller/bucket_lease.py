@@ -36,8 +36,8 @@ from collections.abc import Callable
 
 from elastic.checkpoint import gcs
 from elastic.checkpoint.storage import StorageError
-from elastic.controller.journal import JOURNAL_NAME
-from elastic.security.files import write_private
+from elastic.controller.journal import JOURNAL_NAME, parse_line
+from elastic.security.files import open_private
 
 log = logging.getLogger("elasticd")
 
@@ -46,6 +46,24 @@ SUFFIX = ".elastic-controller/" + JOURNAL_NAME
 #: to adopt the slice (the generation running, whether it is stopping).
 PROMPT_KINDS = frozenset({"generation_started", "first_progress", "slice_adopted",
                           "slice_stopping", "slice_stopped", "job_succeeded", "job_failed"})
+
+
+def merge_tools_lines(journal: bytes, local: bytes) -> bytes:
+    """`journal` (the bucket's) with the lines tools wrote into the local
+    copy that it lacks (`fault_*` entries of elasticd local's fault
+    injector: they go to the state dir's journal, not to the leader), in
+    time order. Other local lines are a deposed controller's and are
+    dropped."""
+    have = set(journal.splitlines())
+    extra = [line for line in local.splitlines() if line not in have
+             and (entry := parse_line(line)) is not None
+             and entry["kind"].startswith("fault_")]
+    if not extra:
+        return journal
+    lines = [line for line in journal.splitlines() if line.strip()] + extra
+    keyed = [(entry["ts"] if (entry := parse_line(line)) else 0.0, i, line)
+             for i, line in enumerate(lines)]
+    return b"".join(line + b"\n" for _, _, line in sorted(keyed))
 
 
 class BucketLease:
@@ -98,7 +116,7 @@ class BucketLease:
     def _try_acquire(self) -> bool:
         from google.api_core import exceptions
 
-        blob = self._bucket.get_blob(self._blob_name, retry=None)
+        blob = self._bucket.get_blob(self._blob_name, retry=None, timeout=self.lease_s / 4)
         now = self.clock()
         if blob is None:
             return self._claim(0, self._journal().read_bytes() if self._journal().exists()
@@ -111,7 +129,8 @@ class BucketLease:
             if now - self._seen[1] < self.lease_s:
                 return False
         try:
-            journal = blob.download_as_bytes(if_generation_match=blob.generation, retry=None)
+            journal = blob.download_as_bytes(if_generation_match=blob.generation, retry=None,
+                                             timeout=self.lease_s / 4)
         except exceptions.PreconditionFailed:
             return False  # it was renewed meanwhile
         return self._claim(blob.generation, journal)
@@ -119,7 +138,12 @@ class BucketLease:
     def _claim(self, generation: int, journal: bytes) -> bool:
         from google.api_core import exceptions
 
-        write_private(self._journal(), journal)
+        path = self._journal()
+        journal = merge_tools_lines(journal, path.read_bytes() if path.exists() else b"")
+        # rewritten in place (the same file: a tool appending to it, such as
+        # elasticd local's fault injector, goes on appending to the journal)
+        with open_private(path, "wb") as f:
+            f.write(journal)
         try:
             self.generation = self._upload(journal, generation)
         except exceptions.PreconditionFailed:
@@ -132,7 +156,8 @@ class BucketLease:
         blob = self._bucket.blob(self._blob_name)
         blob.metadata = {"holder": self.holder}
         blob.upload_from_string(data, content_type="application/jsonl",
-                                if_generation_match=if_generation_match, retry=None)
+                                if_generation_match=if_generation_match, retry=None,
+                                timeout=self.lease_s / 4)
         return blob.generation
 
     def renew(self) -> str:

@@ -55,6 +55,8 @@ class Controller:
         # the journal as written so far, read incrementally (status computes ETTR from it)
         self.journal_tail = JournalTail(journal.path.parent)
         self._wake = asyncio.Event()
+        #: None, or a check before every reconcile pass (see reconcile)
+        self.may_act = None
         # Seconds from an agent's send to receipt, for the last 10,000 heartbeats.
         self.heartbeat_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)
 
@@ -72,7 +74,10 @@ class Controller:
     def reconcile(self) -> None:
         """Decide and execute until the phase settles (a stop that completes
         at once is followed by the next start in the same pass, not a tick
-        later). At most 4 passes."""
+        later). At most 4 passes. Nothing while `may_act()` says this
+        controller's leadership may have passed (its bucket lease is stale)."""
+        if self.may_act is not None and not self.may_act():
+            return
         for _ in range(4):
             before = self.state.phase
             decision = decide(self.state, self.view, self.clock.monotonic(), self.spec)

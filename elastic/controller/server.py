@@ -230,18 +230,31 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
     deposed: list[str] = []
 
     prompt = asyncio.Event()
+    inflight: list[asyncio.Future] = []  # the one renewal under way, if any
 
     async def keep_lease() -> None:
         """Renew the bucket lease (and mirror the journal) every lease_s / 4,
-        and at once after an entry a standby needs; stop leading at once when
-        deposed or cut off from the bucket."""
+        and at once after an entry a standby needs; one renewal at a time
+        (two would race on the generation they match). Stop leading when
+        deposed, or when not renewed for lease_s / 2 by this controller's
+        own clock, whatever an upload is doing."""
         while True:
             try:
                 await asyncio.wait_for(prompt.wait(), lease.lease_s / 4)
             except TimeoutError:
                 pass
             prompt.clear()
-            why = await asyncio.to_thread(lease.renew)
+            if not inflight:
+                inflight.append(asyncio.ensure_future(asyncio.to_thread(lease.renew)))
+            left = lease.renewed_at + lease.lease_s / 2 - lease.clock()
+            done, _ = await asyncio.wait(inflight, timeout=max(left, 0.0))
+            why = ""
+            if done:
+                why = inflight.pop().result()
+            elif lease.clock() - lease.renewed_at >= lease.lease_s / 2:
+                why = (f"could not renew the lease on {lease.url} for "
+                       f"{lease.clock() - lease.renewed_at:.1f} s (health.leader_lease_s = "
+                       f"{lease.lease_s:g}): a standby may take over")
             if why:
                 log.error("stepping down: %s", why)
                 deposed.append(why)
@@ -274,6 +287,8 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
     stop_wait = asyncio.create_task(stopped.wait())
     renewing = None
     if lease is not None:
+        # a controller frozen past half its lease acts no more (a standby may lead)
+        server.controller.may_act = lambda: lease.clock() - lease.renewed_at < lease.lease_s / 2
         server.journal.on_write = lambda entry: prompt.set() \
             if entry["kind"] in PROMPT_KINDS else None
         renewing = asyncio.create_task(keep_lease())
@@ -297,6 +312,8 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
                 task.cancel()
         await server.stop(reason)
         if lease is not None and not deposed:  # the journal's last lines, to the bucket
+            if inflight:
+                await asyncio.wait(inflight, timeout=lease.lease_s / 4)
             why = await asyncio.to_thread(lease.renew)
             if why:
                 log.error("the journal's last lines did not reach the bucket: %s", why)

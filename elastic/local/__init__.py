@@ -277,20 +277,24 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     argv = [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
             "--listen", listen, "--state-dir", str(state_dir), *security,
             *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])]
+    plain = argv
     if net is not None:
         argv = isolated_argv(net, network.CONTROLLER, argv, state_dir)
     controller, address = _spawn_controller(argv, state_dir, env)
     controller_argv = [address if arg == listen else arg for arg in argv]
     standby_proc, standby_argv, addresses = None, [], address
     if standby:
-        other = f"127.0.0.1:{free_port()}"  # (elastic.checkpoint.emulator's)
-        standby_argv = [other if arg == address else arg for arg in controller_argv] + \
-            ["--standby"]
+        # on its own node when isolated (any port is free there)
+        other = f"{net.address(network.STANDBY)}:7470" if net is not None else \
+            f"127.0.0.1:{free_port()}"  # (elastic.checkpoint.emulator's)
+        standby_argv = [other if arg == listen else arg for arg in plain] + ["--standby"]
         if (checkpoint_dir or spec.checkpoint_dir or "").startswith("gs://"):
             # controllers that share only the bucket: a state dir of its own
             # (elastic.controller.bucket_lease); the journal follows the lease
             own = private_dir(state_dir / STANDBY_DIR)
             standby_argv[standby_argv.index("--state-dir") + 1] = str(own)
+        if net is not None:
+            standby_argv = isolated_argv(net, network.STANDBY, standby_argv, state_dir)
         standby_proc = _spawn_standby(standby_argv, state_dir, env)
         addresses = f"{address},{other}"
     per_domain = spec.hosts_per_failure_domain
@@ -591,14 +595,15 @@ class Surroundings:
 @contextlib.contextmanager
 def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
                  gcs_emulator: bool, storage_faults: bool = False,
-                 quiet: bool = False) -> Iterator[Surroundings]:
+                 quiet: bool = False, standby: bool = False) -> Iterator[Surroundings]:
     """Make what a local slice of `hosts` hosts runs in, and remove it on
     exit: with `isolate`, the network of elastic.local.network (recorded in
     leftovers.json before it is made); with `gcs_emulator`, or `isolate`
     (isolated hosts share no directory), fake-gcs-server and the bucket
     `elastic-local` (checkpoints under `job_id`), on the network's gateway
     when isolated; with `storage_faults` too, the fault
-    proxy in front of it. Prints what it made unless `quiet`. Makes
+    proxy in front of it; with `isolate` and `standby`, a node for a standby
+    controller on the network. Prints what it made unless `quiet`. Makes
     `state` (private) if needed. Raises network.IsolationError when the
     network cannot be made, RuntimeError when the emulator does not start."""
     say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
@@ -608,7 +613,7 @@ def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
     try:
         if isolate:
             made.net = network.new_plan([f"host-{i}" for i in range(hosts)],
-                                        network.used_networks())
+                                        network.used_networks(), standby)
         leftovers.record(state, made.net)  # before anything is made
         if made.net is not None:
             network.create(made.net)
@@ -688,7 +693,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     local = injector = None
     try:
         around = stack.enter_context(surroundings(
-            state, spec.job_id, hosts, isolate, gcs_emulator, wants_storage_faults(faults, chaos)))
+            state, spec.job_id, hosts, isolate, gcs_emulator, wants_storage_faults(faults, chaos),
+            standby=standby))
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
                             insecure, around.checkpoint_dir, around.extra_env,
                             pathlib.Path(compile_cache_dir).resolve()

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 SUBNET_BASE = (10, 213)
 MAX_NODES = 250
 CONTROLLER = "controller"
+#: A standby controller's node (elasticd local --isolate --standby).
+STANDBY = "standby"
 #: Seconds any one `ip`/`tc` command may take.
 COMMAND_TIMEOUT_S = 10.0
 
@@ -53,7 +55,8 @@ class IsolationError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class NetworkPlan:
     """Names and addresses of one isolated run: `tag` (5 hex digits),
-    `prefix` ("10.213.X"), `nodes` (the controller, then the hosts)."""
+    `prefix` ("10.213.X"), `nodes` (the controller, a standby controller if
+    there is one, then the hosts)."""
 
     tag: str
     prefix: str
@@ -87,7 +90,7 @@ class NetworkPlan:
         return f"elv{self.tag}{self.index(node)}"
 
     def hosts(self) -> list[str]:
-        return [n for n in self.nodes if n != CONTROLLER]
+        return [n for n in self.nodes if n not in (CONTROLLER, STANDBY)]
 
     def to_json(self) -> dict:
         return {"tag": self.tag, "prefix": self.prefix, "nodes": list(self.nodes)}
@@ -108,13 +111,16 @@ def choose_prefix(used: Sequence[ipaddress.IPv4Network]) -> str:
     raise IsolationError(f"no free {a}.{b}.X.0/24 network on this machine")
 
 
-def new_plan(hosts: Sequence[str], used: Sequence[ipaddress.IPv4Network]) -> NetworkPlan:
-    """A plan for the controller and `hosts` on a free /24 with a fresh tag.
-    Raises ValueError for more than MAX_NODES nodes or a bad host name."""
-    nodes = (CONTROLLER, *hosts)
+def new_plan(hosts: Sequence[str], used: Sequence[ipaddress.IPv4Network],
+             standby: bool = False) -> NetworkPlan:
+    """A plan for the controller (and a standby controller, with `standby`)
+    and `hosts` on a free /24 with a fresh tag. Raises ValueError for more
+    than MAX_NODES nodes or a bad host name."""
+    nodes = (CONTROLLER, *((STANDBY,) if standby else ()), *hosts)
     if len(nodes) > MAX_NODES:
         raise ValueError(f"--isolate runs at most {MAX_NODES - 1} hosts, not {len(hosts)}")
-    bad = [h for h in hosts if not re.fullmatch(r"[a-z0-9-]{1,40}", h) or h == CONTROLLER]
+    bad = [h for h in hosts if not re.fullmatch(r"[a-z0-9-]{1,40}", h)
+           or h in (CONTROLLER, STANDBY)]
     if bad:
         raise ValueError(f"host names {bad} cannot name network namespaces")
     return NetworkPlan(secrets.token_hex(3)[:5], choose_prefix(used), nodes)
