@@ -9,15 +9,16 @@ journal the leader wrote and adopts the running slice
 (elastic.policy.adopt).
 
 Every controller that acts has a term, one more than the last one recorded
-in `<state_dir>/leader.term` (written under the lock); it is sent with every
-registration answer and command, and agents refuse commands of a lower term
-than the highest they have seen, so a deposed controller that still runs
-cannot be obeyed by an agent that has met its successor.
+(in `<state_dir>/leader.term`, written under the lock, or in the journal);
+it is sent with every registration answer and command, and agents refuse
+commands of a lower term than the highest they have seen, so a deposed
+controller that still runs cannot be obeyed by an agent that has met its
+successor.
 
 The lock needs a state directory both controllers reach (one host, or a
-shared file system whose locks are honest, such as NFSv4). A lease object in
-the checkpoint bucket (google-cloud-storage with generation-match
-preconditions) for controllers that share only a bucket is not built yet.
+shared file system whose locks are honest, such as NFSv4). Controllers that
+share only the checkpoint bucket hold a lease there as well
+(elastic.controller.bucket_lease).
 """
 
 from __future__ import annotations
@@ -59,12 +60,6 @@ class Leadership:
         self.term = read_term(self.state_dir) + 1
         write_private(self.state_dir / TERM_NAME, f"{self.term}\n".encode())
         return True
-
-    def taken(self) -> LeadershipTaken:
-        """The error for a controller that may not wait for the lock."""
-        return LeadershipTaken(
-            f"another controller leads the job in {self.state_dir} (it holds {LOCK_NAME}); "
-            f"start this one with --standby to take over when it ends")
 
     def release(self) -> None:
         """Give up the lock (idempotent)."""
