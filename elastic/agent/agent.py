@@ -41,6 +41,10 @@ from elastic.v1 import control_pb2_grpc as pb_grpc
 log = logging.getLogger("elastic-agent")
 
 
+#: With several controller addresses, a registration that takes longer
+#: (seconds) moves on to the next: a frozen or cut-off leader never answers.
+REGISTER_TIMEOUT_S = 2.0
+
 #: Reports kept for the next controller while none is connected (the oldest
 #: are dropped past this many).
 UNDELIVERED_MAX = 256
@@ -48,6 +52,10 @@ UNDELIVERED_MAX = 256
 
 class _NoController(Exception):
     """No controller address answered in one round."""
+
+
+class _Silent(Exception):
+    """The controller of a session went silent (no heartbeat ack)."""
 
 
 class _Deposed(Exception):
@@ -390,8 +398,10 @@ class Agent:
         serve its stream until it ends. Raises grpc.RpcError when the
         controller cannot be reached or refuses."""
         stub = pb_grpc.ControllerStub(channel)
-        reply = await stub.Register(self._register_request(),
-                                    timeout=self.settings.rpc_timeout_s)
+        several = "," in self.settings.controller
+        reply = await stub.Register(self._register_request(), timeout=min(
+            self.settings.rpc_timeout_s, REGISTER_TIMEOUT_S) if several else
+            self.settings.rpc_timeout_s)
         if reply.term < self._term:
             raise _Deposed(f"controller {address} leads term {reply.term}; a controller of "
                            f"term {self._term} has led since: not following it")
@@ -457,7 +467,7 @@ class Agent:
                     if inbox.empty():
                         log.warning("controller %s silent for %.1f s; looking for a "
                                     "controller", address, silence_s)
-                        return
+                        raise _Silent()
                     continue
                 if message is None:
                     await asyncio.wait([reader])
@@ -497,13 +507,18 @@ class Agent:
 
     async def _one_round(self, addresses: list[str]) -> None:
         """One session with the first of `addresses` that answers; raises
-        _NoController when none did."""
-        for address in addresses:
+        _NoController when none did. A controller that went silent is moved
+        to the end of `addresses` (the list is changed in place)."""
+        for address in list(addresses):
             channel = None
             try:  # certificates are read again at every connect (renewals)
                 channel = transport.aio_channel(address, self.settings.tls)
                 await self._session(channel, address)
                 log.info("controller %s closed the stream; reconnecting", address)
+                return
+            except _Silent:  # tried last from now on: a standby may lead
+                addresses.remove(address)
+                addresses.append(address)
                 return
             except (TLSError, _Deposed) as e:
                 log.error("cannot follow %s: %s", address, e)
