@@ -10,7 +10,7 @@ import json
 import pytest
 
 from elastic.controller.journal import recorded
-from elastic.policy.adopt import Inherited, judge, window_s
+from elastic.policy.adopt import Inherited, discover, judge, window_s
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Registered, WorkerObs, WorkerState, observe
 from tests.policy_tables import T0, kinds, spec
@@ -158,3 +158,39 @@ def test_the_journal_names_the_generation_still_running(tmp_path, after, running
     else:
         assert got.running == Inherited(2, ("h0", "h1"), ("a", "b"), "10.0.0.1:5000", 2, "cpu",
                                         progressed, 1)
+
+
+@pytest.mark.parametrize("back,waited,found", [
+    (HOSTS, 0.5, "all"),           # every rank of generation 4 reports: rebuilt
+    (HOSTS[:2], 1.0, None),        # rank 2 not back yet: wait
+    (HOSTS[:2], 5.0, ""),          # not within the window: give up (a restart)
+    ((), 1.0, None),               # nobody registered yet
+])
+def test_a_generation_the_journal_lacks_is_found_in_the_reports(back, waited, found):
+    view = ClusterView()
+    for host in back:
+        come_back(view, host)
+    result = discover(view, 3, waited, window_s(5.0))
+    if found == "all":
+        assert result == Inherited(4, HOSTS, INHERITED.incarnations, "", 2, "cpu", True)
+    else:
+        assert result == found
+
+
+def test_no_generation_to_find_when_the_hosts_run_none():
+    view = ClusterView()
+    come_back(view, "h0", generation=0, state=WorkerState.IDLE)
+    assert discover(view, 3, 0.1, window_s(5.0)) == ""
+    come_back(view, "h1", generation=3)  # the journal's own generation: not newer
+    assert discover(view, 3, 0.1, window_s(5.0)) == ""
+
+
+def test_a_controller_whose_journal_ends_early_adopts_what_the_agents_report():
+    view, s = ClusterView(), spec()
+    for host in HOSTS:
+        come_back(view, host, T0 + 0.2)
+    state = SliceState(phase=Phase.ADOPTING, generation=3, phase_since=T0)
+    decision = decide(state, view, T0 + 0.3, s)
+    assert kinds(decision) == ["generation_discovered", "slice_adopted"], decision.actions
+    assert (decision.state.phase, decision.state.generation, decision.state.members) == (
+        Phase.RUNNING, 4, HOSTS)

@@ -34,12 +34,15 @@ class Controller:
     run_id: the run id the job's first controller gave its workers ("":
       this controller is the first and makes one).
     term: its leadership term (elastic.controller.leadership).
+    discover: with no `inherited`, look for a running generation in the
+      agents' reports first (elastic.policy.adopt.discover): the journal
+      may end before it.
     """
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
                  tick_s: float = 0.1, initial_generation: int = 0, known_step: int = -1,
                  inherited: Inherited | None = None, run_id: str = "",
-                 term: int = 0) -> None:
+                 term: int = 0, discover: bool = False) -> None:
         self.spec = spec
         self.known_step = known_step
         self.clock = clock
@@ -51,6 +54,11 @@ class Controller:
                 phase=Phase.ADOPTING, generation=inherited.generation,
                 phase_since=clock.monotonic(), inherited=inherited,
                 reason=f"adopting generation {inherited.generation}: waiting for its hosts")
+        elif discover:
+            self.state = SliceState(
+                phase=Phase.ADOPTING, generation=initial_generation,
+                phase_since=clock.monotonic(),
+                reason="looking for a running generation in the agents' reports")
         self.executor = Executor(spec, journal, clock, run_id, term)
         # the journal as written so far, read incrementally (status computes ETTR from it)
         self.journal_tail = JournalTail(journal.path.parent)

@@ -7,7 +7,8 @@ host_dropped, worker_exited, waiting_for_hosts, generation_started,
 first_progress, checkpoint_committed, slice_stopping, slice_stopped,
 stray_worker_stopping, stale_message_rejected, message_refused,
 job_succeeded, job_failed, controller_started, controller_stopped,
-slice_adopted, sighup, insecure_mode.
+slice_adopted, generation_discovered, waiting_for_fencing, sighup,
+insecure_mode.
 
 The journal is private (0600 in a 0700 state directory): it names hosts,
 pids and the job's spec path. Readers skip what is not a journal entry (a
@@ -194,7 +195,7 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
                 committed = max(committed, value)
         if kind in ("job_succeeded", "job_failed"):
             ended = 0 if kind == "job_succeeded" else 1
-        if kind == "generation_started":
+        if kind in ("generation_started", "generation_discovered"):
             generation = max(generation, e["generation"])
             running, ended = _inherited(e), None
         elif kind == "controller_started":

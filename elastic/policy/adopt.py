@@ -12,6 +12,12 @@ generation, ended, or of another rank) or a member does not come back within
 the adoption window, the slice is restarted, saying why. A pure function of
 the view and a clock, as `elastic.policy.decide` is.
 
+When the journal says nothing runs but agents report workers of a newer
+generation (a leader that died between journaling a start and mirroring its
+journal to the bucket, elastic.controller.bucket_lease; or a state dir that
+was lost), `discover` rebuilds the generation from the reports alone: one
+worker per rank 0..n-1 of the same generation and process count.
+
 The same idea as Kubernetes controllers that rebuild their state from the
 cluster's objects after a restart instead of from memory, and as the
 adoption of a running slice by a restarted Borgmaster (Verma et al.,
@@ -99,3 +105,31 @@ def judge(inherited: Inherited, view: ClusterView, waited_s: float,
         return "restart", (f"host(s) {', '.join(missing)} of generation {g} did not register "
                            f"within {window:g} s")
     return None
+
+
+def discover(view: ClusterView, after_generation: int, waited_s: float,
+             window: float) -> Inherited | str | None:
+    """A running generation newer than `after_generation` (the journal's
+    last) rebuilt from the agents' reports: the hosts of its workers in rank
+    order, when every rank of its process count reports one (coordinator
+    unknown; devices per host: the fewest any of them has). "" when there
+    is none to wait for: hosts registered and none runs such a worker, or
+    `window` seconds passed without a complete set. None while waiting.
+    Pure."""
+    running = [r for r in view.hosts.values()
+               if r.worker.running and r.worker.generation > after_generation]
+    if not running:
+        return "" if view.hosts or waited_s >= window else None
+    g = max(r.worker.generation for r in running)
+    group = [r for r in running if r.worker.generation == g]
+    n = group[0].worker.num_processes
+    by_rank = {r.worker.process_id: r for r in group}
+    if n and len(group) == n and sorted(by_rank) == list(range(n)) and \
+            all(r.worker.num_processes == n for r in group):
+        ranked = [by_rank[i] for i in range(n)]
+        return Inherited(generation=g, hosts=tuple(r.host_id for r in ranked),
+                         incarnations=tuple(r.incarnation for r in ranked),
+                         devices_per_host=min(r.devices for r in ranked),
+                         device_kind=ranked[0].device_kind,
+                         progressed=any(r.worker.step >= 0 for r in ranked))
+    return "" if waited_s >= window else None

@@ -117,7 +117,9 @@ class SliceState:
     left_out: host -> why the last plan could not use it (another device
       kind, too few devices, an incomplete failure domain); journaled when
       it changes.
-    inherited: while ADOPTING, the generation the journal says was running.
+    inherited: while ADOPTING, the generation the journal says was running
+      (None: the journal says none was; the agents' reports are searched for
+      one, elastic.policy.adopt.discover).
     fenced_until: no generation starts before this time: the members of
       the last one were all lost at once, none seen to stop, and may train
       on until their agents' controller lease runs out.
@@ -194,10 +196,26 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
               actions: list[Action]) -> tuple[SliceState, tuple[Action, ...], str]:
     """Adopt the inherited generation, restart it, or wait for its hosts.
     (No stray is stopped meanwhile: the workers being adopted look like strays.)"""
+    window = adopt.window_s(spec.health.heartbeat_timeout_s)
+    if state.inherited is None:  # the journal says nothing runs: do the agents?
+        found = adopt.discover(view, state.generation, now - state.phase_since, window)
+        if found is None:
+            reason = "looking for a running generation in the agents' reports"
+            return dataclasses.replace(state, reason=reason), tuple(actions), reason
+        if found == "":
+            state = _enter(state, Phase.WAITING, now, "waiting for the first hosts")
+            return state, tuple(actions), state.reason
+        actions.append(Journal(
+            "generation_discovered", found.generation,
+            f"the journal ends before generation {found.generation}, which "
+            f"{len(found.hosts)} hosts report running with every rank", None,
+            {"hosts": list(found.hosts), "incarnations": list(found.incarnations),
+             "devices_per_host": found.devices_per_host, "device_kind": found.device_kind}))
+        state = dataclasses.replace(state, inherited=found, generation=found.generation,
+                                    restarts=state.restarts)
     inherited = state.inherited
     g = inherited.generation
-    verdict = adopt.judge(inherited, view, now - state.phase_since,
-                          adopt.window_s(spec.health.heartbeat_timeout_s))
+    verdict = adopt.judge(inherited, view, now - state.phase_since, window)
     lost = [h for h in inherited.hosts if h in state.lost]
     if lost:
         verdict = "restart", f"host {lost[0]} was lost before the slice could be adopted"
