@@ -246,7 +246,8 @@ def test_a_leader_cut_off_from_everything_is_replaced_by_its_standby(tmp_path, l
     assert job.wait(60) == 0, job.output()
     journal = job.journal()  # the standby's, continuing the leader's
     kinds = [e["kind"] for e in journal]
-    assert [e["term"] for e in journal if e["kind"] == "controller_started"] == [1, 2]
+    terms = [e["term"] for e in journal if e["kind"] == "controller_started"]
+    assert len(terms) == 2 and 0 < terms[0] < terms[1], terms
     assert adopted["generation"] == 1 and kinds.count("generation_started") == 1
     assert "slice_stopping" not in kinds and kinds[-2:] == ["job_succeeded", "controller_stopped"]
     log = (job.state_dir / "controller.log").read_text()

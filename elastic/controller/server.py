@@ -175,7 +175,7 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
                     return code
             before = recorded(state_dir)
             server = ControllerServer(spec, listen, state_dir, tls,
-                                      term=max(leadership.term, before.term + 1))
+                                      term=leader_term(leadership.term, before.term))
         except (RuntimeError, TLSError, OSError, StorageError) as e:
             raise StartError(str(e)) from None
         if standby and server.ended is not None:
@@ -187,6 +187,15 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     finally:
         if leadership is not None:
             leadership.release()
+
+
+def leader_term(locked_term: int, journaled_term: int, now: float | None = None) -> int:
+    """The term of a controller that has just taken the lead: above every
+    term it can know of (the lock's count, the journal's highest), and at
+    least the Unix time in seconds, so that a job started afresh on a new
+    state directory still outranks the controllers its long-lived agents
+    followed before (they refuse lower terms)."""
+    return max(locked_term, journaled_term + 1, int(time.time() if now is None else now))
 
 
 async def _wait_to_lead(acquire, what: str, standby: bool, patience_s: float, poll_s: float,
