@@ -16,9 +16,11 @@ from elastic.goodput import account
 from elastic.v1 import control_pb2 as pb
 from tests.conftest import tiny_spec
 
-STEPS = 300
+STEPS = 420
 # the slice's step at each of a run's three faults; every restart lines the
-# hosts up again (tiny workers step on their own: a host may be done early)
+# hosts up again (tiny workers step on their own: a host may be done early).
+# After the last one, 240 steps (~4.8 s) outlast a stopped agent's 3.5 s:
+# with 120, the others could finish while it was stopped, and it was lost.
 FAULT_STEPS = (40, 110, 180)
 
 
