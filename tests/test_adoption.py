@@ -194,3 +194,18 @@ def test_a_controller_whose_journal_ends_early_adopts_what_the_agents_report():
     assert kinds(decision) == ["generation_discovered", "slice_adopted"], decision.actions
     assert (decision.state.phase, decision.state.generation, decision.state.members) == (
         Phase.RUNNING, 4, HOSTS)
+
+
+def test_no_generation_a_worker_reports_is_started_again():
+    """The journal ends at generation 3, but the hosts' workers were of 5
+    (the journal ended early and 5 could not be adopted): the next is 6."""
+    from tests.policy_tables import register, worker
+
+    view, s = ClusterView(), spec()
+    for host in HOSTS:
+        register(view, host, T0)
+        worker(view, host, T0 + 0.1, 5, WorkerState.EXITED, sig=9)
+    state = SliceState(phase=Phase.WAITING, generation=3, phase_since=T0)
+    started = decide(state, view, T0 + 5.0, s)
+    assert kinds(started)[-1] == "generation_started", started.reason
+    assert started.state.generation == 6

@@ -12,6 +12,7 @@ from elastic import transport
 from elastic.clock import Clock, SystemClock
 from elastic.config import JobSpec
 from elastic.controller.core import Controller
+from elastic.checkpoint.gcs import split as split_gcs
 from elastic.checkpoint.storage import StorageError, latest_step
 from elastic.controller.journal import JournalWriter, recorded
 from elastic.controller.bucket_lease import PROMPT_KINDS, BucketLease
@@ -158,11 +159,12 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
             if code is not None:
                 return code
             if (spec.checkpoint_dir or "").startswith("gs://"):
-                try:
+                if split_gcs(spec.checkpoint_dir)[1]:  # (any failure here: StartError)
                     lease = BucketLease(spec.checkpoint_dir, state_dir,
                                         spec.health.leader_lease_s)
-                except StorageError as e:  # (a bucket's root: the lock alone then)
-                    log.warning("no lease in the bucket: %s", e)
+                else:
+                    log.warning("checkpoints at a bucket's root: no lease beside them; "
+                                "standbys need a shared state directory")
             if lease is not None:
 
                 async def claim() -> bool:

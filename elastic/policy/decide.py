@@ -401,7 +401,10 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         return dataclasses.replace(
             state, reason=f"{len(plan.hosts)} hosts ready, waiting {settle_left:.1f} s "
                           f"more for up to {spec.max_hosts}")
-    generation = state.generation + 1
+    # above every generation a worker reports too: a journal that ended
+    # early (or a generation that could not be adopted) must not be reused
+    generation = max(state.generation, max((r.worker.generation for r in view.hosts.values()),
+                                           default=0)) + 1
     coordinator = view.hosts[plan.hosts[0]]
     address = f"{coordinator.address}:{coordinator.free_port}"
     if not coordinator.free_port or address == state.coordinator:
@@ -677,7 +680,7 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                            {"cause": state.stop_kind,
                             "stop_s": round(now - state.phase_since, 3),
                             "dropped": pending}))
-    state = _fence_lost_slice(state, view, spec, actions, pending)
+    state = _fence_lost_slice(state, view, now, spec, actions, pending)
     if state.stop_kind != "failure":
         return _enter(state, Phase.WAITING, now, f"restarting: {state.reason}",
                       restarts=state.restarts + 1)
@@ -697,7 +700,7 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                   failure_restarts=recent, restarts=state.restarts + 1)
 
 
-def _fence_lost_slice(state: SliceState, view: ClusterView, spec: JobSpec,
+def _fence_lost_slice(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                       actions: list[Action], pending: list[str]) -> SliceState:
     """Agents keep their workers for `health.controller_lease_s` without a
     controller. Once one member of the stopped generation is seen to have
@@ -711,8 +714,10 @@ def _fence_lost_slice(state: SliceState, view: ClusterView, spec: JobSpec,
         h in view.hosts and h not in state.lost and h not in pending)]
     if not state.members or seen_stopped:
         return state
+    # (never heard by this controller, as after an adoption that found none
+    # of them: their lease may have begun just now)
     heard = max((view.hosts[h].last_heartbeat_at for h in state.members if h in view.hosts),
-                default=0.0)
+                default=now)
     until = heard + spec.health.controller_lease_s + spec.health.heartbeat_interval_s
     actions.append(Journal("waiting_for_fencing", state.generation,
                            f"every host of generation {state.generation} was lost; none is "
