@@ -84,8 +84,8 @@ PARTITION_S = 12.0
 SLOW_LINK_KBIT = 1000
 SLOW_LINK_S = 30.0
 
-#: Seconds from a kill of the controller to its new start (systemd's
-#: RestartSec=1 and a process start).
+#: Seconds from a kill of the controller to its new start (the shipped
+#: unit's RestartSec=2, workers/systemd/elasticd.service).
 CONTROLLER_RESTART_S = 2.0
 
 STORAGE_KINDS = ("storage-slow", "storage-outage")

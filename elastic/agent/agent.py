@@ -1,5 +1,7 @@
-"""The agent's connection to the controller: register, one stream of
-heartbeats and reports up and commands down, reconnect forever.
+"""The agent: one per host. It runs the worker the controller starts
+(elastic.agent.supervisor), passes on its progress, preemption notices and
+exit, and carries out the controller's commands. The connection itself
+(register, stream, reconnect for ever) is elastic.agent.session.
 
 While the controller is away the worker keeps running for the agent's lease
 (elastic.agent.fence); an agent that hears nothing from the controller for
@@ -21,45 +23,25 @@ import signal
 import time
 import uuid
 
-import grpc
-import tenacity
-
 from elastic import config, transport
-from elastic.agent import fence, snapshot_dir
+from elastic.agent import snapshot_dir
 from elastic.agent.host import Devices, PortProber, discover_devices
 from elastic.agent.preemption import watch_metadata
+from elastic.agent.session import ControllerSession
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
-from elastic.policy.adopt import AGENT_RECONNECT_MAX_S
 from elastic.security.allow import AllowList, check_launch
 from elastic.security.text import clean_text
 from elastic.security.files import private_dir
-from elastic.security.tls import TLSError, TLSFiles
+from elastic.security.tls import TLSFiles
 from elastic.worker import progress
 from elastic.v1 import control_pb2 as pb
-from elastic.v1 import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger("elastic-agent")
 
 
-#: With several controller addresses, a registration that takes longer
-#: (seconds) moves on to the next: a frozen or cut-off leader never answers.
-REGISTER_TIMEOUT_S = 2.0
-
 #: Reports kept for the next controller while none is connected (the oldest
 #: are dropped past this many).
 UNDELIVERED_MAX = 256
-
-
-class _NoController(Exception):
-    """No controller address answered in one round."""
-
-
-class _Silent(Exception):
-    """The controller of a session went silent (no heartbeat ack)."""
-
-
-class _Deposed(Exception):
-    """A controller answered with a lower term than one already followed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +85,7 @@ class AgentSettings:
     device_dir: str | None = None
 
 
-class Agent:
+class Agent(ControllerSession):
     """One host's agent. `await run()` returns when SIGTERM/SIGINT arrives
     (or `shutdown()` is called), after ending the worker."""
 
@@ -381,175 +363,6 @@ class Agent:
             log.warning("controller refused a report: %s", clean_text(r.reason, 500))
             if self.supervisor.status.generation < r.current_generation:
                 self._spawn(self.supervisor.stop(r.current_generation - 1, 0.0))
-
-    # --- the connection ----------------------------------------------------
-
-    def _register_request(self) -> pb.RegisterRequest:
-        s = self.settings
-        return pb.RegisterRequest(
-            header=self._header(), devices=self.devices.count,
-            device_kind=self.devices.kind, address=s.address,
-            failure_domain=s.failure_domain, agent_pid=os.getpid(),
-            worker=self.supervisor.status, fenced=self._fenced,
-            free_port=0 if self.supervisor.running else self.ports.probe())
-
-    async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
-        """Register with the controller at `address` (one attempt) and
-        serve its stream until it ends. Raises grpc.RpcError when the
-        controller cannot be reached or refuses."""
-        stub = pb_grpc.ControllerStub(channel)
-        several = "," in self.settings.controller
-        reply = await stub.Register(self._register_request(), timeout=min(
-            self.settings.rpc_timeout_s, REGISTER_TIMEOUT_S) if several else
-            self.settings.rpc_timeout_s)
-        if reply.term < self._term:
-            raise _Deposed(f"controller {address} leads term {reply.term}; a controller of "
-                           f"term {self._term} has led since: not following it")
-        self._term = reply.term
-        self.job_id = reply.job_id
-        self._heard_at, self._fenced = time.monotonic(), ""
-        self._heartbeat_interval_s = reply.heartbeat_interval_s
-        self._lease_s = reply.controller_lease_s or fence.lease_s(reply.heartbeat_interval_s,
-                                                                  reply.heartbeat_timeout_s)
-        log.info("registered with %s as %s (incarnation %s), job %s, generation %d",
-                 address, self.settings.host_id, self.incarnation,
-                 reply.job_id, reply.generation)
-        argv = self._vet(reply.launch) if reply.HasField("launch") else "no launch"
-        if reply.HasField("launch") and isinstance(argv, str):
-            log.error("this host will refuse the job's worker: %s", argv)
-        if not isinstance(argv, str) and not self.supervisor.running and not self.preemption:
-            # A host without a worker (new, restarted, left out of the slice):
-            # a process ready for its first start, as after any start. Awaited
-            # (spawning takes milliseconds) so it exists before a start can come.
-            self._prestart_next = True
-            await self.supervisor.prestart_next(
-                (argv, self._worker_env(reply.launch), reply.launch.workdir))
-        call = stub.Connect()
-        self._outbox = outbox = asyncio.Queue()
-        # what happened while no controller listened first, in order, then
-        # the state now (a heartbeat would journal a newer commit ahead of them)
-        while self._undelivered:
-            outbox.put_nowait(self._undelivered.popleft())
-        self._heartbeat()
-
-        async def write() -> None:
-            while True:
-                await call.write(await outbox.get())
-
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(reply.heartbeat_interval_s)
-                self._heartbeat()
-
-        tasks = [asyncio.create_task(write()), asyncio.create_task(beat())]
-        # A controller answers every heartbeat. One silent this long is
-        # stopped or cut off (its connection may stay open for minutes):
-        # end the session and go round the addresses (a standby may lead).
-        # (Reads go through a queue: a cancelled read would end the call.)
-        silence_s = max(reply.heartbeat_timeout_s, 3 * reply.heartbeat_interval_s)
-        inbox: asyncio.Queue = asyncio.Queue()
-
-        async def read() -> None:
-            try:
-                while (message := await call.read()) is not grpc.aio.EOF:
-                    inbox.put_nowait(message)
-            finally:
-                inbox.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        tasks.append(reader)
-        try:
-            while True:
-                try:
-                    message = await asyncio.wait_for(inbox.get(), silence_s)
-                except TimeoutError:
-                    await asyncio.sleep(0.5)  # (this agent may have been stopped itself)
-                    if inbox.empty():
-                        log.warning("controller %s silent for %.1f s; looking for a "
-                                    "controller", address, silence_s)
-                        raise _Silent()
-                    continue
-                if message is None:
-                    await asyncio.wait([reader])
-                    if reader.exception() is not None:
-                        raise reader.exception()
-                    break
-                self._heard_at = time.monotonic()
-                self._command(message)
-        finally:
-            self._outbox = None
-            for task in tasks:
-                task.cancel()
-            call.cancel()
-
-    async def _connect_forever(self) -> None:
-        """Keep a session with a controller: try each address of
-        `settings.controller` (comma-separated: a leader and its standbys) in
-        turn; when none answers, wait with jittered exponential backoff
-        (0.1 s doubling to AGENT_RECONNECT_MAX_S, tenacity's
-        wait_random_exponential: thousands of agents do not come back in
-        step) and go round again. A session that ended starts a new round at
-        once. The worker trains on meanwhile, for the controller lease."""
-        addresses = [a.strip() for a in self.settings.controller.split(",") if a.strip()]
-
-        def waiting(state: tenacity.RetryCallState) -> None:
-            log.info("no controller answers at %s; retrying (round %d)",
-                     ", ".join(addresses), state.attempt_number)
-
-        while True:
-            async for attempt in tenacity.AsyncRetrying(
-                    retry=tenacity.retry_if_exception_type(_NoController),
-                    wait=tenacity.wait_random_exponential(multiplier=0.1,
-                                                          max=AGENT_RECONNECT_MAX_S),
-                    before_sleep=waiting):
-                with attempt:
-                    await self._one_round(addresses)
-
-    async def _one_round(self, addresses: list[str]) -> None:
-        """One session with the first of `addresses` that answers; raises
-        _NoController when none did. A controller that went silent is moved
-        to the end of `addresses` (the list is changed in place)."""
-        for address in list(addresses):
-            channel = None
-            try:  # certificates are read again at every connect (renewals)
-                channel = transport.aio_channel(address, self.settings.tls)
-                await self._session(channel, address)
-                log.info("controller %s closed the stream; reconnecting", address)
-                return
-            except _Silent:  # tried last from now on: a standby may lead
-                addresses.remove(address)
-                addresses.append(address)
-                return
-            except (TLSError, _Deposed) as e:
-                log.error("cannot follow %s: %s", address, e)
-            except grpc.RpcError as e:
-                log.warning("controller %s: %s: %s", address, e.code().name, e.details())
-            finally:
-                if channel is not None:
-                    await channel.close()
-        raise _NoController()
-
-    async def _keep_lease(self, tick_s: float = 0.25) -> None:
-        """Stop the worker when the controller has not been heard for the
-        lease (elastic.agent.fence); the next registration says so."""
-        checked_at = time.monotonic()
-        while True:
-            await asyncio.sleep(tick_s)
-            now = time.monotonic()
-            if self._lease_s is None:
-                checked_at = now
-                continue
-            expired, self._heard_at = fence.check(self._heard_at, checked_at, now,
-                                                  self._lease_s, tick_s,
-                                                  2 * self._heartbeat_interval_s)
-            checked_at = now
-            if expired and self.supervisor.running and not self._fenced:
-                generation = self.supervisor.status.generation
-                self._fenced = (f"heard nothing from the controller for "
-                                f"{now - self._heard_at:.1f} s (lease {self._lease_s:g} s): "
-                                f"stopped its worker of generation {generation} on its own")
-                log.error("self-fencing: %s", self._fenced)
-                self._spawn(self.supervisor.stop(generation, 0.0))
 
     # --- lifecycle ---------------------------------------------------------
 

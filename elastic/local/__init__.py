@@ -35,22 +35,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import grpc
-
 from elastic import simdevices
 from elastic.config import JobSpec
 from elastic.checkpoint.emulator import free_port
-from elastic.controller.journal import JOURNAL_NAME, JournalTail, read_journal
+from elastic.controller.journal import read_journal
 from elastic.controller.server import ADDRESS_FILE
-from elastic.controller.status import fetch_status, slice_step
-from elastic.chaos import CONTROLLER_RESTART_S, STORAGE_KINDS, Chaos, ChaosSpec
+from elastic.chaos import STORAGE_KINDS, Chaos, ChaosSpec
 from elastic.faults import Fault
 from elastic.local import leftovers, network
+from elastic.local.controllers import (STANDBY_DIR, controller_running, job_code, journal_dir,
+                                       kill_controller, restart_controller, spawn_controller,
+                                       spawn_standby)
+from elastic.local.console import JournalFollower, progress_line
+from elastic.local.slice import LOCAL_FILE, LocalSlice, child_env, write_local_file
 from elastic.procs import spawn_bound
 from elastic.report import summarize
 from elastic.security import allow, certs
@@ -58,39 +59,7 @@ from elastic.security.files import open_private, private_dir, write_private
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
 
-LOCAL_FILE = leftovers.LOCAL_FILE
-
-
-@dataclasses.dataclass
-class LocalSlice:
-    """What `run_local` started: controller and agents (subprocess.Popen);
-    `tls`: the operator bundle for status calls (None with --insecure)."""
-
-    state_dir: pathlib.Path
-    controller: subprocess.Popen
-    address: str
-    agents: dict[str, subprocess.Popen]
-    agent_argv: dict[str, list[str]]
-    tls: TLSFiles | None
-    heartbeat_timeout_s: float = 5.0
-    # variables added to every process's environment (a GCS emulator's)
-    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
-    # isolated hosts: the network they live on (None: the root namespace)
-    network: network.NetworkPlan | None = None
-    # the controller's command line, listening at `address` (for restarts)
-    controller_argv: list[str] = dataclasses.field(default_factory=list)
-    # True from a kill of the controller (chaos: kill-controller) until its restart
-    controller_away: bool = False
-    # a standby controller (elasticd start --standby) and its command line
-    standby: subprocess.Popen | None = None
-    standby_argv: list[str] = dataclasses.field(default_factory=list)
-    # what the agents are given: the controller's address, and the standby's
-    addresses: str = ""
-
-
 TLS_DIR = "tls"
-#: The state dir of a standby controller that shares only the bucket.
-STANDBY_DIR = "standby"
 
 
 def _literal(text: str) -> str:
@@ -190,31 +159,6 @@ def isolated_argv(net: network.NetworkPlan, node: str, argv: list[str],
                         hide=state_dir, keep=keep)
 
 
-def child_env() -> dict[str, str]:
-    """The environment for agents (and so workers) of a local slice."""
-    from elastic.config import environ_snapshot
-
-    env = environ_snapshot()
-    # Workers run with this interpreter's environment ("python" in a job's
-    # command is the one that runs elasticd).
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _wait_for_address(state_dir: pathlib.Path, controller: subprocess.Popen,
-                      timeout_s: float) -> str | None:
-    path = state_dir / ADDRESS_FILE
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.read_text().strip()
-        if controller.poll() is not None:
-            return None
-        time.sleep(0.02)
-    return None
-
-
 def host_devices(hosts: int, devices_per_host: int | Sequence[int]) -> list[int]:
     """Each simulated host's device count: one count for all, or one per
     host. Raises ValueError when a list's length is not `hosts` or a count
@@ -280,9 +224,9 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     plain = argv
     if net is not None:
         argv = isolated_argv(net, network.CONTROLLER, argv, state_dir)
-    controller, address = _spawn_controller(argv, state_dir, env)
+    controller, address = spawn_controller(argv, state_dir, env)
     controller_argv = [address if arg == listen else arg for arg in argv]
-    standby_proc, standby_argv, addresses = None, [], address
+    standby_proc, standby_argv, addresses, other = None, [], address, ""
     if standby:
         # on its own node when isolated (any port is free there)
         other = f"{net.address(network.STANDBY)}:7470" if net is not None else \
@@ -295,7 +239,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
             standby_argv[standby_argv.index("--state-dir") + 1] = str(own)
         if net is not None:
             standby_argv = isolated_argv(net, network.STANDBY, standby_argv, state_dir)
-        standby_proc = _spawn_standby(standby_argv, state_dir, env)
+        standby_proc = spawn_standby(standby_argv, state_dir, env)
         addresses = f"{address},{other}"
     per_domain = spec.hosts_per_failure_domain
     agents, argvs = {}, {}
@@ -310,117 +254,10 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         argvs[host_id] = argv
     local = LocalSlice(state_dir, controller, address, agents, argvs, tls,
                        spec.health.heartbeat_timeout_s, extra_env, net, controller_argv,
-                       standby=standby_proc, standby_argv=standby_argv, addresses=addresses)
+                       standby=standby_proc, standby_argv=standby_argv, standby_address=other,
+                       addresses=addresses)
     write_local_file(local)
     return local
-
-
-def _spawn_controller(argv: list[str], state_dir: pathlib.Path,
-                      env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """Start the controller (bound to this process) and wait for the
-    address it listens at. Raises RuntimeError when it exits or does not
-    listen within 30 s (its log says why)."""
-    (state_dir / ADDRESS_FILE).unlink(missing_ok=True)  # a killed one's is stale
-    log = open_private(state_dir / "controller.log", "ab")
-    controller = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env=env)
-    log.close()
-    address = _wait_for_address(state_dir, controller, 30.0)
-    if address is None:
-        controller.kill()
-        controller.wait()
-        raise RuntimeError(f"the controller did not start; see {state_dir / 'controller.log'}")
-    return controller, address
-
-
-def controller_running(local: LocalSlice) -> bool:
-    """Whether the job still has a controller: one alive (the leader, or a
-    standby that will take over), or one being started again."""
-    return local.controller_away or any(
-        p is not None and p.poll() is None for p in (local.controller, local.standby))
-
-
-def job_code(local: LocalSlice) -> int | None:
-    """The job's exit code once no controller runs: the leader's, or the
-    standby's when the leader was killed (a standby that takes over an ended
-    job exits with its code); None while one runs."""
-    codes = [p.poll() for p in (local.controller, local.standby) if p is not None]
-    if any(c is None for c in codes):
-        return None
-    return next((c for c in codes if c in (0, 1)), codes[0])  # (3: a deposed leader)
-
-
-def journal_dir(state_dir: pathlib.Path) -> pathlib.Path:
-    """Where the job's journal is whole: the state dir, or a standby's own
-    (when controllers share only the bucket, the one that led last holds
-    all of it)."""
-    dirs = [state_dir, state_dir / STANDBY_DIR]
-    return max((d for d in dirs if (d / JOURNAL_NAME).exists()),
-               key=lambda d: (d / JOURNAL_NAME).stat().st_size, default=state_dir)
-
-
-def _spawn_standby(argv: list[str], state_dir: pathlib.Path,
-                   env: dict[str, str]) -> subprocess.Popen:
-    """Start a standby controller (it writes no address until it leads)."""
-    log = open_private(state_dir / "controller.log", "ab")
-    proc = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
-                       stdin=subprocess.DEVNULL, env=env)
-    log.close()
-    return proc
-
-
-def kill_controller(local: LocalSlice) -> tuple[int, str]:
-    """SIGKILL the controller (a crash, an OOM kill); returns its pid and
-    what happens next (for the journal).
-    With a standby, the standby becomes the controller the run waits on (it
-    takes over at once) and the killed one comes back as the new standby
-    (`restart_controller`); without one, the controller is away until
-    `restart_controller`."""
-    killed = local.controller
-    if local.standby is not None and local.standby.poll() is None:
-        local.controller, local.standby = local.standby, killed
-        local.controller_argv, local.standby_argv = (
-            [a for a in local.standby_argv if a != "--standby"],
-            local.controller_argv + ["--standby"])
-        then = (f"the standby takes over; the killed one comes back as the standby in "
-                f"{CONTROLLER_RESTART_S:g} s")
-    else:
-        local.controller_away = True
-        then = f"it starts again in {CONTROLLER_RESTART_S:g} s"
-    killed.kill()
-    killed.wait()
-    return killed.pid, then
-
-
-def restart_controller(local: LocalSlice) -> None:
-    """Start the controller again at the address it had, with the same
-    spec and state directory, as systemd's Restart=on-failure would; it
-    adopts the running slice (elastic.policy.adopt), or, with a standby,
-    waits as the new standby. Raises RuntimeError when it does not start."""
-    env = {**child_env(), **local.extra_env}
-    if local.standby is not None:
-        local.standby = _spawn_standby(local.standby_argv, local.state_dir, env)
-        local.controller_away = False
-        write_local_file(local)
-        return
-    try:
-        local.controller, _ = _spawn_controller(local.controller_argv, local.state_dir,
-                                                {**child_env(), **local.extra_env})
-    finally:  # (if it did not start, the run ends with the dead one's code)
-        local.controller_away = False
-    write_local_file(local)
-
-
-def write_local_file(local: LocalSlice) -> None:
-    """Write `<state-dir>/local.json` atomically (0600): controller address
-    and pid, each agent's pid and command line (read by `elasticd chaos` and
-    tests)."""
-    info = {"controller": local.address, "controller_pid": local.controller.pid,
-            "launcher_pid": os.getpid(), "heartbeat_timeout_s": local.heartbeat_timeout_s,
-            "extra_env": local.extra_env,
-            "agents": {h: {"pid": p.pid, "argv": local.agent_argv[h]}
-                       for h, p in local.agents.items()}}
-    write_private(local.state_dir / LOCAL_FILE, json.dumps(info, indent=2).encode())
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float,
@@ -467,53 +304,6 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
             pass
     # a host killed by a fault and not started again left its snapshots in memory
     leftovers.remove_snapshot_dirs(local.state_dir)
-
-
-def format_entry(entry: dict, t0: float) -> str:
-    """One journal entry as a console line."""
-    host = f" {entry['host']}" if entry.get("host") else ""
-    return (f"[{entry['ts'] - t0:7.2f}s] gen {entry.get('generation', 0):<3} "
-            f"{entry['kind']}{host}: {entry.get('reason', '')}")
-
-
-class JournalFollower(threading.Thread):
-    """Prints journal entries as they are appended, until `stop()`."""
-
-    def __init__(self, path: pathlib.Path, out=sys.stdout) -> None:
-        super().__init__(daemon=True)
-        self.path, self.out = path, out
-        self._halt = threading.Event()
-        self.t0: float | None = None
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(2.0)
-
-    def run(self) -> None:
-        tail = JournalTail(self.path.parent, from_end=True)
-        while True:
-            stopping = self._halt.is_set()
-            for entry in tail.new():
-                self.t0 = entry["ts"] if self.t0 is None else self.t0
-                print(format_entry(entry, self.t0), file=self.out, flush=True)
-            if stopping:
-                return
-            self._halt.wait(0.1)
-
-
-def progress_line(address: str, tls: TLSFiles | None) -> str:
-    """One line on the slice: phase, generation, hosts, step, loss."""
-    try:
-        st = fetch_status(address, tls, timeout_s=2.0)
-    except grpc.RpcError as e:
-        return f"[progress] controller unreachable: {e.code().name}"
-    members = [h for h in st.hosts if h.state in ("member", "silent")]
-    silent = sum(h.state == "silent" for h in members)
-    loss = next((h.metrics["loss"] for h in members if h.rank == 0 and "loss" in h.metrics), None)
-    return (f"[progress] {st.phase}, generation {st.generation}, {len(members)} hosts"
-            + (f" ({silent} silent)" if silent else "") + ", "
-            f"step {slice_step(st)}" + (f", loss {loss:.4f}" if loss is not None else "")
-            + f", committed step {st.committed_step}, ETTR {100 * st.ettr:.1f} %")
 
 
 def restart_agent(local: LocalSlice, host_id: str) -> None:
@@ -670,7 +460,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     (elastic.local.network), with the emulator on the network's gateway
     (as if `gcs_emulator`). What a killed earlier run in `state_dir` left
     is removed first (elastic.local.leftovers). `standby`: a second
-    controller waits as a standby (not with `isolate`).
+    controller waits as a standby (on a node of its own with `isolate`;
+    elastic.local.controllers).
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
     after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).
@@ -679,7 +470,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     (network.IsolationError) or the controller does not start."""
     state = private_dir(pathlib.Path(state_dir).resolve())
     leftovers.cleanup(state)
-    follower = None if quiet else JournalFollower(state / JOURNAL_NAME)
+    follower = None if quiet else JournalFollower([state, state / STANDBY_DIR])
     if follower:
         follower.start()
     received: list[int] = []

@@ -32,7 +32,7 @@ import dataclasses
 from elastic.policy.view import ClusterView, WorkerState
 
 #: Agents reconnect with jittered exponential backoff of at most this many
-#: seconds between attempts (elastic.agent.agent).
+#: seconds between attempts (elastic.agent.session).
 AGENT_RECONNECT_MAX_S = 2.0
 
 

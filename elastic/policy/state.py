@@ -1,0 +1,147 @@
+"""What the controller's decisions (elastic.policy.decide) work on: the
+job's phase, the controller's own state (`SliceState`), the actions the
+executor carries out, and a pass's `Decision`. Plain frozen data."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+from elastic.policy.adopt import Inherited
+
+
+class Phase(enum.Enum):
+    """The controller's phase for the job (see the module docstring)."""
+    ADOPTING = "adopting"
+    WAITING = "waiting"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+# --- actions (performed by the executor) -----------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Journal:
+    """Append one line to the journal."""
+
+    kind: str
+    generation: int
+    reason: str
+    host: str | None = None
+    fields: Mapping = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartWorker:
+    """Tell `host` to start its worker as `process_id` of `num_processes`,
+    putting `devices_per_host` of its devices in the mesh (0: all)."""
+
+    host: str
+    generation: int
+    process_id: int
+    num_processes: int
+    coordinator_address: str
+    devices_per_host: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StopWorker:
+    """Tell `host` to end its worker of `generation`: SIGTERM, `grace_s`
+    seconds, SIGKILL (grace 0: SIGKILL at once)."""
+
+    host: str
+    generation: int
+    grace_s: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """End the controller with `exit_code` (0 succeeded, 1 failed)."""
+
+    exit_code: int
+
+
+Action = Journal | StartWorker | StopWorker | Finish
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceState:
+    """The controller's own state. Times are controller-monotonic seconds.
+
+    generation: the last generation started (0 before the first).
+    members / incarnations: hosts of the generation in rank order, and the
+      agent incarnation each had when it started.
+    coordinator: "host:port" of the generation's JAX coordinator.
+    stop_kind: "failure", "preemption" or "grow" while STOPPING.
+    failure_restarts: times of failure restarts (for the restart budget).
+    failures_without_progress: failures in a row with no step in between.
+    lost: hosts currently considered lost (journaled once).
+    carried: members silent past heartbeat_timeout_s whose worker the others'
+      steps show still training (host -> its last heartbeat; see
+      elastic.policy.silence); journaled once, not lost.
+    stop_requested: host -> time a stop was last sent to a non-member worker.
+    grow_ready_since: when a bigger slice first became possible.
+    draining_since: when a member's preemption notice was first seen (the
+      slice waits for the emergency checkpoint before it stops).
+    stop_hurried: a grow stop whose emergency checkpoint committed has sent
+      SIGKILL to the workers still waiting (instead of letting the grace run).
+    host_failures / quarantined: failures attributed to each host, and the
+      hosts set aside (host -> (until, reason)).
+    devices_per_host / device_kind: what each member puts in the mesh.
+    left_out: host -> why the last plan could not use it (another device
+      kind, too few devices, an incomplete failure domain); journaled when
+      it changes.
+    inherited: while ADOPTING, the generation the journal says was running
+      (None: the journal says none was; the agents' reports are searched for
+      one, elastic.policy.adopt.discover).
+    fenced_until: no generation starts before this time: the members of
+      the last one were all lost at once, none seen to stop, and may train
+      on until their agents' controller lease runs out.
+    """
+
+    phase: Phase = Phase.WAITING
+    generation: int = 0
+    phase_since: float = 0.0
+    reason: str = "waiting for the first hosts"
+    members: tuple[str, ...] = ()
+    incarnations: tuple[str, ...] = ()
+    coordinator: str = ""
+    progressed: bool = False
+    stop_kind: str = ""
+    stop_deadline: float = 0.0
+    failure_restarts: tuple[float, ...] = ()
+    restarts: int = 0
+    failures_without_progress: int = 0
+    lost: frozenset[str] = frozenset()
+    carried: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    stop_requested: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    grow_ready_since: float | None = None
+    draining_since: float | None = None
+    stop_hurried: bool = False
+    waiting_journaled_at: float = float("-inf")
+    host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+    devices_per_host: int = 0
+    device_kind: str = ""
+    left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    exit_code: int | None = None
+    inherited: Inherited | None = None
+    fenced_until: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What one reconcile pass decided: the next state, the actions to
+    perform in order, and a one-line reason (shown by `elasticd status`)."""
+    state: SliceState
+    actions: tuple[Action, ...]
+    reason: str
