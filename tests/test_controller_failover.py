@@ -159,3 +159,40 @@ def test_a_new_leader_outranks_every_term_it_can_know_of():
     assert leader_term(0, 0, now=1000.5) == 1000  # a fresh job: the time in seconds
     assert leader_term(3, 1000, now=1000.9) == 1001  # the same second: still above
     assert leader_term(2000, 1000, now=1500.0) == 2000  # the lock's count is higher
+
+
+def test_a_renewal_rides_out_a_failed_upload_and_a_lost_answer(tmp_path, gcs_emulator,
+                                                                gcs_bucket):
+    """A 503 on one upload is tried again (no step-down for one failure); an
+    upload that went through but whose answer was lost is recognised on the
+    retry as this process's own write; a controller on another state dir,
+    even with the same host name and path, is not taken for the holder."""
+    from google.api_core import exceptions
+
+    from elastic.controller.bucket_lease import BucketLease, holder_id
+
+    clock, client = FakeClock(), gcs_emulator.client()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "events.jsonl").write_text('{"ts": 1, "kind": "controller_started"}\n')
+    lease = BucketLease(f"{gcs_bucket}/job", tmp_path / "a", 10.0, client, clock)
+    assert lease.try_acquire()
+    real_upload, calls = lease._upload, []
+
+    def flaky(data: bytes, match: int) -> int:
+        calls.append(match)
+        if len(calls) == 1:
+            raise exceptions.ServiceUnavailable("try again")
+        if len(calls) == 2:
+            real_upload(data, match)
+            raise exceptions.ServiceUnavailable("the answer was lost")
+        return real_upload(data, match)
+
+    lease._upload = flaky
+    before = lease.generation
+    assert lease.renew() == ""
+    blob = client.bucket(gcs_bucket.removeprefix("gs://")).get_blob(
+        "job.elastic-controller/events.jsonl")
+    assert lease.generation == blob.generation > before and len(calls) == 4
+    assert holder_id(tmp_path / "a") == holder_id(tmp_path / "a") == lease.holder
+    (tmp_path / "b").mkdir()
+    assert holder_id(tmp_path / "b") != lease.holder

@@ -13,12 +13,17 @@ standby's own monotonic clock (so no clock skew between hosts matters), it
 downloads the journal at that generation into its state directory and
 claims the object by uploading it back with `ifGenerationMatch` = that
 generation: of two standbys only one succeeds. A leader whose upload fails
-its precondition has been deposed and stops at once; one that could not
-upload for `lease_s / 2` (a partition from the bucket) stops too, before any
-standby can have taken over. The object names its holder (host and state
-directory) in its metadata: a controller restarted on the holder's own state
-directory (which it locks, elastic.controller.leadership) takes the lease
-back at once instead of waiting it out.
+its precondition has been deposed and stops at once; a failed upload (a 429,
+a 503, a timeout) is tried again with jittered backoff (tenacity), and one
+that could not upload for `lease_s / 2`, counted from when its last
+successful upload was sent (a partition from the bucket), stops too, before
+any standby can have taken over. The object names its holder in its
+metadata: the random id of the holder's state directory (`controller-id`,
+made once) and of the controller process. A controller restarted on the
+holder's own state directory (which it locks,
+elastic.controller.leadership) takes the lease back at once instead of
+waiting it out; an upload whose answer was lost and whose retry then finds
+the object written by the same process goes on from that generation.
 
 This is the lease-with-fencing-token pattern (Kleppmann, "How to do
 distributed locking", 2016) with the object generation as the token, as
@@ -30,22 +35,47 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import secrets
 import socket
 import time
 from collections.abc import Callable
 
+import tenacity
+
 from elastic.checkpoint import gcs
 from elastic.checkpoint.storage import StorageError
 from elastic.controller.journal import JOURNAL_NAME, parse_line
-from elastic.security.files import open_private
+from elastic.security.files import open_private, write_private
 
 log = logging.getLogger("elasticd")
 
 SUFFIX = ".elastic-controller/" + JOURNAL_NAME
+#: The file in a controller's state directory that names it as a lease holder.
+ID_NAME = "controller-id"
 #: Entries uploaded at once, not at the next renewal: what a standby needs
 #: to adopt the slice (the generation running, whether it is stopping).
 PROMPT_KINDS = frozenset({"generation_started", "first_progress", "slice_adopted",
                           "slice_stopping", "slice_stopped", "job_succeeded", "job_failed"})
+
+
+def holder_id(state_dir: pathlib.Path) -> str:
+    """The lease holder name of controllers on `state_dir`: this host's
+    name and a random id made once in `state_dir/controller-id` (two hosts
+    may share a name and a path; they do not share the id). Raises OSError
+    when it cannot be read or made."""
+    path = state_dir / ID_NAME
+    if not path.exists():
+        # written whole beside it, then linked in: of two controllers
+        # starting at once, one id wins and neither reads a half-written one
+        tmp = state_dir / f".{ID_NAME}.{os.getpid()}"
+        write_private(tmp, secrets.token_hex(8).encode())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return f"{socket.gethostname()}/{path.read_text().strip()}"
 
 
 def merge_tools_lines(journal: bytes, local: bytes) -> bytes:
@@ -87,7 +117,8 @@ class BucketLease:
         self._blob_name = prefix.rstrip("/") + SUFFIX
         self.url = f"gs://{bucket}/{self._blob_name}"
         self.state_dir = pathlib.Path(state_dir).resolve()
-        self.holder = f"{socket.gethostname()}:{self.state_dir}"
+        self.holder = holder_id(self.state_dir)
+        self.instance = secrets.token_hex(8)  # this process's, in the object's metadata
         self.lease_s = lease_s
         self.clock = clock
         self._gcs = gcs_client or gcs.client()
@@ -121,7 +152,7 @@ class BucketLease:
         if blob is None:
             return self._claim(0, self._journal().read_bytes() if self._journal().exists()
                                else b"")
-        ours = (blob.metadata or {}).get("holder") == self.holder
+        ours = (blob.metadata or {}).get("holder") == self.holder  # (our state dir's)
         if not ours:
             if self._seen is None or self._seen[0] != blob.generation:
                 self._seen = (blob.generation, now)
@@ -144,40 +175,72 @@ class BucketLease:
         # elasticd local's fault injector, goes on appending to the journal)
         with open_private(path, "wb") as f:
             f.write(journal)
+        sent_at = self.clock()
         try:
             self.generation = self._upload(journal, generation)
         except exceptions.PreconditionFailed:
             return False
-        self.renewed_at = self.clock()
+        self.renewed_at = sent_at
         log.info("leading through %s (generation %d)", self.url, self.generation)
         return True
 
     def _upload(self, data: bytes, if_generation_match: int) -> int:
         blob = self._bucket.blob(self._blob_name)
-        blob.metadata = {"holder": self.holder}
+        blob.metadata = {"holder": self.holder, "instance": self.instance}
         blob.upload_from_string(data, content_type="application/jsonl",
                                 if_generation_match=if_generation_match, retry=None,
                                 timeout=self.lease_s / 4)
         return blob.generation
 
     def renew(self) -> str:
-        """Upload the local journal, renewing the lease. Returns "" when
-        renewed (or when a transient error left time to try again), else why
-        this controller must stop leading: deposed (the object changed under
-        it) or cut off from the bucket for `lease_s / 2`."""
+        """Upload the local journal, renewing the lease; a failed upload is
+        tried again (jittered exponential backoff up to lease_s / 10) while
+        the lease lasts. Returns "" when renewed, else why this controller
+        must stop leading: deposed (the object changed under it) or cut off
+        from the bucket for `lease_s / 2`."""
         from google.api_core import exceptions
 
+        def out_of_time(_: tenacity.RetryCallState) -> bool:
+            return self.clock() - self.renewed_at >= self.lease_s / 2
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            log.warning("cannot renew the lease on %s (try %d, %.1f s since the last "
+                        "renewal): %s", self.url, state.attempt_number,
+                        self.clock() - self.renewed_at, state.outcome.exception())
+
         try:
-            self.generation = self._upload(self._journal().read_bytes(), self.generation)
-            self.renewed_at = self.clock()
+            for attempt in tenacity.Retrying(
+                    retry=tenacity.retry_if_not_exception_type(exceptions.PreconditionFailed),
+                    wait=tenacity.wait_random_exponential(multiplier=self.lease_s / 40,
+                                                          max=self.lease_s / 10),
+                    stop=out_of_time, before_sleep=warn, reraise=True):
+                with attempt:
+                    sent_at = self.clock()
+                    try:
+                        self.generation = self._upload(self._journal().read_bytes(),
+                                                       self.generation)
+                    except exceptions.PreconditionFailed:
+                        if attempt.retry_state.attempt_number == 1 or not self._wrote_last():
+                            raise
+                        # our earlier try went through, its answer was lost
+                        self.generation = self._upload(self._journal().read_bytes(),
+                                                       self.generation)
+                    self.renewed_at = sent_at
             return ""
         except exceptions.PreconditionFailed:
             return (f"deposed: the journal object {self.url} was written by another "
                     f"controller")
         except Exception as e:  # noqa: BLE001 - any failure to renew counts against the lease
             silent = self.clock() - self.renewed_at
-            log.warning("cannot renew the lease on %s for %.1f s: %s", self.url, silent, e)
-            if silent >= self.lease_s / 2:
-                return (f"could not renew the lease on {self.url} for {silent:.1f} s "
-                        f"(health.leader_lease_s = {self.lease_s:g}): a standby may take over")
-            return ""
+            return (f"could not renew the lease on {self.url} for {silent:.1f} s "
+                    f"(health.leader_lease_s = {self.lease_s:g}): a standby may take over "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:500])
+
+    def _wrote_last(self) -> bool:
+        """Whether the object was last written by this controller process
+        (then its generation becomes ours). Raises as the client does."""
+        blob = self._bucket.get_blob(self._blob_name, retry=None, timeout=self.lease_s / 4)
+        if blob is None or (blob.metadata or {}).get("instance") != self.instance:
+            return False
+        self.generation = blob.generation
+        return True
