@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pathlib
 import signal
@@ -129,11 +130,16 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     First it takes the job's leadership: the lock on the state directory
     (elastic.controller.leadership) and, with checkpoints in a bucket, the
     lease on the journal object there (elastic.controller.bucket_lease).
-    Raises StartError when another controller holds either (after waiting
-    out the bucket lease once: its holder may be dead), or with `standby`
-    waits until that one ends, then adopts what it left running. A standby
-    that takes over a job whose journal says it ended returns the job's
-    exit code at once.
+    Raises StartError when another controller holds the lock (two
+    controllers on one state directory), or with `standby` waits until that
+    one ends, then adopts what it left running. The bucket lease is always
+    waited for (standby or not): its holder may be dead (it passes after
+    `health.leader_lease_s` unrenewed), or a standby that took over while
+    this controller was away (restarted by systemd, or deposed and
+    restarted), which this one then backs up; the bucket being out of reach
+    meanwhile is logged and waited through. A controller that waited and
+    takes over a job whose journal says it ended returns the job's exit
+    code at once.
 
     Returns the exit code: 0 job succeeded, 1 job failed, 3 deposed (another
     controller took the bucket lease, or it could not be renewed), 143 / 130
@@ -147,6 +153,10 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     loop = asyncio.get_running_loop()
     leadership: Leadership | None = None
     lease = None
+    # SIGTERM/SIGINT from the first moment: while waiting to lead they end
+    # the wait; once leading, a clean stop with its journal line
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stopped.set()))
     try:
         try:
             leadership = Leadership(state_dir)
@@ -154,10 +164,11 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
             async def lock() -> bool:
                 return leadership.try_acquire()
 
-            code = await _wait_to_lead(lock, f"the lock on {leadership.state_dir}", standby,
-                                       0.0, LEADERSHIP_POLL_S, stopped, received, loop)
+            code, _ = await _wait_to_lead(lock, f"the lock on {leadership.state_dir}", standby,
+                                          LEADERSHIP_POLL_S, stopped, received)
             if code is not None:
                 return code
+            waited = False
             if (spec.checkpoint_dir or "").startswith("gs://"):
                 if split_gcs(spec.checkpoint_dir)[1]:  # (any failure here: StartError)
                     lease = BucketLease(spec.checkpoint_dir, state_dir,
@@ -170,9 +181,11 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
                 async def claim() -> bool:
                     return await asyncio.to_thread(lease.try_acquire)
 
-                code = await _wait_to_lead(claim, f"the lease on {lease.url}", standby,
-                                           1.5 * lease.lease_s, min(1.0, lease.lease_s / 5),
-                                           stopped, received, loop)
+                # Another controller leading through the bucket (a standby that
+                # took over while this one was away, or deposed it): stand by.
+                code, waited = await _wait_to_lead(claim, f"the lease on {lease.url}", True,
+                                                   min(1.0, lease.lease_s / 5), stopped,
+                                                   received)
                 if code is not None:
                     return code
             before = recorded(state_dir)
@@ -180,13 +193,15 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
                                       term=leader_term(leadership.term, before.term))
         except (RuntimeError, TLSError, OSError, StorageError) as e:
             raise StartError(str(e)) from None
-        if standby and server.ended is not None:
+        if (standby or waited) and server.ended is not None:
             log.info("the job in %s has ended (exit %d); this standby has nothing to do",
                      state_dir, server.ended)
             server.journal.close()
             return server.ended
         return await _serve(server, stopped, received, loop, lease)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         if leadership is not None:
             leadership.release()
 
@@ -200,41 +215,32 @@ def leader_term(locked_term: int, journaled_term: int, now: float | None = None)
     return max(locked_term, journaled_term + 1, int(time.time() if now is None else now))
 
 
-async def _wait_to_lead(acquire, what: str, standby: bool, patience_s: float, poll_s: float,
-                        stopped: asyncio.Event, received: list[int], loop) -> int | None:
-    """Poll `acquire()` (async, True once held) every `poll_s` seconds: for
-    ever as a standby (SIGTERM/SIGINT end the wait: returns 128 + the
-    signal), else for `patience_s` (then LeadershipTaken). None once held."""
+async def _wait_to_lead(acquire, what: str, standby: bool, poll_s: float,
+                        stopped: asyncio.Event, received: list[int]) -> tuple[int | None, bool]:
+    """Poll `acquire()` (async, True once held) every `poll_s` seconds
+    until it succeeds or SIGTERM/SIGINT sets `stopped`. Returns (None,
+    waited) once held, (128 + the signal, True) when stopped first. Without
+    `standby`, raises LeadershipTaken at once when another holds it; a
+    StorageError is raised without `standby`, logged and polled through with
+    it."""
     if await acquire():
-        return None
-    if not standby and patience_s <= 0:
+        return None, False
+    if not standby:
         raise LeadershipTaken(f"another controller holds {what}; start this one with "
                               f"--standby to take over when it ends")
-    log.info("%s: another controller holds %s; taking over when it ends",
-             "standby" if standby else "waiting", what)
-    deadline = time.monotonic() + patience_s
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stopped.set()))
-    try:
-        while not stopped.is_set():
-            await asyncio.sleep(poll_s)
-            if stopped.is_set():
-                break
-            try:
-                if await acquire():
-                    log.info("the leader is gone; this controller holds %s", what)
-                    return None
-            except StorageError as e:
-                if not standby:
-                    raise
-                log.warning("standby: %s", e)
-            if not standby and time.monotonic() > deadline:
-                raise LeadershipTaken(f"another controller holds {what} and renews it; start "
-                                      f"this one with --standby to take over when it ends")
-        return 128 + received[0]
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    log.info("standby: another controller holds %s; taking over when it ends", what)
+    while not stopped.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), poll_s)
+        if stopped.is_set():
+            break
+        try:
+            if await acquire():
+                log.info("the leader is gone; this controller holds %s", what)
+                return None, True
+        except StorageError as e:
+            log.warning("standby: %s", e)
+    return 128 + received[0], True
 
 
 async def _serve(server: ControllerServer, stopped: asyncio.Event, received: list[int],
@@ -273,27 +279,21 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
                 stopped.set()
                 return
 
-    def on_stop(sig: int) -> None:
-        received.append(sig)
-        stopped.set()
-
     def on_hup() -> None:
         server.controller.executor.record(
             "sighup", server.controller.state.generation,
             "SIGHUP received and ignored: TLS files are re-read at every new connection; "
             "the job spec is not reloaded (restart the controller to change it)")
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_stop, sig)
+    # (SIGTERM/SIGINT are handled since serve() began, SIGHUP from here on:
+    # the address file start() writes tells tools the controller is there,
+    # and a signal they send must not find the default action, which ends
+    # the process without a journal line)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    # (handlers first: the address file start() writes tells tools the
-    # controller is there, and a signal they send must not find the default
-    # action, which ends the process without a journal line)
     try:
         await server.start()
     except (RuntimeError, TLSError, OSError) as e:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        loop.remove_signal_handler(signal.SIGHUP)
         raise StartError(str(e)) from None
     run = asyncio.create_task(server.run())
     stop_wait = asyncio.create_task(stopped.wait())
