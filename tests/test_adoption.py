@@ -170,7 +170,7 @@ def test_a_generation_the_journal_lacks_is_found_in_the_reports(back, waited, fo
     view = ClusterView()
     for host in back:
         come_back(view, host)
-    result = discover(view, 3, waited, window_s(5.0))
+    result = discover(view, 3, waited, window_s(5.0), 4)
     if found == "all":
         assert result == Inherited(4, HOSTS, INHERITED.incarnations, "", 2, "cpu", True)
     else:
@@ -180,9 +180,13 @@ def test_a_generation_the_journal_lacks_is_found_in_the_reports(back, waited, fo
 def test_no_generation_to_find_when_the_hosts_run_none():
     view = ClusterView()
     come_back(view, "h0", generation=0, state=WorkerState.IDLE)
-    assert discover(view, 3, 0.1, window_s(5.0)) == ""
+    assert discover(view, 0, 0.1, window_s(5.0), 3) == ""  # a new job: start at once
+    # the first host back is idle; the slice's hosts may still be reconnecting
+    assert discover(view, 3, 0.1, window_s(5.0), 3) is None
+    assert discover(view, 3, window_s(5.0), window_s(5.0), 3) == ""  # the window is over
     come_back(view, "h1", generation=3)  # the journal's own generation: not newer
-    assert discover(view, 3, 0.1, window_s(5.0)) == ""
+    come_back(view, "h2", generation=0, state=WorkerState.IDLE)
+    assert discover(view, 3, 0.1, window_s(5.0), 3) == ""  # max_hosts back, none runs one
 
 
 def test_a_controller_whose_journal_ends_early_adopts_what_the_agents_report():

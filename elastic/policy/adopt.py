@@ -108,18 +108,22 @@ def judge(inherited: Inherited, view: ClusterView, waited_s: float,
 
 
 def discover(view: ClusterView, after_generation: int, waited_s: float,
-             window: float) -> Inherited | str | None:
+             window: float, enough_hosts: int) -> Inherited | str | None:
     """A running generation newer than `after_generation` (the journal's
     last) rebuilt from the agents' reports: the hosts of its workers in rank
     order, when every rank of its process count reports one (coordinator
     unknown; devices per host: the fewest any of them has). "" when there
-    is none to wait for: hosts registered and none runs such a worker, or
-    `window` seconds passed without a complete set. None while waiting.
-    Pure."""
+    is none to wait for: `window` seconds passed without a complete set, or
+    no host runs such a worker and either the journal never started a
+    generation (a new job: hosts register as they come) or `enough_hosts`
+    (the job's max_hosts) have registered. Otherwise, with hosts idle, the
+    others may be the slice, still reconnecting: None, wait. Pure."""
     running = [r for r in view.hosts.values()
                if r.worker.running and r.worker.generation > after_generation]
     if not running:
-        return "" if view.hosts or waited_s >= window else None
+        if waited_s >= window or len(view.hosts) >= enough_hosts:
+            return ""
+        return "" if after_generation == 0 and view.hosts else None
     g = max(r.worker.generation for r in running)
     group = [r for r in running if r.worker.generation == g]
     n = group[0].worker.num_processes

@@ -62,7 +62,8 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     (No stray is stopped meanwhile: the workers being adopted look like strays.)"""
     window = adopt.window_s(spec.health.heartbeat_timeout_s)
     if state.inherited is None:  # the journal says nothing runs: do the agents?
-        found = adopt.discover(view, state.generation, now - state.phase_since, window)
+        found = adopt.discover(view, state.generation, now - state.phase_since, window,
+                               spec.max_hosts)
         if found is None:
             reason = "looking for a running generation in the agents' reports"
             return dataclasses.replace(state, reason=reason), tuple(actions), reason
@@ -371,9 +372,16 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                      if host not in failed and (at := view.disconnected.get(host)) is not None]
         when, host, why = min(failures)
         return _begin_stop(state, now, spec, actions, "failure", why, (host,), len(view.hosts))
-    if done == len(state.members):
+    carried = sum(h in state.carried for h in state.members)
+    if done == len(state.members) or (carried and done and done + carried == len(state.members)):
         reason = f"all {done} workers of generation {state.generation} exited 0"
-        last = view.hosts[state.members[0]].worker
+        if done < len(state.members):
+            reason = (f"{done} of the {len(state.members)} workers of generation "
+                      f"{state.generation} exited 0; the others' agents are silent "
+                      f"({', '.join(sorted(state.carried))}), and their workers went through "
+                      f"every step of the program with them")
+        # (rank 0's report, unless its agent is the silent one)
+        last = next(view.hosts[h].worker for h in state.members if h not in state.carried)
         actions.append(Journal("job_succeeded", state.generation, reason, None,
                                {"step": last.step, "metrics": dict(last.metrics)}))
         actions.append(Finish(0))
