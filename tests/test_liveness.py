@@ -111,6 +111,19 @@ def test_a_carried_member_is_lost_when_the_slice_stops_stepping():
     assert lost.state.lost == {"h1"} and not lost.state.carried
 
 
+def test_a_carried_member_whose_peers_finished_finishes_the_job_with_them():
+    """Its peers exit 0 at step 23 (the program's end, which they could not
+    reach without its worker) and then heartbeat for long: the job
+    succeeded; the silent host is neither lost nor restarted for."""
+    carried, view, s = carried_member(13)
+    for h in ("h0", "h2"):
+        worker(view, h, T0 + 13.5, 1, WorkerState.EXITED, step=23)
+    beat_peers(view, T0 + 30.0)
+    done = decide(carried, view, T0 + 30.0, s)
+    assert kinds(done) == ["job_succeeded"] and done.state.phase is Phase.SUCCEEDED
+    assert "h1" in done.actions[0].reason and done.actions[0].fields["step"] == 23
+
+
 def test_a_carried_member_is_lost_once_the_slice_stops_for_another_reason():
     state, view, s = silent_member_setup(10, 4.0)
     beat_peers(view, T0 + 5.1)

@@ -36,12 +36,15 @@ CARRY_LEAD_STEPS = 3
 def slice_front(members: Iterable[HostRecord], generation: int, now: float,
                 window_s: float) -> int:
     """The highest step any of `members` reported in `generation` whose step
-    went up within the last `window_s` seconds (`now` and the records' times:
-    controller-monotonic seconds); -1 if none. A silent member's own step is
-    never recent (a step report is also a sign of life), so the front of all
-    members is the front of its peers. O(members): computed once per pass."""
+    went up within the last `window_s` seconds, or whose worker exited 0
+    (`now` and the records' times: controller-monotonic seconds); -1 if
+    none. A silent member's own step is never recent (a step report is also
+    a sign of life), so the front of all members is the front of its peers;
+    a peer that finished the program went through its every collective,
+    with the silent member too. O(members): computed once per pass."""
     return max((r.worker.step for r in members if r.worker.generation == generation
-                and r.worker.step >= 0 and now - r.step_at <= window_s), default=-1)
+                and r.worker.step >= 0 and (now - r.step_at <= window_s or r.worker.succeeded)),
+               default=-1)
 
 
 def lead_needed(silent: HostRecord) -> int:
