@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--mtbf", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--hosts", type=int, default=4)
-    # lose-device, the storage kinds and kill-controller came after the published figures; left
+    # lose-device, the storage kinds, kill-controller and stop-controller came after the published figures; left
     # out by default so that they stay comparable (pass --kinds to include them)
     parser.add_argument("--kinds", default=None,
                         help="fault kinds joined by + (default: the published soak's, and "
@@ -52,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.kinds is None:
         args.kinds = "+".join(k for k in CHAOS_KINDS if k not in (
-            "lose-device", "kill-controller", *STORAGE_KINDS,
+            "lose-device", "kill-controller", "stop-controller", *STORAGE_KINDS,
             *(() if args.isolate else NETWORK_KINDS)))
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-soak-"))
     spec_path = lm_job(work, "soak", args.hosts, args.checkpoint_every,

@@ -35,6 +35,10 @@ elastic.local.network); elsewhere they are skipped with a journaled message
   running slice (with a standby, `elasticd local --standby`, the standby
   takes over at once and the killed one comes back as the standby) (the HOST is not used; needs the launcher that owns the
   controller: `elasticd local`, not `elasticd chaos`);
+- stop-controller: SIGSTOP the controller for away_s (heartbeat timeout
+  + 2 s), then SIGCONT: a controller starved or suspended that long must
+  not take its own pause for the hosts' silence (journaled as
+  `controller_paused`); agents look for another controller meanwhile;
 - storage-slow: STORAGE_SLOW_LATENCY_S added to every request to the
   checkpoint bucket for STORAGE_FAULT_S (a bucket in a farther region);
 - storage-outage: every request to the bucket answered 503 for
@@ -49,6 +53,7 @@ journaled message. Their end is journaled as `fault_healed`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 import random
@@ -90,11 +95,11 @@ CONTROLLER_RESTART_S = 2.0
 
 STORAGE_KINDS = ("storage-slow", "storage-outage")
 #: Kinds that act on the whole job; the HOST of a planned one is not used.
-JOB_KINDS = (*STORAGE_KINDS, "kill-controller")
+JOB_KINDS = (*STORAGE_KINDS, "kill-controller", "stop-controller")
 NETWORK_KINDS = ("partition", "partition-controller", "partition-peers", "slow-link")
 CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt",
                "kill-during-save", "lose-device", *NETWORK_KINDS, *STORAGE_KINDS,
-               "kill-controller")
+               "kill-controller", "stop-controller")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +315,9 @@ class Chaos(threading.Thread):
         if kind == "kill-controller":
             self._kill_controller(status)
             return
+        if kind == "stop-controller":
+            self._stop_controller(status)
+            return
         if kind == "kill-during-save":
             since = time.time()
             saved = self._wait_for_save(since, timeout_s=120)
@@ -365,6 +373,26 @@ class Chaos(threading.Thread):
                            f"chaos: kill-controller (slice at step {step}); {then}", None,
                            {"fault": "kill-controller", "step": step, "pids": [pid]})
         self._later(CONTROLLER_RESTART_S, restart)
+
+    def _stop_controller(self, status) -> None:
+        """SIGSTOP the controller (its pid from local.json); SIGCONT after away_s."""
+        from elastic.local.leftovers import LOCAL_FILE  # (elastic.local imports this module)
+
+        try:
+            pid = json.loads((pathlib.Path(self.state_dir) / LOCAL_FILE).read_text())[
+                "controller_pid"]
+        except (OSError, ValueError, KeyError) as e:
+            self.journal.write(time.time(), "fault_skipped", status.generation,
+                               f"stop-controller: no controller pid in {LOCAL_FILE} ({e})",
+                               None, {"fault": "stop-controller"})
+            return
+        step = slice_step(status)
+        signal_pid(pid, signal.SIGSTOP)
+        self.journal.write(time.time(), "fault_injected", status.generation,
+                           f"chaos: stop-controller (slice at step {step}); SIGCONT in "
+                           f"{self.away_s:g} s", None,
+                           {"fault": "stop-controller", "step": step, "pids": [pid]})
+        self._later(self.away_s, lambda: signal_pid(pid, signal.SIGCONT))
 
     def _storage_fault(self, kind: str, status) -> None:
         """Slow down or cut off the checkpoint bucket for STORAGE_FAULT_S."""

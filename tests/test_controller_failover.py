@@ -196,3 +196,20 @@ def test_a_renewal_rides_out_a_failed_upload_and_a_lost_answer(tmp_path, gcs_emu
     assert holder_id(tmp_path / "a") == holder_id(tmp_path / "a") == lease.holder
     (tmp_path / "b").mkdir()
     assert holder_id(tmp_path / "b") != lease.holder
+
+
+def test_a_controller_stopped_past_the_heartbeat_timeout_loses_no_host(tmp_path, local_job):
+    """stop-controller: SIGSTOP for the heartbeat timeout + 2 s while the
+    slice trains, then SIGCONT. Its own pause is not the hosts' silence:
+    no host lost, no restart, one generation to the end."""
+    spec = tiny_spec(tmp_path, "--steps 300 --step-time-s 0.04 --checkpoint-every 100",
+                     min_hosts=2, max_hosts=2)
+    job = local_job(spec, hosts=2, faults=("stop-controller:all@step=20",))
+    assert job.wait(120) == 0, job.output()
+    journal = job.journal()
+    kinds = [e["kind"] for e in journal]
+    paused = next(e for e in journal if e["kind"] == "controller_paused")
+    assert paused["paused_s"] >= 1.5, paused  # (heartbeat_timeout_s)
+    assert kinds.count("generation_started") == 1, kinds
+    assert not {"host_lost", "slice_stopping", "agent_silent"} & set(kinds), kinds
+    assert kinds[-2:] == ["job_succeeded", "controller_stopped"] and journal[-2]["step"] == 299

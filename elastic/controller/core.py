@@ -18,6 +18,11 @@ from elastic.policy.view import ClusterView, Event, observe
 log = logging.getLogger("elasticd")
 
 
+#: Seconds the reconcile loop may wake late before the controller counts
+#: itself paused (a pass, a burst of messages and GC stay well below).
+PAUSE_S = 2.0
+
+
 class Controller:
     """One job's controller.
 
@@ -113,12 +118,20 @@ class Controller:
             # Ticks catch what no event announces (timeouts). A pass over a very
             # large slice costs milliseconds, so ticks are kept 5x that far apart
             # (decisions on ticks then cost at most ~20 % of a core).
+            wait_s, waited_from = max(self.tick_s, 5 * pass_s), self.clock.monotonic()
             try:
-                await asyncio.wait_for(self._wake.wait(), max(self.tick_s, 5 * pass_s))
+                await asyncio.wait_for(self._wake.wait(), wait_s)
             except TimeoutError:
                 pass
             self._wake.clear()
             t0 = self.clock.monotonic()
+            late = t0 - waited_from - wait_s
+            if late > PAUSE_S:  # this controller did not run: hosts were not silent
+                self.view.forgive_pause(late, t0)
+                self.executor.record("controller_paused", self.state.generation,
+                                     f"the controller did not run for {late:.1f} s (stopped, "
+                                     f"starved or suspended); silence is counted without it",
+                                     None, {"paused_s": round(late, 3)})
             self.reconcile()
             pass_s = self.clock.monotonic() - t0
         return self.state.exit_code or 0

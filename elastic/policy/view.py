@@ -229,6 +229,20 @@ class ClusterView:
         # Hosts whose stream ended and that have not registered since: when.
         self.disconnected: dict[str, float] = {}
 
+    def forgive_pause(self, pause_s: float, now: float) -> None:
+        """The controller itself did not run for `pause_s` seconds up to
+        `now` (it was stopped, starved of CPU, or its VM suspended): what it
+        could not hear meanwhile is not silence. Moves every time silence is
+        measured from (last heartbeat, last step, stream closed) `pause_s`
+        later, to `now` at most (what was heard since it resumed stays);
+        the records stay in order of their last heartbeat."""
+        for record in self.hosts.values():
+            record.last_heartbeat_at = min(record.last_heartbeat_at + pause_s, now)
+            if record.step_at:
+                record.step_at = min(record.step_at + pause_s, now)
+        for host, at in self.disconnected.items():
+            self.disconnected[host] = min(at + pause_s, now)
+
     def get(self, host_id: str) -> HostRecord | None:
         """The record of `host_id`, None if it never registered."""
         return self.hosts.get(host_id)
