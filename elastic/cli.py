@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="wait while another controller leads the job in --state-dir, "
                             "then take over and adopt its slice (agents list both "
                             "addresses: --controller LEADER,STANDBY)")
+    start.add_argument("--metrics-port", type=port_number, metavar="PORT",
+                       help="serve Prometheus metrics on this port of the --listen host "
+                            "(HTTPS with client certificates of the job's CA; plain HTTP "
+                            "with --insecure)")
     _tls_args(start, CONTROLLER_TLS_DIR + " (a controller certificate)")
 
     status = sub.add_parser("status", help="show a running job")
@@ -112,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="run a standby controller beside the leader (elasticd start "
                             "--standby): a killed leader is replaced at once; agents get both "
                             "addresses")
+    local.add_argument("--metrics-port", type=port_number, metavar="PORT",
+                       help="the controller's Prometheus metrics on this port of 127.0.0.1 "
+                            "(HTTPS; scrape with the operator bundle in STATE_DIR/tls)")
     local.add_argument("--isolate", action="store_true",
                        help="each host and the controller in namespaces of their own: an "
                             "address on a private bridge, private /dev/shm and disk (needs "
@@ -275,6 +282,13 @@ def _certs(args) -> int:
     return 0
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port from 0 (any free one) to 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port from 0 to 65535")
+    return int(text)
+
+
 def _start(args) -> int:
     from elastic.controller.server import StartError, serve
     from elastic.security.tls import TLSError, TLSFiles
@@ -298,7 +312,8 @@ def _start(args) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s elasticd %(levelname)s %(message)s")
     try:
-        return asyncio.run(serve(spec, args.listen, args.state_dir, tls, args.standby))
+        return asyncio.run(serve(spec, args.listen, args.state_dir, tls, args.standby,
+                                 args.metrics_port))
     except StartError as e:
         raise UsageError(str(e)) from None
 
@@ -368,7 +383,7 @@ def _local(args) -> int:
                          quiet=args.quiet, faults=faults, metadata_url=args.gce_metadata,
                          chaos=chaos, insecure=args.insecure, gcs_emulator=args.gcs_emulator,
                          compile_cache_dir=args.compile_cache_dir, isolate=args.isolate,
-                         standby=args.standby)
+                         standby=args.standby, metrics_port=args.metrics_port)
     except NotADirectoryError as e:
         raise UsageError(str(e)) from None
     except RuntimeError as e:

@@ -72,6 +72,8 @@ class Controller:
         self.may_act = None
         # Seconds from an agent's send to receipt, for the last 10,000 heartbeats.
         self.heartbeat_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)
+        #: None, or called with each heartbeat's latency (the metrics)
+        self.on_heartbeat_latency = None
 
     @property
     def sessions(self):

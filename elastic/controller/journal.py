@@ -41,8 +41,9 @@ class JournalWriter:
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.path = private_dir(state_dir) / JOURNAL_NAME
         self._file = open_private(self.path)
-        #: called with each entry once it is written (the bucket lease's mirror)
-        self.on_write: Callable[[dict], None] | None = None
+        #: called with each entry once it is written (the bucket lease's
+        #: mirror, the metrics); they must not raise
+        self.listeners: list[Callable[[dict], None]] = []
 
     def write(self, ts: float, kind: str, generation: int, reason: str,
               host: str | None = None, fields: Mapping[str, Any] | None = None) -> dict:
@@ -57,8 +58,8 @@ class JournalWriter:
                 entry[key] = value
         self._file.write(json.dumps(entry, sort_keys=False) + "\n")
         self._file.flush()
-        if self.on_write is not None:
-            self.on_write(entry)
+        for listener in self.listeners:
+            listener(entry)
         return entry
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from elastic.controller.journal import JournalWriter, recorded
 from elastic.controller.bucket_lease import PROMPT_KINDS, BucketLease
 from elastic.controller.leadership import Leadership, LeadershipTaken
 from elastic.controller.servicer import ControllerServicer, add_servicer
+from elastic.health import SERVING, add_health_and_reflection
 from elastic.security.files import private_dir
 from elastic.security.tls import TLSError, TLSFiles
 
@@ -30,6 +31,8 @@ LEADERSHIP_POLL_S = 0.2
 #: The exit code of a controller that stopped leading (deposed, or cut off
 #: from the bucket that holds its lease).
 DEPOSED_EXIT = 3
+#: The controller's gRPC service (proto/elastic/v1/control.proto).
+CONTROLLER_SERVICE = "elastic.v1.Controller"
 
 
 class StartError(RuntimeError):
@@ -75,6 +78,10 @@ class ControllerServer:
         self.server = transport.aio_server()
         self.servicer = ControllerServicer(self.controller, authenticated=tls is not None)
         add_servicer(self.servicer, self.server)
+        # grpc.health.v1 ("" and elastic.v1.Controller: SERVING while this
+        # controller leads) and reflection, for standard probes (elastic.health)
+        self.health = add_health_and_reflection(self.server, [CONTROLLER_SERVICE])
+        self.metrics_server = None
         self.address = ""
         self._stopped = False
 
@@ -85,6 +92,8 @@ class ControllerServer:
             host = "127.0.0.1"
         self.address = f"{host}:{port}"
         await self.server.start()
+        for name in ("", CONTROLLER_SERVICE):
+            await self.health.set(name, SERVING)
         tmp = self.state_dir / (ADDRESS_FILE + ".tmp")
         tmp.write_text(self.address + "\n")
         tmp.replace(self.state_dir / ADDRESS_FILE)
@@ -99,6 +108,22 @@ class ControllerServer:
                  self.address, "mutual TLS" if self.tls else "PLAINTEXT", self.journal.path)
         return self.address
 
+    def serve_metrics(self, port: int) -> int:
+        """Serve the controller's Prometheus metrics (elastic.controller.metrics)
+        on `port` (0: any) of the host it listens on, with its TLS files
+        (client certificates of the job's CA required). Returns the port.
+        Raises OSError when the port cannot be bound."""
+        from elastic import metrics
+        from elastic.controller.metrics import ControllerMetrics
+
+        collected = ControllerMetrics(self.controller, asyncio.get_running_loop())
+        self.journal.listeners.append(collected.on_journal)
+        self.controller.on_heartbeat_latency = collected.on_heartbeat
+        self.metrics_server = metrics.serve(collected.registry,
+                                            self.listen.rsplit(":", 1)[0] or "127.0.0.1",
+                                            port, self.tls)
+        return self.metrics_server.server_port
+
     async def run(self) -> int:
         return await self.controller.run()
 
@@ -111,6 +136,9 @@ class ControllerServer:
         self._stopped = True
         self.controller.executor.record("controller_stopped", self.controller.state.generation,
                                         reason)
+        await self.health.enter_graceful_shutdown()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.shutdown)
         path = self.state_dir / ADDRESS_FILE
         try:
             if path.read_text().strip() == self.address:
@@ -124,7 +152,7 @@ class ControllerServer:
 
 
 async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None,
-                standby: bool = False) -> int:
+                standby: bool = False, metrics_port: int | None = None) -> int:
     """Run the controller until the job ends or SIGTERM/SIGINT arrives.
 
     First it takes the job's leadership: the lock on the state directory
@@ -198,7 +226,7 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
                      state_dir, server.ended)
             server.journal.close()
             return server.ended
-        return await _serve(server, stopped, received, loop, lease)
+        return await _serve(server, stopped, received, loop, lease, metrics_port)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -244,7 +272,8 @@ async def _wait_to_lead(acquire, what: str, standby: bool, poll_s: float,
 
 
 async def _serve(server: ControllerServer, stopped: asyncio.Event, received: list[int],
-                 loop, lease: BucketLease | None = None) -> int:
+                 loop, lease: BucketLease | None = None,
+                 metrics_port: int | None = None) -> int:
     deposed: list[str] = []
 
     prompt = asyncio.Event()
@@ -295,14 +324,21 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
     except (RuntimeError, TLSError, OSError) as e:
         loop.remove_signal_handler(signal.SIGHUP)
         raise StartError(str(e)) from None
+    if metrics_port is not None:
+        try:
+            server.serve_metrics(metrics_port)
+        except OSError as e:
+            loop.remove_signal_handler(signal.SIGHUP)
+            await server.stop(f"cannot serve metrics on port {metrics_port}: {e}")
+            raise StartError(f"--metrics-port {metrics_port}: {e}") from None
     run = asyncio.create_task(server.run())
     stop_wait = asyncio.create_task(stopped.wait())
     renewing = None
     if lease is not None:
         # a controller frozen past half its lease acts no more (a standby may lead)
         server.controller.may_act = lambda: lease.clock() - lease.renewed_at < lease.lease_s / 2
-        server.journal.on_write = lambda entry: prompt.set() \
-            if entry["kind"] in PROMPT_KINDS else None
+        server.journal.listeners.append(lambda entry: prompt.set()
+                                        if entry["kind"] in PROMPT_KINDS else None)
         renewing = asyncio.create_task(keep_lease())
     reason, code = "controller ended unexpectedly", 1
     try:

@@ -363,7 +363,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             hb = message.heartbeat
             worker = self._observed(h.host_id, hb.worker, refusal)
             if hb.sent_at:
-                c.heartbeat_latency_s.append(c.clock.time() - hb.sent_at)
+                c.heartbeat_latency_s.append(latency := c.clock.time() - hb.sent_at)
+                if c.on_heartbeat_latency is not None:
+                    c.on_heartbeat_latency(latency)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
                                          clean_text(hb.preemption, adm.MAX_REASON_CHARS),
                                          hb.devices, hb.device_kind))

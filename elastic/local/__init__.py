@@ -179,7 +179,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 checkpoint_dir: str | None = None,
                 extra_env: dict[str, str] | None = None,
                 compile_cache_dir: pathlib.Path | None = None,
-                net: network.NetworkPlan | None = None, standby: bool = False) -> LocalSlice:
+                net: network.NetworkPlan | None = None, standby: bool = False,
+                metrics_port: int | None = None) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
@@ -192,6 +193,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     each host run in their namespaces on that network. With `standby`, a
     second controller waits as a standby on another loopback port
     (elastic.controller.leadership) and agents are given both addresses.
+    `metrics_port`: where the controller (the one leading) serves its
+    Prometheus metrics (elastic.controller.metrics).
     Every process started dies with this one (spawn_bound).
 
     Raises RuntimeError when the controller exits or does not listen within
@@ -220,7 +223,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     listen = f"{net.address(network.CONTROLLER)}:0" if net else "127.0.0.1:0"
     argv = [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
             "--listen", listen, "--state-dir", str(state_dir), *security,
-            *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])]
+            *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []),
+            *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
     plain = argv
     if net is not None:
         argv = isolated_argv(net, network.CONTROLLER, argv, state_dir)
@@ -446,7 +450,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
               progress_every_s: float = 5.0, metadata_url: str | None = None,
               chaos: ChaosSpec | None = None, insecure: bool = False,
               gcs_emulator: bool = False, compile_cache_dir: str | None = None,
-              isolate: bool = False, standby: bool = False) -> int:
+              isolate: bool = False, standby: bool = False,
+              metrics_port: int | None = None) -> int:
     """Run the job on `hosts` simulated hosts until it ends or a signal comes,
     injecting the planned `faults` and random `chaos` faults on the way;
     prints a summary at the end. Mutual TLS with a throwaway CA unless
@@ -461,7 +466,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
     (as if `gcs_emulator`). What a killed earlier run in `state_dir` left
     is removed first (elastic.local.leftovers). `standby`: a second
     controller waits as a standby (on a node of its own with `isolate`;
-    elastic.local.controllers).
+    elastic.local.controllers). `metrics_port`: the controller's
+    Prometheus metrics endpoint (see start_slice).
 
     Returns the controller's exit code (0 succeeded, 1 failed), 128 + N
     after signal N (SIGINT, SIGTERM, SIGHUP: the terminal went away).
@@ -489,7 +495,8 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
         local = start_slice(spec_path, spec, hosts, devices_per_host, state, metadata_url,
                             insecure, around.checkpoint_dir, around.extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
-                            if compile_cache_dir else None, around.net, standby)
+                            if compile_cache_dir else None, around.net, standby,
+                            metrics_port)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")

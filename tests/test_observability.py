@@ -1,0 +1,88 @@
+"""What an operator watches, on a live local slice over the job's mutual
+TLS: the controller's Prometheus metrics scraped and parsed with
+prometheus-client's own parser during a run with a fault, and the standard
+gRPC health and reflection services."""
+
+from __future__ import annotations
+
+import ssl
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic import transport
+from elastic.checkpoint.emulator import free_port
+from elastic.cli import LOCAL_OPERATOR_BUNDLE
+from elastic.security.tls import TLSFiles
+from tests.conftest import tiny_spec, wait_until
+
+
+def scrape(port: int, tls: TLSFiles | None) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from https://127.0.0.1:port/metrics."""
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    if tls is not None:
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=context,
+                                timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_health_and_reflection_of_a_live_controller(tmp_path, local_job):
+    port = free_port()
+    spec = tiny_spec(tmp_path, "--steps 400 --step-time-s 0.03 --checkpoint-every 20",
+                     min_hosts=2, max_hosts=2)
+    job = local_job(spec, hosts=2, faults=("kill-worker:host-1@step=40",),
+                    extra_args=("--metrics-port", str(port)))
+    job.wait_for("first_progress", generation=2, timeout_s=60)
+    operator = TLSFiles.in_dir(job.state_dir / LOCAL_OPERATOR_BUNDLE)
+
+    def recovered():  # the incident is observed once the next generation steps
+        m = scrape(port, operator)
+        return m if m[("elastic_recovery_latency_seconds_count", ())] >= 1 else None
+
+    m = wait_until(recovered, 15.0, "the recovery observed in the metrics")
+    assert m[("elastic_job_phase", (("phase", "running"),))] == 1.0
+    assert m[("elastic_job_phase", (("phase", "stopping"),))] == 0.0
+    assert m[("elastic_generation", ())] == 2.0
+    assert m[("elastic_hosts_alive", ())] == m[("elastic_slice_hosts", ())] == 2.0
+    assert m[("elastic_hosts_expected", ())] == 2.0
+    assert m[("elastic_incidents_total", (("kind", "worker_failed"),))] >= 1.0
+    assert m[("elastic_slice_stops_total", (("cause", "failure"),))] == 1.0
+    assert m[("elastic_slice_restarts_total", ())] == 1.0
+    assert m[("elastic_detection_latency_seconds_count", ())] >= 1.0
+    assert 0 < m[("elastic_recovery_latency_seconds_sum", ())] < 30.0
+    assert m[("elastic_heartbeat_latency_seconds_count", ())] > 0
+    assert m[("elastic_step", ())] >= 39  # (resumed after the commit of step 39)
+    later = wait_until(lambda: (x := scrape(port, operator))[("elastic_step", ())] >
+                       m[("elastic_step", ())] and x, 10.0, "a later step")
+    assert later[("elastic_steps_per_second", ())] > 0  # (steps since the last scrape)
+    assert m[("elastic_checkpoint_save_blocking_seconds_count", ())] >= 1
+    assert m[("elastic_checkpoint_commit_seconds_count", ())] >= 1
+    assert 0.0 < m[("elastic_ettr_ratio", ())] <= 1.0
+    # secure by default: no client certificate, no metrics
+    anonymous = ssl.create_default_context(cafile=str(operator.ca))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=anonymous,
+                               timeout=10).read()
+
+    address = job.local_info()["controller"]
+    with transport.channel(address, operator) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for service in ("", "elastic.v1.Controller"):
+            assert check(health_pb2.HealthCheckRequest(service=service), timeout=10).status \
+                == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
+        listed = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        names = {s.name for reply in listed for s in reply.list_services_response.service}
+        assert {"elastic.v1.Controller", "grpc.health.v1.Health"} <= names, names
+    assert job.wait(60) == 0, job.output()
