@@ -63,6 +63,19 @@ class Incident:
     reason: str
     restarted: bool = True
     noticed: bool = True
+    #: the failing host's own words: the last lines its worker wrote to
+    #: stderr before it failed (a traceback, as the agent reported them with
+    #: its exit), or the stacks of a hung worker's threads; "" if none
+    last_words: str = ""
+
+
+#: Lines of a worker's stderr tail shown with its incident.
+LAST_WORDS_LINES = 20
+
+
+def last_lines(text: str, lines: int = LAST_WORDS_LINES) -> str:
+    """The last `lines` non-empty lines of `text`."""
+    return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
 
 
 @dataclasses.dataclass
@@ -115,6 +128,8 @@ class _Generation:
     faults: list[tuple[float, str | None]] = dataclasses.field(default_factory=list)
     heard: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     lost: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+    # host -> its worker's last words (stderr tail of a failed exit, stacks of a hang)
+    last_words: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _generations(entries: list[dict]) -> list[_Generation]:
@@ -166,6 +181,10 @@ def _generations(entries: list[dict]) -> list[_Generation]:
         elif kind == "worker_exited" and not e.get("stopped_on_request") and \
                 (e.get("exit_code") or e.get("signal")):
             gen.signs.append((e["ts"], "worker_exited", e.get("host"), e["reason"], False))
+            if e.get("stderr_tail") and e.get("host"):
+                gen.last_words.setdefault(e["host"], last_lines(str(e["stderr_tail"])))
+        if kind == "worker_stacks" and e.get("host") and e.get("stacks"):
+            gen.last_words[e["host"]] = str(e["stacks"])
     return [gens[k] for k in sorted(gens)]
 
 
@@ -263,7 +282,8 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
                 detection = min(training, max(0.0, stop - max(at, first)))
             recovered = (nxt.first - at) if nxt is not None and nxt.first is not None else None
             incidents.append(Incident(kind, host, gen.number, at, max(0.0, stop - at),
-                                      recovered, lost_steps, reason))
+                                      recovered, lost_steps, reason,
+                                      last_words=gen.last_words.get(host or "", "")))
         # Useful training ends at the failure moment (after it: detection), or
         # at the stop; with steps lost, at the save of the step resumed from.
         useful_until = min(at, stop) if cause == "failure" else stop
@@ -307,4 +327,8 @@ def format_report(g: Goodput) -> str:
                          f"{detected:>14} {recovered:>15} {i.lost_steps:>10}"
                          + ("" if i.restarted else "  no restart: the slice kept stepping")
                          + ("" if i.noticed else " (nothing noticed)"))
+        for i in g.incidents:
+            if i.last_words:
+                lines += ["", f"  generation {i.generation}, {i.kind} on {i.host}: its last "
+                              f"words", *(f"    | {line}" for line in i.last_words.splitlines())]
     return "\n".join(lines)

@@ -58,7 +58,7 @@ def job_status(controller) -> pb.JobStatus:
             incarnation=record.incarnation, worker_state=w.state.value,
             address=record.address, metrics=w.metrics, note=note,
             device_kind=record.device_kind))
-    ettr = account(controller.journal_tail.read(), now=controller.clock.time()).ettr
+    goodput = account(controller.journal_tail.read(), now=controller.clock.time())
     latencies = sorted(controller.heartbeat_latency_s)
     p50 = latencies[len(latencies) // 2] if latencies else 0.0
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0
@@ -66,8 +66,21 @@ def job_status(controller) -> pb.JobStatus:
                         generation=state.generation, restarts=state.restarts,
                         reason=state.reason, hosts=hosts,
                         committed_step=view.committed_step,
-                        phase_age_s=max(0.0, now - state.phase_since), ettr=ettr,
-                        heartbeat_latency_p50_s=p50, heartbeat_latency_p99_s=p99)
+                        phase_age_s=max(0.0, now - state.phase_since), ettr=goodput.ettr,
+                        heartbeat_latency_p50_s=p50, heartbeat_latency_p99_s=p99,
+                        last_failure=last_failure(goodput.incidents))
+
+
+def last_failure(incidents) -> str:
+    """The latest incident that stopped the slice (elastic.goodput.Incident),
+    with the failing host's last words, as `elasticd status` shows it; ""
+    if none."""
+    stopped = [i for i in incidents if i.restarted and i.noticed]
+    if not stopped:
+        return ""
+    i = stopped[-1]
+    text = f"generation {i.generation}, {i.kind} on {i.host or '-'}: {i.reason}"
+    return text + (f"\n{i.last_words}" if i.last_words else "")
 
 
 def format_status(status: pb.JobStatus) -> str:
@@ -88,4 +101,7 @@ def format_status(status: pb.JobStatus) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"  {h.host_id} {h.state}: {h.note}" for h in status.hosts if h.note]
+    if status.last_failure:
+        first, *words = status.last_failure.splitlines()
+        lines += ["", f"last failure: {first}", *(f"  | {line}" for line in words)]
     return "\n".join(lines)

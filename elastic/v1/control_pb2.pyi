@@ -196,14 +196,16 @@ class StartWorker(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., prestart_next: _Optional[bool] = ..., devices_per_host: _Optional[int] = ...) -> None: ...
 
 class StopWorker(_message.Message):
-    __slots__ = ("generation", "grace_s", "reason")
+    __slots__ = ("generation", "grace_s", "reason", "dump_stacks")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GRACE_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DUMP_STACKS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     grace_s: float
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., grace_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    dump_stacks: bool
+    def __init__(self, generation: _Optional[int] = ..., grace_s: _Optional[float] = ..., reason: _Optional[str] = ..., dump_stacks: _Optional[bool] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("reason", "current_generation")
@@ -283,7 +285,7 @@ class HostStatus(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., note: _Optional[str] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s", "ettr", "heartbeat_latency_p50_s", "heartbeat_latency_p99_s")
+    __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s", "ettr", "heartbeat_latency_p50_s", "heartbeat_latency_p99_s", "last_failure")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class JobStatus(_message.Message):
     ETTR_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_LATENCY_P50_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_LATENCY_P99_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     phase: str
     generation: int
@@ -306,4 +309,5 @@ class JobStatus(_message.Message):
     ettr: float
     heartbeat_latency_p50_s: float
     heartbeat_latency_p99_s: float
-    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ..., reason: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., phase_age_s: _Optional[float] = ..., ettr: _Optional[float] = ..., heartbeat_latency_p50_s: _Optional[float] = ..., heartbeat_latency_p99_s: _Optional[float] = ...) -> None: ...
+    last_failure: str
+    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ..., reason: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., phase_age_s: _Optional[float] = ..., ettr: _Optional[float] = ..., heartbeat_latency_p50_s: _Optional[float] = ..., heartbeat_latency_p99_s: _Optional[float] = ..., last_failure: _Optional[str] = ...) -> None: ...

@@ -39,6 +39,9 @@ def main() -> int:
     parser.add_argument("--crash-on-host", default="",
                         help="on this host only, exit 3 after --crash-after-steps steps")
     parser.add_argument("--crash-after-steps", type=int, default=5)
+    parser.add_argument("--raise-on-host", default="",
+                        help="on this host, in generation 1 only, raise an exception (a "
+                             "traceback on stderr) after --crash-after-steps steps")
     parser.add_argument("--ignore-sigterm", action="store_true",
                         help="ignore SIGTERM (only SIGKILL ends this worker)")
     parser.add_argument("--spawn-child", action="store_true",
@@ -77,6 +80,9 @@ def main() -> int:
 
     crash_at = start + args.crash_after_steps if env.host_id == args.crash_on_host else None
     for step in range(start, args.steps):
+        if env.host_id == args.raise_on_host and env.generation == 1 and \
+                step == start + args.crash_after_steps:
+            raise RuntimeError(f"tiny worker: raised on purpose at step {step}")
         if step == crash_at:
             print(f"tiny worker: crashing on purpose on {env.host_id}", file=sys.stderr, flush=True)
             return 3
