@@ -28,6 +28,11 @@ def test_sigstop_worker_is_a_hang(tmp_path, local_job):
     assert "suspended" in hang["reason"]
     # within the hang timeout (3 s) + 2 s; step reports arrive with heartbeats (0.25 s)
     assert hang["ts"] - stopped_at <= hang["timeout_s"] + 2.0, hang
+    # its agent dumped its stacks (py-spy) before the kill: rank and frame named
+    stacks = job.wait_for("worker_stacks", host="host-2", timeout_s=10)
+    assert stacks["rank"] == victim["rank"] and stacks["pid"] == victim["workerPid"]
+    assert "worker.py:" in stacks["frame"] and stacks["frame"] in stacks["reason"], stacks
+    assert stacks["stacks"].startswith("Thread ") and '"MainThread"' in stacks["stacks"]
     job.wait_for("generation_started", generation=2)
     job.wait_for("first_progress", generation=2)
     # SIGKILL reached the stopped process

@@ -187,7 +187,9 @@ def test_hang_detection(silent_s, suspended, saving, hung, first_suspect, finish
                      and a.kind == "hang_detected")
         assert entry.fields["suspects"][0] == first_suspect
         assert decision.state.phase is Phase.STOPPING
-        assert {a.grace_s for a in decision.actions if isinstance(a, d.StopWorker)} == {0.0}
+        stops = [a for a in decision.actions if isinstance(a, d.StopWorker)]
+        # SIGKILL at once, after each agent has dumped its worker's stacks
+        assert {(a.grace_s, a.dump_stacks) for a in stops} == {(0.0, True)}
 
 
 @pytest.mark.parametrize("reports,now,limit,hung", [

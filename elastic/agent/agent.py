@@ -24,7 +24,7 @@ import time
 import uuid
 
 from elastic import config, transport
-from elastic.agent import snapshot_dir
+from elastic.agent import snapshot_dir, stacks
 from elastic.agent.host import Devices, PortProber, discover_devices
 from elastic.agent.preemption import watch_metadata
 from elastic.agent.session import ControllerSession
@@ -357,12 +357,30 @@ class Agent(ControllerSession):
             stop = message.stop
             log.info("stop generation %d (grace %.1f s): %s", stop.generation, stop.grace_s,
                      clean_text(stop.reason, 500))
-            self._spawn(self.supervisor.stop(stop.generation, stop.grace_s))
+            if stop.dump_stacks:
+                self._spawn(self._dump_stacks_then_stop(stop))
+            else:
+                self._spawn(self.supervisor.stop(stop.generation, stop.grace_s))
         elif kind == "rejected":
             r = message.rejected
             log.warning("controller refused a report: %s", clean_text(r.reason, 500))
             if self.supervisor.status.generation < r.current_generation:
                 self._spawn(self.supervisor.stop(r.current_generation - 1, 0.0))
+
+    async def _dump_stacks_then_stop(self, stop: pb.StopWorker) -> None:
+        """A hung worker: report its threads' stacks (elastic.agent.stacks,
+        at most DUMP_TIMEOUT_S), then stop it."""
+        w = self.supervisor.status
+        if self.supervisor.running and w.generation == stop.generation and w.pid:
+            stacks_, frame, error = await stacks.dump(w.pid)
+            if error:
+                log.warning("no stacks of the hung worker (pid %d): %s", w.pid, error)
+            else:
+                log.error("the hung worker (pid %d) was stuck in %s:\n%s", w.pid, frame, stacks_)
+            self._post(stacks=pb.WorkerStacks(generation=w.generation,
+                                              process_id=w.process_id, pid=w.pid,
+                                              stacks=stacks_, frame=frame, error=error))
+        await self.supervisor.stop(stop.generation, stop.grace_s)
 
     # --- lifecycle ---------------------------------------------------------
 

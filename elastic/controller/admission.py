@@ -44,6 +44,7 @@ MAX_STEP_ADVANCE = 10_000_000
 MAX_ADDRESS_CHARS = 255
 MAX_STDERR_CHARS = 8_000
 MAX_REASON_CHARS = 1_000
+MAX_STACKS_CHARS = 16_000
 MAX_METRICS = 64
 MAX_EVENT_FIELDS = 32
 #: Integers in a list field of a worker event (process ids of a failed save).
@@ -225,6 +226,13 @@ def check_message(message, plausible: Plausible) -> Refusal | None:
             if refusal:
                 return refusal
         return _metrics(p.metrics)
+    if kind == "stacks":
+        st = message.stacks
+        if len(st.stacks) > MAX_STACKS_CHARS or len(st.frame) > MAX_FIELD_TEXT_CHARS * 2 \
+                or len(st.error) > MAX_REASON_CHARS or st.pid < 0 or st.process_id < 0:
+            return Refusal("invalid", f"stacks: at most {MAX_STACKS_CHARS} characters, a frame "
+                                      f"of {MAX_FIELD_TEXT_CHARS * 2}, pid and rank >= 0")
+        return None
     return None  # worker_event: see worker_event_fields
 
 

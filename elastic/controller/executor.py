@@ -140,7 +140,7 @@ class Executor:
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation,
                     stop=pb.StopWorker(generation=action.generation, grace_s=action.grace_s,
-                                       reason=action.reason)))
+                                       reason=action.reason, dump_stacks=action.dump_stacks)))
             elif isinstance(action, d.Finish):
                 pass  # the loop ends on the terminal phase
             else:

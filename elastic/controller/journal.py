@@ -8,7 +8,7 @@ first_progress, checkpoint_committed, slice_stopping, slice_stopped,
 stray_worker_stopping, stale_message_rejected, message_refused,
 job_succeeded, job_failed, controller_started, controller_stopped,
 slice_adopted, generation_discovered, waiting_for_fencing, controller_paused,
-sighup, insecure_mode.
+worker_stacks, sighup, insecure_mode.
 
 The journal is private (0600 in a 0700 state directory): it names hosts,
 pids and the job's spec path. Readers skip what is not a journal entry (a

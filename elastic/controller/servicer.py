@@ -398,6 +398,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             committed = p.committed_step if self._reports_commits(h.host_id) else -1
             c.submit(v.ProgressReported(h.host_id, h.incarnation, h.generation, p.step,
                                         committed, dict(p.metrics)))
+        elif kind == "stacks":
+            st = message.stacks
+            c.submit(v.StacksReported(
+                h.host_id, h.incarnation, h.generation, st.process_id, st.pid,
+                clean_text(st.stacks, adm.MAX_STACKS_CHARS, keep_newlines=True),
+                clean_text(st.frame, 2 * adm.MAX_FIELD_TEXT_CHARS),
+                clean_text(st.error, adm.MAX_REASON_CHARS)))
         elif kind == "worker_event":
             e = message.worker_event
             fields = adm.worker_event_fields(e.fields_json, plausible)

@@ -401,7 +401,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                {"suspects": list(hang.suspects), "silent_s": round(hang.silent_s, 3),
                                 "timeout_s": round(hang.timeout_s, 3)}))
         return _begin_stop(state, now, spec, actions, "failure", f"hang: {hang.reason}",
-                           hang.suspects, len(view.hosts))
+                           hang.suspects, len(view.hosts), dump_stacks=True)
     return _consider_grow(state, view, now, spec, actions)
 
 
@@ -495,18 +495,20 @@ def _emergency_committed(view: ClusterView, since: float) -> bool:
 
 
 def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
-                kind: str, why: str, blamed: tuple[str, ...], registered: int = 0) -> SliceState:
+                kind: str, why: str, blamed: tuple[str, ...], registered: int = 0,
+                dump_stacks: bool = False) -> SliceState:
     """Stop every member. Failures (and preemptions, whose workers wait idle
     after their emergency save) stop with SIGKILL at once; grows get
     health.stop_grace_s, cut short once the emergency checkpoint the SIGTERM
     set off has committed (see _stopping). A failure is attributed to the `blamed` hosts
-    (`registered`: how many hosts the controller knows, for quarantine)."""
+    (`registered`: how many hosts the controller knows, for quarantine).
+    `dump_stacks` (a hang): every member's agent reports its worker's stacks first."""
     grace = spec.health.stop_grace_s if kind == "grow" else 0.0
     actions.append(Journal("slice_stopping", state.generation, why,
                            blamed[0] if blamed else None,
                            {"cause": kind, "grace_s": grace, "blamed": list(blamed)}))
     for member in state.members:
-        actions.append(StopWorker(member, state.generation, grace, why))
+        actions.append(StopWorker(member, state.generation, grace, why, dump_stacks))
     changes: dict = {"draining_since": None, "stop_hurried": False}
     if kind == "failure":
         changes["failures_without_progress"] = (1 if state.progressed

@@ -55,12 +55,14 @@ class StartWorker:
 @dataclasses.dataclass(frozen=True)
 class StopWorker:
     """Tell `host` to end its worker of `generation`: SIGTERM, `grace_s`
-    seconds, SIGKILL (grace 0: SIGKILL at once)."""
+    seconds, SIGKILL (grace 0: SIGKILL at once); with `dump_stacks` (a
+    hang), its agent first reports the stacks of the worker's threads."""
 
     host: str
     generation: int
     grace_s: float
     reason: str
+    dump_stacks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,6 +182,20 @@ class WorkerReported:
 
 
 @dataclasses.dataclass(frozen=True)
+class StacksReported:
+    """A hung worker's stacks, dumped by its agent before its stop."""
+
+    host_id: str
+    incarnation: str
+    generation: int
+    process_id: int
+    pid: int
+    stacks: str
+    frame: str
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
 class StaleReportRefused:
     """A report about a worker of an older generation, refused by fencing."""
 
@@ -193,7 +207,7 @@ class StaleReportRefused:
 
 
 Event = (Registered | HeartbeatReceived | Disconnected | WorkerExited | ProgressReported
-         | WorkerReported | StaleReportRefused)
+         | WorkerReported | StacksReported | StaleReportRefused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +413,13 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
                 w.metrics = dict(event.metrics)
         w.step = max(w.step, event.step)
         return first or bool(facts), facts
+    if isinstance(event, StacksReported):
+        who = f"rank {event.process_id} (pid {event.pid})"
+        reason = f"{who} was stuck in {event.frame}" if event.stacks else \
+            f"no stacks of {who}: {event.error}"
+        return False, [Fact("worker_stacks", event.host_id, event.generation, reason,
+                            {"rank": event.process_id, "pid": event.pid, "frame": event.frame,
+                             "stacks": event.stacks})]
     if isinstance(event, WorkerReported):
         if event.kind not in WORKER_EVENT_KINDS or event.generation != record.worker.generation:
             return False, []

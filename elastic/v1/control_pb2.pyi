@@ -152,19 +152,37 @@ class WorkerEvent(_message.Message):
     fields_json: str
     def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., fields_json: _Optional[str] = ...) -> None: ...
 
+class WorkerStacks(_message.Message):
+    __slots__ = ("generation", "process_id", "pid", "stacks", "frame", "error")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    process_id: int
+    pid: int
+    stacks: str
+    frame: str
+    error: str
+    def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., pid: _Optional[int] = ..., stacks: _Optional[str] = ..., frame: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("header", "heartbeat", "worker_exited", "progress", "worker_event")
+    __slots__ = ("header", "heartbeat", "worker_exited", "progress", "worker_event", "stacks")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WORKER_EXITED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_EVENT_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
     header: Header
     heartbeat: Heartbeat
     worker_exited: WorkerStatus
     progress: Progress
     worker_event: WorkerEvent
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., worker_event: _Optional[_Union[WorkerEvent, _Mapping]] = ...) -> None: ...
+    stacks: WorkerStacks
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., worker_event: _Optional[_Union[WorkerEvent, _Mapping]] = ..., stacks: _Optional[_Union[WorkerStacks, _Mapping]] = ...) -> None: ...
 
 class StartWorker(_message.Message):
     __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir", "prestart_next", "devices_per_host")

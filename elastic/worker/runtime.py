@@ -219,6 +219,21 @@ def mesh_devices(devices: list, per_process: int) -> list:
     return chosen
 
 
+def allow_stack_dumps() -> None:
+    """Let this process's parent (the agent) and its children (py-spy,
+    elastic.agent.stacks) read its stacks when Yama restricts ptrace to
+    ancestors (`kernel.yama.ptrace_scope` = 1): prctl(PR_SET_PTRACER,
+    parent pid). Without Yama (or at scope 0) nothing is needed and the
+    call's error is ignored."""
+    import ctypes
+
+    pr_set_ptracer = 0x59616d61  # "Yama" (linux/prctl.h)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, os.getppid(), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def init(log_all: bool = False, environ: dict[str, str] | None = None) -> WorkerContext:
     """Initialise this worker process for the current generation.
 
@@ -233,6 +248,7 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     started = _process_start_time()
     t_init = time.time()
     env = WorkerEnv.from_environ(environ)
+    allow_stack_dumps()
     timings = {"process_start": round(max(0.0, t_init - started), 3)}
     t = time.perf_counter()
     import jax
