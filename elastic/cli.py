@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="goodput of a finished or running job")
     report.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
     report.add_argument("--json", action="store_true", help="JSON instead of a table")
+    report.add_argument("--plot", metavar="FILE.png",
+                        help="also draw the timeline (generations, hosts, steps, step rate, "
+                             "incidents, badput by cause) into this PNG (needs matplotlib: "
+                             "the plot extra)")
 
     chaos = sub.add_parser("chaos", help="random faults on a running `elasticd local` slice")
     chaos.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
@@ -253,6 +257,16 @@ def _report(args) -> int:
         print(f"elasticd: {skipped} line(s) of {path} are not journal entries; skipped",
               file=sys.stderr)
     print(json.dumps(goodput.to_json(), indent=2) if args.json else format_report(goodput))
+    if args.plot:
+        from elastic.plot import PlotError, plot_timeline
+
+        try:
+            plot_timeline(entries, args.plot)
+        except PlotError as e:
+            raise UsageError(str(e)) from None
+        except OSError as e:
+            raise UsageError(f"cannot write {args.plot}: {e.strerror or e}") from None
+        print(f"timeline written to {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -202,9 +202,9 @@ def test_a_controller_stopped_past_the_heartbeat_timeout_loses_no_host(tmp_path,
     """stop-controller: SIGSTOP for the heartbeat timeout + 2 s while the
     slice trains, then SIGCONT. Its own pause is not the hosts' silence:
     no host lost, no restart, one generation to the end."""
-    spec = tiny_spec(tmp_path, "--steps 300 --step-time-s 0.04 --checkpoint-every 100",
+    spec = tiny_spec(tmp_path, "--steps 160 --step-time-s 0.04 --checkpoint-every 100",
                      min_hosts=2, max_hosts=2)
-    job = local_job(spec, hosts=2, faults=("stop-controller:all@step=20",))
+    job = local_job(spec, hosts=2, faults=("stop-controller:all@step=10",))
     assert job.wait(120) == 0, job.output()
     journal = job.journal()
     kinds = [e["kind"] for e in journal]
@@ -212,4 +212,4 @@ def test_a_controller_stopped_past_the_heartbeat_timeout_loses_no_host(tmp_path,
     assert paused["paused_s"] >= 1.5, paused  # (heartbeat_timeout_s)
     assert kinds.count("generation_started") == 1, kinds
     assert not {"host_lost", "slice_stopping", "agent_silent"} & set(kinds), kinds
-    assert kinds[-2:] == ["job_succeeded", "controller_stopped"] and journal[-2]["step"] == 299
+    assert kinds[-2:] == ["job_succeeded", "controller_stopped"] and journal[-2]["step"] == 159

@@ -1,11 +1,14 @@
 """What an operator watches, on a live local slice over the job's mutual
 TLS: the controller's Prometheus metrics scraped and parsed with
-prometheus-client's own parser during a run with a fault, and the standard
-gRPC health and reflection services."""
+prometheus-client's own parser during a run with a fault, the standard
+gRPC health and reflection services, and the failing host's traceback in
+`elasticd status` and the report."""
 
 from __future__ import annotations
 
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -34,14 +37,27 @@ def scrape(port: int, tls: TLSFiles | None) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_metrics_health_and_reflection_of_a_live_controller(tmp_path, local_job):
+def elasticd(*args: str, env: dict) -> str:
+    out = subprocess.run([sys.executable, "-m", "elastic.cli", *args], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_job,
+                                                                  proc_env):
+    """A worker raises on host-1 at step 40 (a real traceback on stderr)."""
     port = free_port()
-    spec = tiny_spec(tmp_path, "--steps 400 --step-time-s 0.03 --checkpoint-every 20",
-                     min_hosts=2, max_hosts=2)
-    job = local_job(spec, hosts=2, faults=("kill-worker:host-1@step=40",),
-                    extra_args=("--metrics-port", str(port)))
+    spec = tiny_spec(tmp_path, "--steps 250 --step-time-s 0.03 --checkpoint-every 20 "
+                     "--raise-on-host host-1 --crash-after-steps 40", min_hosts=2, max_hosts=2)
+    job = local_job(spec, hosts=2, extra_args=("--metrics-port", str(port)))
     job.wait_for("first_progress", generation=2, timeout_s=60)
     operator = TLSFiles.in_dir(job.state_dir / LOCAL_OPERATOR_BUNDLE)
+    # the failing host's own words, in status while the next generation runs
+    raised = "RuntimeError: tiny worker: raised on purpose at step 40"
+    status = elasticd("status", "--state-dir", str(job.state_dir), env=proc_env)
+    failure = status[status.index("last failure: generation 1, worker_exited on host-1"):]
+    assert "| Traceback (most recent call last):" in failure and raised in failure, status
 
     def recovered():  # the incident is observed once the next generation steps
         m = scrape(port, operator)
@@ -59,7 +75,7 @@ def test_metrics_health_and_reflection_of_a_live_controller(tmp_path, local_job)
     assert m[("elastic_detection_latency_seconds_count", ())] >= 1.0
     assert 0 < m[("elastic_recovery_latency_seconds_sum", ())] < 30.0
     assert m[("elastic_heartbeat_latency_seconds_count", ())] > 0
-    assert m[("elastic_step", ())] >= 39  # (resumed after the commit of step 39)
+    assert m[("elastic_step", ())] >= 20  # (resumed after a commit: 19 or 39)
     later = wait_until(lambda: (x := scrape(port, operator))[("elastic_step", ())] >
                        m[("elastic_step", ())] and x, 10.0, "a later step")
     assert later[("elastic_steps_per_second", ())] > 0  # (steps since the last scrape)
@@ -86,3 +102,16 @@ def test_metrics_health_and_reflection_of_a_live_controller(tmp_path, local_job)
         names = {s.name for reply in listed for s in reply.list_services_response.service}
         assert {"elastic.v1.Controller", "grpc.health.v1.Health"} <= names, names
     assert job.wait(60) == 0, job.output()
+    # ... and in the report (the final summary of elasticd local is the same)
+    report = elasticd("report", "--state-dir", str(job.state_dir), env=proc_env)
+    words = report[report.index("generation 1, worker_exited on host-1: its last words"):]
+    assert "| Traceback (most recent call last):" in words and raised in words, report
+    # the timeline as a picture: a real PNG, with the panels drawn in colour
+    png = tmp_path / "timeline.png"
+    elasticd("report", "--state-dir", str(job.state_dir), "--plot", str(png), env=proc_env)
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1600, 1100)
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 50, "a blank or near-blank picture"
