@@ -64,9 +64,10 @@ def parse_address(address: str, what: str = "address", allow_port_zero: bool = F
 
 
 def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str,
-                    tls: TLSFiles | None) -> int:
+                    tls: TLSFiles | None, roles: tuple[Role, ...] = (Role.CONTROLLER,)) -> int:
     """Listen on `address` ("HOST:PORT", port 0 for any): mutual TLS with
-    the controller's `tls` files, plaintext if None. Returns the port.
+    `tls` files whose holder is one of `roles` (the controller's; a host's
+    for the agent's own port), plaintext if None. Returns the port.
 
     Raises RuntimeError when the address cannot be bound, TLSError when the
     files cannot be used."""
@@ -74,7 +75,7 @@ def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str,
         if tls is None:
             port = server.add_insecure_port(address)
         else:
-            port = server.add_secure_port(address, tls_.server_credentials(tls))
+            port = server.add_secure_port(address, tls_.server_credentials(tls, roles))
     except RuntimeError as e:
         raise RuntimeError(f"cannot listen on {address}: {e}") from None
     if port == 0:

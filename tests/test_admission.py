@@ -16,11 +16,12 @@ PLAUSIBLE = adm.Plausible(generation=5, known_step=1_000)
 
 
 def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.0.2",
-             domain="", free_port=0, pid=7, kind="", **worker) -> pb.RegisterRequest:
+             domain="", free_port=0, pid=7, kind="", service_port=0,
+             **worker) -> pb.RegisterRequest:
     return pb.RegisterRequest(
         header=pb.Header(job_id=job, host_id=host, incarnation=incarnation),
         devices=devices, device_kind=kind, address=address, failure_domain=domain,
-        free_port=free_port,
+        free_port=free_port, service_port=service_port,
         agent_pid=pid, worker=pb.WorkerStatus(**{"step": -1, "committed_step": -1, **worker}))
 
 
@@ -44,7 +45,8 @@ def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.
     (register(address="a b"), HOST_H0, "invalid", "is not a host name or IP"),
     (register(address="[fe80::1%eth0]"), HOST_H0, None, None),
     (register(domain="rack/1"), HOST_H0, "invalid", "failure domain 'rack/1'"),
-    (register(free_port=70000), HOST_H0, "invalid", "free_port must be 0-65535"),
+    (register(free_port=70000), HOST_H0, "invalid", "metrics_port must be 0-65535"),
+    (register(service_port=-1), HOST_H0, "invalid", "metrics_port must be 0-65535"),
     (register(step=10**18), HOST_H0, "implausible", "more than 10,000,000 past"),
     (register(committed_step=-5), HOST_H0, "invalid", "is below -1"),
     (register(generation=10**9), HOST_H0, None, None),  # a worker of a lost journal's run: a stray

@@ -42,7 +42,10 @@ def test_bundles_name_their_holder_and_keep_keys_private(ca):
     leaf = x509.load_pem_x509_certificate((host.directory / "cert.pem").read_bytes())
     assert identity_of(leaf).role is Role.HOST and identity_of(leaf).name == "host-3"
     usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert list(usage) == [ExtendedKeyUsageOID.CLIENT_AUTH]  # a host cannot serve
+    # a host serves only its own port, under a name that is not the controller's
+    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    host_sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert host_sans.get_values_for_type(x509.DNSName) == [certs.HOST_SERVER_NAME]
     server = x509.load_pem_x509_certificate((controller.directory / "cert.pem").read_bytes())
     sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert sans.get_values_for_type(x509.DNSName) == [certs.CONTROLLER_SERVER_NAME,

@@ -6,6 +6,7 @@ gRPC health and reflection services, and the failing host's traceback in
 
 from __future__ import annotations
 
+import socket
 import ssl
 import subprocess
 import sys
@@ -25,16 +26,22 @@ from elastic.security.tls import TLSFiles
 from tests.conftest import tiny_spec, wait_until
 
 
-def scrape(port: int, tls: TLSFiles | None) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} from https://127.0.0.1:port/metrics."""
+def scrape(port: int, tls: TLSFiles, server_name: str = "elastic-controller"
+           ) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from https://127.0.0.1:port/metrics,
+    verifying the server's certificate under `server_name`."""
     context = ssl.create_default_context(cafile=str(tls.ca))
-    if tls is not None:
-        context.load_cert_chain(str(tls.cert), str(tls.key))
-    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=context,
-                                timeout=10) as reply:
-        text = reply.read().decode()
+    context.load_cert_chain(str(tls.cert), str(tls.key))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname=server_name) as conn:
+        conn.sendall(f"GET /metrics HTTP/1.0\r\nHost: {server_name}\r\n\r\n".encode())
+        data = b""
+        while chunk := conn.recv(1 << 16):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
 
 
 def elasticd(*args: str, env: dict) -> str:
@@ -101,6 +108,25 @@ def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
         names = {s.name for reply in listed for s in reply.list_services_response.service}
         assert {"elastic.v1.Controller", "grpc.health.v1.Health"} <= names, names
+    # every agent serves health (and reflection) on a port of its own, under
+    # the name elastic-host; with --metrics-port, its metrics too
+    host = job.host("host-0")
+    agent = f"127.0.0.1:{host['servicePort']}"
+    credentials = grpc.ssl_channel_credentials(operator.ca.read_bytes(),
+                                               operator.key.read_bytes(),
+                                               operator.cert.read_bytes())
+    with grpc.secure_channel(agent, credentials, options=[
+            ("grpc.ssl_target_name_override", "elastic-host")]) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for service in ("", "elastic.agent.Controller"):
+            assert check(health_pb2.HealthCheckRequest(service=service), timeout=10).status \
+                == health_pb2.HealthCheckResponse.SERVING
+    a = scrape(host["metricsPort"], operator, "elastic-host")
+    assert a[("elastic_agent_controller_connected", ())] == 1.0
+    assert a[("elastic_agent_generation", ())] == 2.0
+    assert a[("elastic_agent_worker_running", ())] == 1.0
+    assert a[("elastic_agent_sessions_total", ())] >= 1.0
+    assert a[("elastic_agent_heartbeats_total", ())] > 0
     assert job.wait(60) == 0, job.output()
     # ... and in the report (the final summary of elasticd local is the same)
     report = elasticd("report", "--state-dir", str(job.state_dir), env=proc_env)

@@ -64,7 +64,10 @@ class AgentSettings:
     agent starts, emptied when a new controller run starts a worker here
     and removed when the agent stops; compile_cache_dir: the worker's executable cache
     (elastic.worker.compile_cache; default STATE_DIR/compile-cache), which
-    hosts of one machine type may share."""
+    hosts of one machine type may share; listen: "HOST:PORT" of the agent's
+    own gRPC port (health, reflection: elastic.agent.service; None: none);
+    metrics_port: its Prometheus metrics (elastic.agent.metrics) on the
+    listen host, or `address` (None: none)."""
 
     controller: str
     host_id: str
@@ -83,6 +86,8 @@ class AgentSettings:
     compile_cache_dir: str | None = None
     device_kind: str = "cpu"
     device_dir: str | None = None
+    listen: str | None = None
+    metrics_port: int | None = None
 
 
 class Agent(ControllerSession):
@@ -123,6 +128,11 @@ class Agent(ControllerSession):
         # the highest controller term heard (elastic.controller.leadership):
         # a controller of a lower term was deposed and is not obeyed
         self._term = 0
+        self.sessions_opened = 0
+        self.worker_exits: dict[str, int] = {}  # outcome -> count (the metrics)
+        self.service = None  # elastic.agent.service.AgentService, with --listen
+        self.metrics_server = None
+        self.service_port = self.metrics_port = 0
 
     def _recount_devices(self) -> None:
         """Count the device nodes again (when not fixed); a change rides on
@@ -184,6 +194,9 @@ class Agent(ControllerSession):
                                           device_kind=self.devices.kind))
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
+        outcome = "stopped" if status.stopped_on_request else \
+            "succeeded" if status.exit_code == 0 and not status.signal else "failed"
+        self.worker_exits[outcome] = self.worker_exits.get(outcome, 0) + 1
         self._post(worker_exited=status)
         # (it recounts the devices: a chip failure often shows first as a crash)
         self._heartbeat()  # offers a fresh coordinator port for the next generation
@@ -384,6 +397,26 @@ class Agent(ControllerSession):
 
     # --- lifecycle ---------------------------------------------------------
 
+    async def _serve_ports(self, loop) -> None:
+        """Open the agent's own gRPC port and its metrics port, if asked for
+        (their numbers go to the controller with every registration).
+        Raises RuntimeError / OSError when one cannot be bound, TLSError
+        when the host's files cannot serve."""
+        s = self.settings
+        if s.listen is not None:
+            from elastic.agent.service import AgentService
+
+            self.service = AgentService(s.listen, s.tls)
+            self.service_port = await self.service.start()
+        if s.metrics_port is not None:
+            from elastic import metrics
+            from elastic.agent.metrics import agent_registry
+
+            host = s.listen.rsplit(":", 1)[0] if s.listen else s.address
+            self.metrics_server = metrics.serve(agent_registry(self, loop), host,
+                                                s.metrics_port, s.tls)
+            self.metrics_port = self.metrics_server.server_port
+
     def shutdown(self) -> None:
         """Stop the worker (SIGTERM, stop_grace_s, SIGKILL) and exit."""
         self._stopping.set()
@@ -398,6 +431,7 @@ class Agent(ControllerSession):
         loop.add_signal_handler(signal.SIGINT, self.shutdown)
         loop.add_signal_handler(signal.SIGHUP, lambda: log.info(
             "SIGHUP ignored (TLS files are re-read at every connect)"))
+        await self._serve_ports(loop)
         receiver = progress.ProgressReceiver(self.progress_address, self._progress)
         receiver.attach(loop)
         connection = asyncio.create_task(self._connect_forever())
@@ -420,3 +454,7 @@ class Agent(ControllerSession):
             for task in list(self._tasks):
                 task.cancel()
             receiver.close()
+            if self.service is not None:
+                await self.service.stop()
+            if self.metrics_server is not None:
+                await asyncio.to_thread(self.metrics_server.shutdown)

@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
                              "on one kind")
     parser.add_argument("--address", default=None,
                         help="address peers reach this host at (default: the hostname's)")
+    parser.add_argument("--listen", default=None, metavar="HOST:PORT",
+                        help="serve grpc.health.v1 and reflection on this port (mutual TLS "
+                             "with this host's certificate, server name elastic-host; port 0 "
+                             "picks one, reported to the controller)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on this port of the --listen host (or "
+                             "--address): HTTPS with client certificates of the job's CA")
     parser.add_argument("--failure-domain", default=None,
                         help="hosts sharing a failure domain fail together (default: host id)")
     parser.add_argument("--state-dir", default="/var/lib/elastic-agent",
@@ -99,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
             check_id(args.failure_domain, "--failure-domain")
         for address in args.controller.split(","):
             parse_address(address.strip(), "--controller")
+        if args.listen is not None:
+            parse_address(args.listen, "--listen", allow_port_zero=True)
+        if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be from 0 to 65535, got {args.metrics_port}")
         allow = AllowList.parse(args.allow_worker, args.allow_workdir, args.allow_env,
                                 args.allow_any_worker)
     except ValueError as e:
@@ -137,7 +148,8 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         failure_domain=args.failure_domain or args.host_id, state_dir=args.state_dir, tls=tls,
         allow=allow, job_id=args.job_id, stop_grace_s=args.stop_grace_s,
         metadata_url=args.gce_metadata, preemption_grace_s=args.preemption_grace_s,
-        snapshot_dir=args.snapshot_dir, compile_cache_dir=args.compile_cache_dir)
+        snapshot_dir=args.snapshot_dir, compile_cache_dir=args.compile_cache_dir,
+        listen=args.listen, metrics_port=args.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"elastic-agent: error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(agent.run())
+    try:
+        asyncio.run(agent.run())
+    except (RuntimeError, OSError, ValueError) as e:  # a port that cannot be served
+        print(f"elastic-agent: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -54,7 +54,8 @@ class ControllerSession:
             device_kind=self.devices.kind, address=s.address,
             failure_domain=s.failure_domain, agent_pid=os.getpid(),
             worker=self.supervisor.status, fenced=self._fenced,
-            free_port=0 if self.supervisor.running else self.ports.probe())
+            free_port=0 if self.supervisor.running else self.ports.probe(),
+            service_port=self.service_port, metrics_port=self.metrics_port)
 
     async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
         """Register with the controller at `address` (one attempt) and
@@ -89,6 +90,9 @@ class ControllerSession:
                 (argv, self._worker_env(reply.launch), reply.launch.workdir))
         call = stub.Connect()
         self._outbox = outbox = asyncio.Queue()
+        self.sessions_opened += 1
+        if self.service is not None:
+            await self.service.session(True)
         # what happened while no controller listened first, in order, then
         # the state now (a heartbeat would journal a newer commit ahead of them)
         while self._undelivered:
@@ -144,6 +148,8 @@ class ControllerSession:
             for task in tasks:
                 task.cancel()
             call.cancel()
+            if self.service is not None:
+                await self.service.session(False)
 
     async def _connect_forever(self) -> None:
         """Keep a session with a controller: try each address of

@@ -192,8 +192,10 @@ def check_register(request, job_id: str, peer: Identity | None,
         problem = id_problem(request.failure_domain, "failure domain")
         if problem:
             return Refusal("invalid", problem)
-    if not 0 <= request.free_port <= 65535 or request.agent_pid < 0:
-        return Refusal("invalid", "free_port must be 0-65535 and agent_pid >= 0")
+    if not all(0 <= port <= 65535 for port in (request.free_port, request.service_port,
+                                                request.metrics_port)) or request.agent_pid < 0:
+        return Refusal("invalid", "free_port, service_port and metrics_port must be 0-65535 "
+                                  "and agent_pid >= 0")
     return check_worker(request.worker, plausible, "registration")
 
 

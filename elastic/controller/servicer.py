@@ -238,7 +238,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             address=request.address, failure_domain=request.failure_domain or h.host_id,
             agent_pid=request.agent_pid, free_port=request.free_port, worker=worker,
             device_kind=request.device_kind,
-            fenced=clean_text(request.fenced, adm.MAX_REASON_CHARS)))
+            fenced=clean_text(request.fenced, adm.MAX_REASON_CHARS),
+            service_port=request.service_port, metrics_port=request.metrics_port))
         health = c.spec.health
         reply = pb.RegisterResponse(job_id=c.spec.job_id, generation=c.state.generation,
                                     heartbeat_interval_s=health.heartbeat_interval_s,

@@ -57,7 +57,8 @@ def job_status(controller) -> pb.JobStatus:
             rank=ranks.get(record.host_id, -1), failure_domain=record.failure_domain,
             incarnation=record.incarnation, worker_state=w.state.value,
             address=record.address, metrics=w.metrics, note=note,
-            device_kind=record.device_kind))
+            device_kind=record.device_kind, service_port=record.service_port,
+            metrics_port=record.metrics_port))
     goodput = account(controller.journal_tail.read(), now=controller.clock.time())
     latencies = sorted(controller.heartbeat_latency_s)
     p50 = latencies[len(latencies) // 2] if latencies else 0.0

@@ -100,7 +100,7 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
                state_dir: pathlib.Path, spec: JobSpec, insecure: bool = False,
                metadata_url: str | None = None,
                compile_cache_dir: pathlib.Path | None = None,
-               net: network.NetworkPlan | None = None) -> list[str]:
+               net: network.NetworkPlan | None = None, metrics: bool = False) -> list[str]:
     """The command line of one simulated host's agent: its device nodes in
     STATE_DIR/hosts/HOST/dev (elastic.simdevices; counted like a real
     host's, kind "cpu"), its own certificate bundle under STATE_DIR/tls
@@ -109,16 +109,20 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
     id (one fake metadata path per host). The executable cache is
     `compile_cache_dir`, default STATE_DIR/compile-cache. With `net`, the
     agent runs in the host's namespaces (`isolated_argv`), at its address,
-    with its state and its executable cache on its own disk."""
+    with its state and its executable cache on its own disk. Every agent
+    serves health and reflection on a port of its own (`--listen ADDR:0`);
+    with `metrics`, Prometheus metrics too (`--metrics-port 0`); both ports
+    reach the controller (elasticd status shows them)."""
     own = host_dir(state_dir, host_id)
     if net is not None:
         agent_state, cache = own / "agent", own / "compile-cache"
     else:
         agent_state = state_dir / "agents" / host_id
         cache = compile_cache_dir or state_dir / "compile-cache"
+    host = net.address(host_id) if net else "127.0.0.1"
     argv = [sys.executable, "-m", "elastic.agent.main", "--controller", address,
-            "--host-id", host_id,
-            "--address", net.address(host_id) if net else "127.0.0.1",
+            "--host-id", host_id, "--address", host, "--listen", f"{host}:0",
+            *(["--metrics-port", "0"] if metrics else []),
             "--device-dir", str(simdevices.device_dir(state_dir, host_id)),
             "--device-kind", "cpu",
             "--failure-domain", failure_domain, "--job-id", spec.job_id,
@@ -250,7 +254,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     for i, host_id in enumerate(host_ids):
         simdevices.set_devices(simdevices.device_dir(state_dir, host_id), counts[i])
         argv = agent_argv(addresses, host_id, f"domain-{i // per_domain}",
-                          state_dir, spec, insecure, metadata_url, compile_cache_dir, net)
+                          state_dir, spec, insecure, metadata_url, compile_cache_dir, net,
+                          metrics=metrics_port is not None)
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = spawn_bound(argv, stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=env)

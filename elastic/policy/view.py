@@ -98,6 +98,9 @@ class HostRecord:
     # The generation whose worker said it took its last step and is finishing
     # (writing its last checkpoint, leaving the distributed runtime); 0: none.
     finishing_generation: int = 0
+    # the agent's own gRPC port and metrics port at `address` (0: none)
+    service_port: int = 0
+    metrics_port: int = 0
 
 
 # --- events (made by the servicer from messages) ---------------------------
@@ -116,6 +119,9 @@ class Registered:
     device_kind: str = ""
     # what the agent did when it heard no controller for its lease
     fenced: str = ""
+    # the agent's own gRPC port and metrics port at `address` (0: none)
+    service_port: int = 0
+    metrics_port: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +349,8 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             host_id=event.host_id, incarnation=event.incarnation, devices=event.devices,
             address=event.address, failure_domain=event.failure_domain,
             agent_pid=event.agent_pid, registered_at=now, last_heartbeat_at=now,
-            free_port=event.free_port, worker=event.worker, device_kind=event.device_kind)
+            free_port=event.free_port, worker=event.worker, device_kind=event.device_kind,
+            service_port=event.service_port, metrics_port=event.metrics_port)
         view.hosts[event.host_id] = record
         view.last_registration_at = now
         view.disconnected.pop(event.host_id, None)

@@ -34,6 +34,8 @@ from elastic.security.identity import Role, check_id
 #: The DNS SAN every controller certificate carries; agents verify the
 #: controller against this name (grpc.ssl_target_name_override).
 CONTROLLER_SERVER_NAME = "elastic-controller"
+#: The name an agent's own port is served under (elastic.agent.service).
+HOST_SERVER_NAME = "elastic-host"
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 BUNDLE_CA, BUNDLE_CERT, BUNDLE_KEY = "ca.pem", "cert.pem", "key.pem"
 _ROLE_DIRS = {Role.CONTROLLER: None, Role.HOST: "hosts", Role.OPERATOR: "operators"}
@@ -162,9 +164,12 @@ class Authority:
                   ) -> tuple[bytes, bytes, datetime.datetime]:
         """A certificate for `name` in `role`: (certificate PEM, key PEM,
         expiry in UTC). `sans`: extra DNS names or IP addresses (controller
-        only; it always gets CONTROLLER_SERVER_NAME). Raises CertError when
-        `name` is not a valid id, `days` is not positive or outlives the
-        CA, or `sans` are given for another role."""
+        only; it always gets CONTROLLER_SERVER_NAME). A host certificate may
+        serve the agent's own port (health, reflection: elastic.agent.service)
+        under HOST_SERVER_NAME, which is never the controller's name, so it
+        cannot stand in for a controller. Raises CertError when `name` is
+        not a valid id, `days` is not positive or outlives the CA, or
+        `sans` are given for another role."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -203,11 +208,16 @@ class Authority:
                    .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                        self.key.public_key()), critical=False))
         if role is Role.CONTROLLER:
-            # serverAuth only here: a host or operator certificate cannot serve
             usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
             names = list(dict.fromkeys([CONTROLLER_SERVER_NAME, *sans]))
             builder = builder.add_extension(
                 x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
+        elif role is Role.HOST:
+            # the agent's own port, under a name no agent dials a controller by
+            # (an operator certificate cannot serve at all)
+            usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([_san(HOST_SERVER_NAME)]), critical=False)
         builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         return _pem_cert(cert), _pem_key(key), not_after

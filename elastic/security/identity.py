@@ -5,12 +5,14 @@ holder's name (a host id for a host) and the organizational unit (OU) its
 role. Three roles exist:
 
 - `controller` (OU `elastic-controller`): serves the Controller service;
-  its certificate also carries the names agents dial (DNS/IP SANs) and the
-  serverAuth key usage, which host and operator certificates lack, so they
-  cannot stand in for a controller (BoringSSL refuses a server certificate
-  without it: "unsupported certificate purpose").
+  its certificate also carries the names agents dial (the DNS name
+  `elastic-controller`, and DNS/IP SANs) and the serverAuth key usage.
 - `host` (OU `elastic-host`): one agent; may register, stream and report
-  only as the host id in its CN.
+  only as the host id in its CN. Its certificate has serverAuth too, for
+  the agent's own port (health, reflection), but only under the name
+  `elastic-host`: agents dial controllers by `elastic-controller`, so a
+  host certificate cannot stand in for a controller (certificates issued
+  before this had no serverAuth at all; the agent's port needs a new one).
 - `operator` (OU `elastic-operator`): people and tools (`elasticd status`,
   `elasticd local`'s progress line): may read status, nothing else.
 

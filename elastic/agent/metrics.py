@@ -1,0 +1,65 @@
+"""An agent's Prometheus metrics (`elastic-agent --metrics-port`), read at
+each scrape from a snapshot its event loop takes (elastic.metrics):
+
+  elastic_agent_controller_connected    1 while a session with a controller is open
+  elastic_agent_sessions_total          sessions opened (registrations that streamed)
+  elastic_agent_generation              the generation of its current or last worker
+  elastic_agent_worker_running          1 while its worker runs
+  elastic_agent_worker_step             the worker's last reported step (-1: none)
+  elastic_agent_worker_committed_step   the latest checkpoint step it saw committed
+  elastic_agent_worker_exits_total{outcome}  succeeded, failed, stopped (on request)
+  elastic_agent_devices                 accelerators counted now
+  elastic_agent_heartbeats_total        heartbeats sent
+  elastic_agent_fenced                  1 after it stopped its worker on its own
+  elastic_agent_preempted               1 once its host is being taken away
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from elastic.metrics import LoopCollector
+from elastic.v1 import control_pb2 as pb
+
+
+def agent_registry(agent, loop) -> CollectorRegistry:
+    """The registry of `agent` (an elastic.agent.agent.Agent)."""
+    registry = CollectorRegistry()
+    registry.register(LoopCollector(loop, lambda: _snapshot(agent), _families))
+    return registry
+
+
+def _snapshot(agent) -> dict:
+    w = agent.supervisor.status
+    return {"connected": agent._outbox is not None, "sessions": agent.sessions_opened,
+            "generation": w.generation, "running": w.state == pb.WORKER_RUNNING,
+            "step": w.step, "committed": w.committed_step, "exits": dict(agent.worker_exits),
+            "devices": agent.devices.count, "heartbeats": agent._seq,
+            "fenced": bool(agent._fenced), "preempted": bool(agent.preemption)}
+
+
+def _families(s: dict):
+    for name, doc, value in (
+            ("elastic_agent_controller_connected", "1 while a controller session is open",
+             s["connected"]),
+            ("elastic_agent_generation", "Generation of the current or last worker",
+             s["generation"]),
+            ("elastic_agent_worker_running", "1 while the worker runs", s["running"]),
+            ("elastic_agent_worker_step", "The worker's last reported step", s["step"]),
+            ("elastic_agent_worker_committed_step", "Latest committed checkpoint step seen",
+             s["committed"]),
+            ("elastic_agent_devices", "Accelerators counted now", s["devices"]),
+            ("elastic_agent_fenced", "1 after the agent stopped its worker on its own",
+             s["fenced"]),
+            ("elastic_agent_preempted", "1 once the host is being taken away", s["preempted"])):
+        yield GaugeMetricFamily(name, doc, value=float(value))
+    yield CounterMetricFamily("elastic_agent_sessions", "Controller sessions opened",
+                              value=float(s["sessions"]))
+    yield CounterMetricFamily("elastic_agent_heartbeats", "Heartbeats sent",
+                              value=float(s["heartbeats"]))
+    exits = CounterMetricFamily("elastic_agent_worker_exits", "Worker exits by outcome",
+                                labels=["outcome"])
+    for outcome in ("succeeded", "failed", "stopped"):
+        exits.add_metric([outcome], float(s["exits"].get(outcome, 0)))
+    yield exits

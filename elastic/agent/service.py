@@ -1,0 +1,53 @@
+"""The agent's own gRPC port (`elastic-agent --listen HOST:PORT`): the
+standard health service and reflection (elastic.health), over mutual TLS
+with the host's certificate, for probes (systemd, Kubernetes, a load
+balancer's checks) and grpcurl. Services in grpc.health.v1:
+
+  ""                        SERVING while the agent runs
+  elastic.agent.Controller  SERVING while it has a session with a controller,
+                            NOT_SERVING while it looks for one
+
+Clients need a certificate of the job's CA (an operator bundle) and must
+expect the server name `elastic-host` (HOST_SERVER_NAME), which host
+certificates carry since they may serve this port; no host certificate
+carries the controller's name, so none can stand in for a controller.
+"""
+
+from __future__ import annotations
+
+from elastic import transport
+from elastic.health import NOT_SERVING, SERVING, add_health_and_reflection
+from elastic.security.identity import Role
+from elastic.security.tls import TLSFiles
+
+#: The health service name that follows the agent's controller session.
+SESSION_SERVICE = "elastic.agent.Controller"
+
+
+class AgentService:
+    """The agent's server: `await start()` (returns the port), `await
+    session(up)` as its controller session opens and ends, `await stop()`."""
+
+    def __init__(self, listen: str, tls: TLSFiles | None) -> None:
+        self.listen, self.tls = listen, tls
+        self.server = transport.aio_server()
+        self.health = add_health_and_reflection(self.server, [])
+        self.port = 0
+
+    async def start(self) -> int:
+        """Listen and serve. Raises RuntimeError when the address cannot be
+        bound, TLSError when the host's files cannot serve."""
+        self.port = transport.add_listen_port(self.server, self.listen, self.tls,
+                                              roles=(Role.HOST,))
+        await self.server.start()
+        await self.health.set("", SERVING)
+        await self.health.set(SESSION_SERVICE, NOT_SERVING)
+        return self.port
+
+    async def session(self, up: bool) -> None:
+        await self.health.set(SESSION_SERVICE, SERVING if up else NOT_SERVING)
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(1.0)
+
