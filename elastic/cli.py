@@ -73,6 +73,20 @@ def _parser() -> argparse.ArgumentParser:
     _tls_args(status, f"STATE_DIR/{LOCAL_OPERATOR_BUNDLE} if there (elasticd local), else "
                       f"{OPERATOR_TLS_DIR} (an operator or controller certificate)")
 
+    logs = sub.add_parser("logs", help="the workers' and agents' output, from the agents")
+    logs.add_argument("--host", help="only this host (default: every registered host)")
+    logs.add_argument("--generation", type=int, default=0,
+                      help="only this generation's worker output (default: all the hosts keep)")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="then print what is written, until Ctrl-C")
+    logs.add_argument("--tail-bytes", type=int, default=0, metavar="N",
+                      help="bytes from the end of each file (default 64 KiB, at most 16 MiB)")
+    logs.add_argument("--no-agent", action="store_true", help="leave out the agents' own logs")
+    logs.add_argument("--controller", help="HOST:PORT (default: from the state dir)")
+    logs.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+    _tls_args(logs, f"STATE_DIR/{LOCAL_OPERATOR_BUNDLE} if there (elasticd local), else "
+                    f"{OPERATOR_TLS_DIR} (an operator certificate)")
+
     report = sub.add_parser("report", help="goodput of a finished or running job")
     report.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
     report.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -234,6 +248,31 @@ def _status(args) -> int:
     else:
         print(format_status(status))
     return 0
+
+
+def _logs(args) -> int:
+    from elastic import logs
+    from elastic.controller.status import fetch_status
+    from elastic.security.tls import TLSError
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if args.generation < 0 or args.tail_bytes < 0:
+        raise UsageError("--generation and --tail-bytes must be >= 0")
+    address = _controller_address(args)
+    tls = _client_tls(args)
+    try:
+        status = fetch_status(address, tls)
+        problems = logs.fetch(status, tls, args.host, args.generation, args.follow,
+                              args.tail_bytes, not args.no_agent, logs.print_line)
+    except (TLSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    except grpc.RpcError as e:
+        print(f"elasticd: cannot reach the controller at {address}: {e.code().name}: "
+              f"{e.details()}", file=sys.stderr)
+        return 1
+    for problem in problems:
+        print(f"elasticd: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _report(args) -> int:
@@ -422,7 +461,7 @@ def _chaos(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"status": _status, "report": _report, "chaos": _chaos, "certs": _certs,
+    commands = {"status": _status, "logs": _logs, "report": _report, "chaos": _chaos, "certs": _certs,
                 "start": _start, "local": _local}
     try:
         return commands[args.command](args)

@@ -10,6 +10,7 @@ import grpc
 import tenacity
 
 from elastic.security import tls as tls_
+from elastic.security.certs import HOST_SERVER_NAME
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
 
@@ -98,6 +99,20 @@ def aio_channel(target: str, tls: TLSFiles | None,
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def aio_agent_channel(target: str, tls: TLSFiles | None,
+                      roles: tuple[Role, ...] = (Role.OPERATOR, Role.CONTROLLER)
+                      ) -> grpc.aio.Channel:
+    """An asyncio channel to an agent's own port (elastic.agent.service) at
+    "HOST:PORT": mutual TLS with `tls` (one of `roles`), the server known by
+    the host certificates' name, elastic-host; plaintext if None. Raises
+    TLSError when the files cannot be used."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=list(_CHANNEL_OPTIONS))
+    return grpc.aio.secure_channel(
+        target, tls_.channel_credentials(tls, roles),
+        options=[*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", HOST_SERVER_NAME)])
 
 
 def channel(target: str, tls: TLSFiles | None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -84,6 +85,28 @@ def test_lost_host_then_rejoin(tmp_path, local_job, proc_env):
     log_text = log_path.read_text()
     assert "pre-started pid" in log_text, log_text
     assert "worker of generation 3 started in its pre-started process" in log_text, log_text
+
+    # elasticd logs reads a host's output from its agent (back, on the same
+    # disk): what its worker of generation 1 wrote before the kill, its new
+    # worker's, and the new agent's own log, each line prefixed
+    def logs(*args: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "elastic.cli", "logs", "--state-dir",
+                              str(job.state_dir), "--host", "host-1", *args], env=proc_env,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    first_hosts = next(e for e in job.journal() if e["kind"] == "generation_started")["hosts"]
+    rank = first_hosts.index("host-1")
+    everything = logs()
+    assert any(line.startswith(f"host-1 g1 r{rank} | tiny worker: process {rank}/4 "
+                               f"generation 1") for line in everything), everything
+    assert any(line.startswith("host-1 g3 r") for line in everything), everything
+    assert any(line.startswith("host-1 agent | ") and "registered with" in line
+               for line in everything), everything
+    first = logs("--generation", "1", "--no-agent", "--tail-bytes", "200")
+    assert first and all(line.startswith(f"host-1 g1 r{rank} | ") for line in first), first
+    assert sum(len(line) - len(f"host-1 g1 r{rank} | ") + 1 for line in first) <= 200
 
 
 def test_crash_loop_fails_job_with_reason(tmp_path, local_job):

@@ -23,6 +23,8 @@ from elastic import transport
 from elastic.checkpoint.emulator import free_port
 from elastic.cli import LOCAL_OPERATOR_BUNDLE
 from elastic.security.tls import TLSFiles
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
 from tests.conftest import tiny_spec, wait_until
 
 
@@ -121,6 +123,15 @@ def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_
         for service in ("", "elastic.agent.Controller"):
             assert check(health_pb2.HealthCheckRequest(service=service), timeout=10).status \
                 == health_pb2.HealthCheckResponse.SERVING
+    # its logs are for operators (and the controller), not for other hosts
+    peer = TLSFiles.in_dir(job.state_dir / "tls" / "hosts" / "host-1")
+    peer_credentials = grpc.ssl_channel_credentials(peer.ca.read_bytes(), peer.key.read_bytes(),
+                                                    peer.cert.read_bytes())
+    with grpc.secure_channel(agent, peer_credentials, options=[
+            ("grpc.ssl_target_name_override", "elastic-host")]) as channel:
+        with pytest.raises(grpc.RpcError) as denied:
+            list(pb_grpc.AgentStub(channel).Logs(pb.LogsRequest(), timeout=10))
+        assert denied.value.code() is grpc.StatusCode.PERMISSION_DENIED
     a = scrape(host["metricsPort"], operator, "elastic-host")
     assert a[("elastic_agent_controller_connected", ())] == 1.0
     assert a[("elastic_agent_generation", ())] == 2.0

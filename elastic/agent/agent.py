@@ -99,7 +99,8 @@ class Agent(ControllerSession):
         self.incarnation = uuid.uuid4().hex[:12]
         self.job_id = settings.job_id
         self.supervisor = WorkerSupervisor(os.path.abspath(settings.state_dir),
-                                           self.incarnation, self._worker_exited)
+                                           self.incarnation, self._worker_exited,
+                                           log_state_dir=settings.state_dir)
         self.ports = PortProber()
         self._prestart_next = False
         self.progress_address = f"@elastic-progress-{self.incarnation}"
@@ -406,7 +407,7 @@ class Agent(ControllerSession):
         if s.listen is not None:
             from elastic.agent.service import AgentService
 
-            self.service = AgentService(s.listen, s.tls)
+            self.service = AgentService(s.listen, s.tls, s.state_dir)
             self.service_port = await self.service.start()
         if s.metrics_port is not None:
             from elastic import metrics

@@ -10,6 +10,7 @@ import sys
 
 from elastic.agent.agent import Agent, AgentSettings
 from elastic.agent.host import default_address, discover_devices
+from elastic.agent.logs import add_agent_log
 from elastic.agent.preemption import GCE_METADATA_URL
 from elastic.config import DEVICE_KIND, MAX_DEVICES_PER_HOST, MAX_STOP_GRACE_S
 
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         agent = Agent(settings)
         agent.prepare()
+        add_agent_log(settings.state_dir, log)  # served by elasticd logs (elastic.agent.logs)
     except OSError as e:
         print(f"elastic-agent: error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """The agent's own gRPC port (`elastic-agent --listen HOST:PORT`): the
-standard health service and reflection (elastic.health), over mutual TLS
-with the host's certificate, for probes (systemd, Kubernetes, a load
-balancer's checks) and grpcurl. Services in grpc.health.v1:
+host's logs for `elasticd logs` (elastic.agent.logs), and the standard
+health service and reflection (elastic.health), over mutual TLS with the
+host's certificate, for probes (systemd, Kubernetes, a load balancer's
+checks) and grpcurl. Services in grpc.health.v1:
 
   ""                        SERVING while the agent runs
   elastic.agent.Controller  SERVING while it has a session with a controller,
@@ -16,22 +17,27 @@ carries the controller's name, so none can stand in for a controller.
 from __future__ import annotations
 
 from elastic import transport
+from elastic.agent.logs import LogsServicer
 from elastic.health import NOT_SERVING, SERVING, add_health_and_reflection
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
+from elastic.v1 import control_pb2_grpc as pb_grpc
 
 #: The health service name that follows the agent's controller session.
 SESSION_SERVICE = "elastic.agent.Controller"
+#: The agent's gRPC service (its Logs call: elastic.agent.logs).
+AGENT_SERVICE = "elastic.v1.Agent"
 
 
 class AgentService:
     """The agent's server: `await start()` (returns the port), `await
     session(up)` as its controller session opens and ends, `await stop()`."""
 
-    def __init__(self, listen: str, tls: TLSFiles | None) -> None:
+    def __init__(self, listen: str, tls: TLSFiles | None, state_dir: str) -> None:
         self.listen, self.tls = listen, tls
         self.server = transport.aio_server()
-        self.health = add_health_and_reflection(self.server, [])
+        pb_grpc.add_AgentServicer_to_server(LogsServicer(state_dir), self.server)
+        self.health = add_health_and_reflection(self.server, [AGENT_SERVICE])
         self.port = 0
 
     async def start(self) -> int:

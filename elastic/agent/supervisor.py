@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from elastic import config
+from elastic.agent.logs import WorkerLog
 from elastic.procs import die_with_parent, process_state, signal_group, signal_pid
 from elastic.worker.prestart import READY_LINE, set_policy
 from elastic.v1 import control_pb2 as pb
@@ -91,12 +92,15 @@ class WorkerSupervisor:
 
     `status` (a pb.WorkerStatus) always describes the current or last worker.
     `on_exit(status)` is called once per worker, the moment it is reaped.
-    stderr is copied to the agent's stderr; its last `tail_lines` lines go
-    into the exit report.
+    stdout and stderr are copied to the agent's, and with `log_state_dir`
+    into the worker's log file there (elastic.agent.logs.WorkerLog); the
+    last `tail_lines` lines of stderr go into the exit report.
     """
 
     def __init__(self, owner: str, incarnation: str,
-                 on_exit: Callable[[pb.WorkerStatus], None], tail_lines: int = 20) -> None:
+                 on_exit: Callable[[pb.WorkerStatus], None], tail_lines: int = 20,
+                 log_state_dir: str | None = None) -> None:
+        self.log_state_dir = log_state_dir
         self.owner = owner
         self.incarnation = incarnation
         self.on_exit = on_exit
@@ -166,8 +170,8 @@ class WorkerSupervisor:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *die_with_parent(argv), cwd=workdir or None, env=full_env,
-                    stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True)
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, start_new_session=True)
             except OSError as e:
                 self.status.state = pb.WORKER_EXITED
                 self.status.exit_code = 127
@@ -210,7 +214,8 @@ class WorkerSupervisor:
                 # -P: the working directory is not put on the import path
                 *die_with_parent([argv[0], "-P", "-m", "elastic.worker.prestart", *script]),
                 cwd=workdir or None, env=spawn_env, stdin=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)
         except OSError as e:
             log.warning("cannot pre-start a worker process: %s", e)
             return
@@ -269,21 +274,32 @@ class WorkerSupervisor:
             except TimeoutError:
                 log.error("pre-started pid %d not reaped 5 s after SIGKILL", proc.pid)
 
-    async def _pump_stderr(self, stream: asyncio.StreamReader) -> None:
-        out = sys.stderr.buffer
+    async def _pump(self, stream: asyncio.StreamReader | None, out, keep: WorkerLog | None,
+                    tail: bool) -> None:
+        if stream is None:
+            return
         while line := await stream.readline():
             out.write(line)
             out.flush()
-            self._tail.append(line.decode(errors="replace").rstrip("\n"))
+            if keep is not None:
+                keep.write(line)
+            if tail:
+                self._tail.append(line.decode(errors="replace").rstrip("\n"))
 
     async def _watch_exit(self, proc: asyncio.subprocess.Process, generation: int) -> None:
-        pump = asyncio.create_task(self._pump_stderr(proc.stderr))
+        keep = None if self.log_state_dir is None else \
+            WorkerLog(self.log_state_dir, generation, self.status.process_id)
+        pumps = asyncio.gather(self._pump(proc.stdout, sys.stdout.buffer, keep, False),
+                               self._pump(proc.stderr, sys.stderr.buffer, keep, True))
         code = await proc.wait()
         signal_group(proc.pid)  # grandchildren in the worker's group go with it
         try:
-            await asyncio.wait_for(pump, 1.0)  # a leftover may hold the pipe open
+            await asyncio.wait_for(pumps, 1.0)  # a leftover may hold the pipes open
         except (TimeoutError, asyncio.CancelledError):
-            pump.cancel()
+            pumps.cancel()
+        finally:
+            if keep is not None:
+                keep.close()
         if self.status.generation != generation:
             return
         self.status.state = pb.WORKER_EXITED

@@ -337,3 +337,27 @@ class JobStatus(_message.Message):
     heartbeat_latency_p99_s: float
     last_failure: str
     def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ..., reason: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., committed_step: _Optional[int] = ..., phase_age_s: _Optional[float] = ..., ettr: _Optional[float] = ..., heartbeat_latency_p50_s: _Optional[float] = ..., heartbeat_latency_p99_s: _Optional[float] = ..., last_failure: _Optional[str] = ...) -> None: ...
+
+class LogsRequest(_message.Message):
+    __slots__ = ("generation", "agent", "tail_bytes", "follow")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    agent: bool
+    tail_bytes: int
+    follow: bool
+    def __init__(self, generation: _Optional[int] = ..., agent: _Optional[bool] = ..., tail_bytes: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("source", "generation", "rank", "data")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    generation: int
+    rank: int
+    data: bytes
+    def __init__(self, source: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -25,6 +25,84 @@ if _version_not_supported:
     )
 
 
+class AgentStub:
+    """Served by each agent on its own port (elastic-agent --listen), to
+    operators and the controller.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Logs = channel.unary_stream(
+                '/elastic.v1.Agent/Logs',
+                request_serializer=elastic_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_control__pb2.LogChunk.FromString,
+                _registered_method=True)
+
+
+class AgentServicer:
+    """Served by each agent on its own port (elastic-agent --listen), to
+    operators and the controller.
+    """
+
+    def Logs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AgentServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Logs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Logs,
+                    request_deserializer=elastic_dot_v1_dot_control__pb2.LogsRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_control__pb2.LogChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'elastic.v1.Agent', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('elastic.v1.Agent', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Agent:
+    """Served by each agent on its own port (elastic-agent --listen), to
+    operators and the controller.
+    """
+
+    @staticmethod
+    def Logs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/elastic.v1.Agent/Logs',
+            elastic_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
+            elastic_dot_v1_dot_control__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ControllerStub:
     """Missing associated documentation comment in .proto file."""
 
