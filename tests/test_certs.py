@@ -46,6 +46,11 @@ def test_bundles_name_their_holder_and_keep_keys_private(ca):
     assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     host_sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert host_sans.get_values_for_type(x509.DNSName) == [certs.HOST_SERVER_NAME]
+    from elastic.agent.service import can_serve
+
+    operator = certs.issue(ca, Role.OPERATOR, "alice", now=NOW)
+    assert can_serve(TLSFiles.in_dir(host.directory))
+    assert not can_serve(TLSFiles.in_dir(operator.directory))  # (as old host certificates)
     server = x509.load_pem_x509_certificate((controller.directory / "cert.pem").read_bytes())
     sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert sans.get_values_for_type(x509.DNSName) == [certs.CONTROLLER_SERVER_NAME,

@@ -16,6 +16,8 @@ carries the controller's name, so none can stand in for a controller.
 
 from __future__ import annotations
 
+import logging
+
 from elastic import transport
 from elastic.agent.logs import LogsServicer
 from elastic.health import NOT_SERVING, SERVING, add_health_and_reflection
@@ -23,10 +25,25 @@ from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
 from elastic.v1 import control_pb2_grpc as pb_grpc
 
+log = logging.getLogger("elastic-agent")
+
 #: The health service name that follows the agent's controller session.
 SESSION_SERVICE = "elastic.agent.Controller"
 #: The agent's gRPC service (its Logs call: elastic.agent.logs).
 AGENT_SERVICE = "elastic.v1.Agent"
+
+
+def can_serve(tls: TLSFiles) -> bool:
+    """Whether the certificate in `tls` may serve TLS (serverAuth usage)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        cert = x509.load_pem_x509_certificate(tls.cert.read_bytes())
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return True  # (no usage restriction, or unreadable: add_listen_port says why)
+    return ExtendedKeyUsageOID.SERVER_AUTH in usage
 
 
 class AgentService:
@@ -43,6 +60,10 @@ class AgentService:
     async def start(self) -> int:
         """Listen and serve. Raises RuntimeError when the address cannot be
         bound, TLSError when the host's files cannot serve."""
+        if self.tls is not None and not can_serve(self.tls):
+            log.warning("%s has no serverAuth usage (issued before agents served a port): "
+                        "probes and elasticd logs will fail the TLS handshake against port %s "
+                        "until the host gets a new certificate", self.tls.cert, self.listen)
         self.port = transport.add_listen_port(self.server, self.listen, self.tls,
                                               roles=(Role.HOST,))
         await self.server.start()
