@@ -9,9 +9,9 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# --no-compile: byte-compiling ~1 GB of packages up front took ~28 s on 2
-	# cores; the modules a run imports are compiled (and cached) as they load
-	$(BIN)/python -m pip install -q --no-compile -e '.[dev,worker,gcs]'
+	# (byte-compiled here, at install: with PYTHONDONTWRITEBYTECODE=1, as on the
+	# CI machines, a module not compiled now is compiled again by every process)
+	$(BIN)/python -m pip install -q -e '.[dev,worker,gcs]'
 	touch $@
 
 # The main job: workers/lm on 4 simulated hosts x 2 CPU devices; host-1 is

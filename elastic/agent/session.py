@@ -31,6 +31,7 @@ log = logging.getLogger("elastic-agent")
 #: (seconds) moves on to the next: a frozen or cut-off leader never answers.
 REGISTER_TIMEOUT_S = 2.0
 
+
 class _NoController(Exception):
     """No controller address answered in one round."""
 
