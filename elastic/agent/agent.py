@@ -398,6 +398,17 @@ class Agent(ControllerSession):
 
     # --- lifecycle ---------------------------------------------------------
 
+    def metrics_snapshot(self) -> dict:
+        """What the agent's metrics read (elastic.agent.metrics), taken on
+        its event loop: session, worker, counters."""
+        w = self.supervisor.status
+        return {"connected": self._outbox is not None, "sessions": self.sessions_opened,
+                "generation": w.generation, "running": self.supervisor.running,
+                "step": w.step, "committed": w.committed_step,
+                "exits": dict(self.worker_exits), "devices": self.devices.count,
+                "heartbeats": self._seq, "fenced": bool(self._fenced),
+                "preempted": bool(self.preemption)}
+
     async def _serve_ports(self, loop) -> None:
         """Open the agent's own gRPC port and its metrics port, if asked for
         (their numbers go to the controller with every registration).

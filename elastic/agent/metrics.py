@@ -20,23 +20,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from elastic.metrics import LoopCollector
-from elastic.v1 import control_pb2 as pb
 
 
 def agent_registry(agent, loop) -> CollectorRegistry:
     """The registry of `agent` (an elastic.agent.agent.Agent)."""
     registry = CollectorRegistry()
-    registry.register(LoopCollector(loop, lambda: _snapshot(agent), _families))
+    registry.register(LoopCollector(loop, agent.metrics_snapshot, _families))
     return registry
-
-
-def _snapshot(agent) -> dict:
-    w = agent.supervisor.status
-    return {"connected": agent._outbox is not None, "sessions": agent.sessions_opened,
-            "generation": w.generation, "running": w.state == pb.WORKER_RUNNING,
-            "step": w.step, "committed": w.committed_step, "exits": dict(agent.worker_exits),
-            "devices": agent.devices.count, "heartbeats": agent._seq,
-            "fenced": bool(agent._fenced), "preempted": bool(agent.preemption)}
 
 
 def _families(s: dict):

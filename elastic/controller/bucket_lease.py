@@ -96,6 +96,10 @@ def merge_tools_lines(journal: bytes, local: bytes) -> bytes:
     return b"".join(line + b"\n" for _, _, line in sorted(keyed))
 
 
+class _LostAnswer(Exception):
+    """An upload went through but its answer was lost (retried)."""
+
+
 class BucketLease:
     """The lease on the journal object beside `checkpoint_url`
     (gs://bucket/prefix; raises StorageError for a bucket's root, which
@@ -220,11 +224,11 @@ class BucketLease:
                         self.generation = self._upload(self._journal().read_bytes(),
                                                        self.generation)
                     except exceptions.PreconditionFailed:
-                        if attempt.retry_state.attempt_number == 1 or not self._wrote_last():
-                            raise
-                        # our earlier try went through, its answer was lost
-                        self.generation = self._upload(self._journal().read_bytes(),
-                                                       self.generation)
+                        if attempt.retry_state.attempt_number > 1 and self._wrote_last():
+                            # our earlier try went through, its answer was lost:
+                            # tried again from the generation it wrote
+                            raise _LostAnswer() from None
+                        raise
                     self.renewed_at = sent_at
             return ""
         except exceptions.PreconditionFailed:

@@ -28,8 +28,6 @@ first step (or the job ends).
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -129,7 +127,7 @@ class ControllerMetrics:
         rank0 = next((h for h in members if h.rank == 0), None)
         step_time = rank0.metrics.get("step_time_s", 0.0) if rank0 is not None else 0.0
         running = st.phase == Phase.RUNNING.value
-        step, now = slice_step(st), time.monotonic()
+        step, now = slice_step(st), self.controller.clock.monotonic()
         rate = 1.0 / step_time if running and step_time > 0 else 0.0
         if running and not rate and self._last_scrape[0] == st.generation and \
                 now > self._last_scrape[2]:  # (a worker that reports no step time)
