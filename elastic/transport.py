@@ -1,7 +1,8 @@
 """gRPC channels and listening ports: the one place that opens them, with
 mutual TLS from `elastic.security.tls` (plaintext only when the caller
 passes no TLS files: `--insecure`). Also the one retry layer: tenacity
-around client calls, retrying only UNAVAILABLE and DEADLINE_EXCEEDED.
+around client calls, retrying only UNAVAILABLE and DEADLINE_EXCEEDED, and
+RESOURCE_EXHAUSTED when the server said when to come back (RETRY_AFTER_KEY).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ _SERVER_OPTIONS = [
     ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
 ]
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Trailing metadata of a RESOURCE_EXHAUSTED answer: milliseconds to wait
+#: before trying again (the controller's admission control).
+RETRY_AFTER_KEY = "elastic-retry-after-ms"
 
 
 def aio_server() -> grpc.aio.Server:
@@ -139,20 +143,51 @@ def lenient(message_class):
     return deserialize
 
 
+def retry_after_s(error: BaseException | None) -> float | None:
+    """The seconds a RESOURCE_EXHAUSTED answer asked the caller to wait
+    (RETRY_AFTER_KEY, at most an hour); None for any other error or answer."""
+    if not isinstance(error, grpc.RpcError) or \
+            error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return min(3600.0, max(0.0, int(value) / 1000))
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 def is_transient(error: BaseException) -> bool:
-    """True for gRPC errors worth retrying (UNAVAILABLE, DEADLINE_EXCEEDED)."""
-    return isinstance(error, grpc.RpcError) and error.code() in TRANSIENT_CODES
+    """True for gRPC errors worth retrying (UNAVAILABLE, DEADLINE_EXCEEDED,
+    and RESOURCE_EXHAUSTED with a retry-after hint)."""
+    return isinstance(error, grpc.RpcError) and (
+        error.code() in TRANSIENT_CODES or retry_after_s(error) is not None)
+
+
+class WaitHinted(tenacity.wait.wait_base):
+    """A tenacity wait: `fallback`'s, or the server's retry-after hint
+    (retry_after_s) when that is longer."""
+
+    def __init__(self, fallback: tenacity.wait.wait_base) -> None:
+        self.fallback = fallback
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        outcome = retry_state.outcome
+        hint = retry_after_s(outcome.exception() if outcome is not None else None)
+        return max(hint or 0.0, self.fallback(retry_state))
 
 
 def retrying(max_wait_s: float = 5.0, give_up_after_s: float | None = None,
              before_sleep=None) -> tenacity.AsyncRetrying:
     """Exponential backoff with jitter (0.1 s doubling to `max_wait_s`, plus up to
-    0.1 s of jitter) on
+    0.1 s of jitter, or the server's retry-after hint when longer) on
     transient gRPC errors; never gives up unless `give_up_after_s` is set.
     Other errors pass through at once."""
     stop = tenacity.stop_never if give_up_after_s is None else \
         tenacity.stop_after_delay(give_up_after_s)
     return tenacity.AsyncRetrying(
         retry=tenacity.retry_if_exception(is_transient),
-        wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=max_wait_s, jitter=0.1),
+        wait=WaitHinted(tenacity.wait_exponential_jitter(multiplier=0.1, max=max_wait_s,
+                                                         jitter=0.1)),
         stop=stop, reraise=True, before_sleep=before_sleep)

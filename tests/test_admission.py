@@ -119,6 +119,14 @@ def test_rebinding_a_host_id_to_another_certificate(bound, incarnation, live, re
     assert refusal is None or refusal.kind == "denied"
 
 
+@pytest.mark.parametrize("behind_s,jitter,wait_s", [
+    (0.0, 0.5, None), (0.99, 1.0, None),      # keeping up: admitted
+    (1.0, 0.0, 1.0), (2.0, 0.5, 4.0),          # behind: 1x to 3x its lag
+    (4.0, 1.0, 12.0), (20.0, 1.0, 30.0)])      # at most 30 s
+def test_registrations_wait_while_the_controller_is_behind(behind_s, jitter, wait_s):
+    assert adm.registration_wait_s(behind_s, jitter) == wait_s
+
+
 def test_budget_refills_at_its_rate_and_counts_what_it_refused():
     budget = adm.Budget(rate_per_s=1.0, burst=2)
     assert [budget.take("h", 0.0) for _ in range(4)] == [(True, 0), (True, 0), (False, 1),

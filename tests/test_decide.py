@@ -113,11 +113,15 @@ def test_first_failure_is_root_cause():
     assert "host h1" in decision.reason and "SIGKILL" in decision.reason
 
 
-@pytest.mark.parametrize("silent_s,lost", [(4.9, False), (5.1, True)])
-def test_lost_host_after_heartbeat_timeout(silent_s, lost):
+@pytest.mark.parametrize("silent_s,controller_lag_s,lost", [
+    (4.9, 0.0, False), (5.1, 0.0, True),
+    # a controller 3 s behind has not read the last 3 s of heartbeats yet
+    (7.9, 3.0, False), (8.1, 3.0, True)])
+def test_lost_host_after_heartbeat_timeout(silent_s, controller_lag_s, lost):
     view = ClusterView()
     for h in ("h0", "h1"):
         register(view, h)
+    view.lag_s = controller_lag_s
     state = running_slice(view, ["h0", "h1"])
     observe(view, HeartbeatReceived("h0", "inc-h0", view.hosts["h0"].worker, 0), T0 + silent_s)
     decision = decide(state, view, T0 + silent_s, spec())

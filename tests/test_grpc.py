@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import grpc
 import pytest
@@ -116,6 +117,47 @@ def test_fencing(tmp_path, pki):
             status = await pb_grpc.ControllerStub(operator).GetStatus(pb.StatusRequest(),
                                                                       timeout=5)
             assert [h.incarnation for h in status.hosts] == ["inc-2"]
+        loop_task.cancel()
+        await server.stop("test over")
+
+    run(main())
+
+
+def test_a_controller_behind_defers_registrations_with_a_hint(tmp_path, pki):
+    """Admission control: while the controller's loop runs over a second
+    late, a registration is refused with RESOURCE_EXHAUSTED and a retry-after
+    hint that the retry layer honours; once it has caught up it is admitted."""
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        address = await server.start()
+        loop_task = asyncio.create_task(server.run())
+        controller = server.controller
+        async with transport.aio_channel(address, pki.host("h0")) as ch:
+            stub = pb_grpc.ControllerStub(ch)
+            await asyncio.sleep(0)
+            time.sleep(1.3)  # the controller's loop (this one) is blocked: it falls behind
+            while controller.behind_s() < 1.0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as deferred:
+                await stub.Register(register_request(), timeout=5)
+            assert deferred.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "behind" in deferred.value.details()
+            hint_s = transport.retry_after_s(deferred.value)
+            assert 1.0 <= hint_s <= 30.0
+            assert transport.is_transient(deferred.value)
+            assert controller.registrations_deferred == 1
+            began = time.monotonic()
+            async for attempt in transport.retrying(give_up_after_s=40):
+                with attempt:
+                    reply = await stub.Register(register_request(), timeout=5)
+            assert reply.job_id == "test" and controller.view.get("h0") is not None
+            # its first try comes at once, still within the lag's second: refused
+            # again, it waits out that hint (at least 1 s) and is admitted
+            assert controller.registrations_deferred in (1, 2)
+            if controller.registrations_deferred == 2:
+                assert time.monotonic() - began >= 1.0
         loop_task.cancel()
         await server.stop("test over")
 

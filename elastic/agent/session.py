@@ -33,7 +33,12 @@ REGISTER_TIMEOUT_S = 2.0
 
 
 class _NoController(Exception):
-    """No controller address answered in one round."""
+    """No controller address answered in one round; `retry_after_s`: the
+    longest wait a controller asked for (admission control), or None."""
+
+    def __init__(self, retry_after_s: float | None = None) -> None:
+        super().__init__()
+        self.retry_after_s = retry_after_s
 
 
 class _Silent(Exception):
@@ -159,8 +164,14 @@ class ControllerSession:
         (0.1 s doubling to AGENT_RECONNECT_MAX_S, tenacity's
         wait_random_exponential: thousands of agents do not come back in
         step) and go round again. A session that ended starts a new round at
-        once. The worker trains on meanwhile, for the controller lease."""
+        once; a controller that is behind may ask for a longer wait
+        (elastic.controller.admission.registration_wait_s). The worker
+        trains on meanwhile, for the controller lease."""
         addresses = [a.strip() for a in self.settings.controller.split(",") if a.strip()]
+        backoff = tenacity.wait_random_exponential(multiplier=0.1, max=AGENT_RECONNECT_MAX_S)
+
+        def wait(state: tenacity.RetryCallState) -> float:  # (or what the controller asked)
+            return max(state.outcome.exception().retry_after_s or 0.0, backoff(state))
 
         def waiting(state: tenacity.RetryCallState) -> None:
             log.info("no controller answers at %s; retrying (round %d)",
@@ -169,9 +180,7 @@ class ControllerSession:
         while True:
             async for attempt in tenacity.AsyncRetrying(
                     retry=tenacity.retry_if_exception_type(_NoController),
-                    wait=tenacity.wait_random_exponential(multiplier=0.1,
-                                                          max=AGENT_RECONNECT_MAX_S),
-                    before_sleep=waiting):
+                    wait=wait, before_sleep=waiting):
                 with attempt:
                     await self._one_round(addresses)
 
@@ -179,6 +188,7 @@ class ControllerSession:
         """One session with the first of `addresses` that answers; raises
         _NoController when none did. A controller that went silent is moved
         to the end of `addresses` (the list is changed in place)."""
+        retry_after_s = None
         for address in list(addresses):
             channel = None
             try:  # certificates are read again at every connect (renewals)
@@ -194,10 +204,13 @@ class ControllerSession:
                 log.error("cannot follow %s: %s", address, e)
             except grpc.RpcError as e:
                 log.warning("controller %s: %s: %s", address, e.code().name, e.details())
+                hint = transport.retry_after_s(e)
+                if hint is not None:
+                    retry_after_s = max(retry_after_s or 0.0, hint)
             finally:
                 if channel is not None:
                     await channel.close()
-        raise _NoController()
+        raise _NoController(retry_after_s)
 
     async def _keep_lease(self, tick_s: float = 0.25) -> None:
         """Stop the worker when the controller has not been heard for the

@@ -299,6 +299,22 @@ def check_rebind(bound: str | None, fingerprint: str, incarnation: str,
                              f"registration has been silent for the heartbeat timeout")
 
 
+def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = 1.0
+                        ) -> float | None:
+    """Admission control for registrations: None (admit) while the
+    controller's loop is less than `admit_lag_s` seconds behind (see
+    elastic.controller.lag); else the seconds the agent should wait before
+    trying again, `behind_s` stretched by `jitter` (0..1, drawn by the
+    caller) to between 1x and 3x, and between 1 and 30 s. Refusing costs the
+    controller almost nothing, whereas admitting a storm of registrations it
+    cannot serve makes it fall further behind, declare hosts lost and
+    receive their registrations again (the storm `bench/scale.py` saw at
+    10,000 agents). Sessions already open are not refused anything."""
+    if behind_s < admit_lag_s:
+        return None
+    return min(30.0, max(1.0, behind_s * (1.0 + 2.0 * jitter)))
+
+
 class Budget:
     """A token bucket per key: `take(key, now)` spends one of `burst`
     tokens, refilled at `rate_per_s` (seconds of the caller's clock).

@@ -11,6 +11,7 @@ from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.executor import Executor
 from elastic.controller.journal import JournalTail, JournalWriter
+from elastic.controller.lag import LoopLag
 from elastic.policy.adopt import Inherited
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
@@ -18,9 +19,9 @@ from elastic.policy.view import ClusterView, Event, observe
 log = logging.getLogger("elasticd")
 
 
-#: Seconds the reconcile loop may wake late before the controller counts
-#: itself paused (a pass, a burst of messages and GC stay well below).
-PAUSE_S = 2.0
+#: Seconds of lag above which registrations are refused for a while (with a
+#: hint when to come back) instead of adding to the backlog.
+ADMIT_LAG_S = 1.0
 
 
 class Controller:
@@ -68,6 +69,10 @@ class Controller:
         # the journal as written so far, read incrementally (status computes ETTR from it)
         self.journal_tail = JournalTail(journal.path.parent)
         self._wake = asyncio.Event()
+        # how far behind this controller's own loop is (see elastic.controller.lag)
+        self.lag = LoopLag(clock, window_s=spec.health.heartbeat_timeout_s)
+        #: registrations refused while it was behind (admission control)
+        self.registrations_deferred = 0
         #: None, or a check before every reconcile pass (see reconcile)
         self.may_act = None
         # Seconds from an agent's send to receipt, for the last 10,000 heartbeats.
@@ -116,24 +121,45 @@ class Controller:
                                     "term": self.executor.term,
                                     "adopting": inherited.describe() if inherited else None})
         pass_s = 0.0
-        while not self.state.phase.terminal:
-            # Ticks catch what no event announces (timeouts). A pass over a very
-            # large slice costs milliseconds, so ticks are kept 5x that far apart
-            # (decisions on ticks then cost at most ~20 % of a core).
-            wait_s, waited_from = max(self.tick_s, 5 * pass_s), self.clock.monotonic()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait_s)
-            except TimeoutError:
-                pass
-            self._wake.clear()
-            t0 = self.clock.monotonic()
-            late = t0 - waited_from - wait_s
-            if late > PAUSE_S:  # this controller did not run: hosts were not silent
-                self.view.forgive_pause(late, t0)
-                self.executor.record("controller_paused", self.state.generation,
-                                     f"the controller did not run for {late:.1f} s (stopped, "
-                                     f"starved or suspended); silence is counted without it",
-                                     None, {"paused_s": round(late, 3)})
-            self.reconcile()
-            pass_s = self.clock.monotonic() - t0
+        probe = asyncio.create_task(self.lag.probe(self._paused))
+        try:
+            while not self.state.phase.terminal:
+                pass_s = await self._pass(pass_s)
+        finally:
+            probe.cancel()
         return self.state.exit_code or 0
+
+    def behind_s(self) -> float:
+        """Seconds this controller's loop has lately run late (the largest
+        lateness in the last second); see ADMIT_LAG_S."""
+        return self.lag.allowance_s(self.clock.monotonic(), window_s=1.0)
+
+    def _paused(self, pause_s: float, now: float) -> None:
+        """This controller did not run for `pause_s` seconds up to `now`:
+        what it could not hear meanwhile is not silence (elastic.controller.lag)."""
+        self.view.forgive_pause(pause_s, now)
+        self.executor.record("controller_paused", self.state.generation,
+                             f"the controller did not run for {pause_s:.1f} s (stopped, "
+                             f"starved or suspended); silence is counted without it",
+                             None, {"paused_s": round(pause_s, 3)})
+
+    async def _pass(self, pass_s: float) -> float:
+        """Wait for an event or the tick, then reconcile; returns the
+        seconds the pass took."""
+        # Ticks catch what no event announces (timeouts). A pass over a very
+        # large slice costs milliseconds, so ticks are kept 5x that far apart
+        # (decisions on ticks then cost at most ~20 % of a core).
+        wait_s, waited_from = max(self.tick_s, 5 * pass_s), self.clock.monotonic()
+        try:
+            await asyncio.wait_for(self._wake.wait(), wait_s)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+        t0 = self.clock.monotonic()
+        pause_s = self.lag.note(t0 - waited_from - wait_s, t0)  # (before the probe, maybe)
+        if pause_s:
+            self._paused(pause_s, t0)
+        # what it has not read yet while behind is not the hosts' silence
+        self.view.lag_s = self.lag.allowance_s(t0)
+        self.reconcile()
+        return self.clock.monotonic() - t0

@@ -12,6 +12,9 @@ State (read at each scrape from a snapshot the event loop takes, the same
                                         the steps since the last scrape, per second)
   elastic_ettr_ratio                    productive / wall time so far (elastic.goodput)
   elastic_slice_restarts_total          restarts of the slice in the job
+  elastic_controller_lag_seconds        how late its event loop ran lately (see
+                                        elastic.controller.lag)
+  elastic_registrations_deferred_total  registrations refused while it was behind
 Events (fed by the journal as it is written):
   elastic_incidents_total{kind}         host_lost, hang_detected, worker_failed,
                                         preemption_notice, agent_silent, ...
@@ -150,3 +153,9 @@ class ControllerMetrics:
             yield GaugeMetricFamily(name, doc, value=float(value))
         yield CounterMetricFamily("elastic_slice_restarts", "Restarts of the slice in the job",
                                   value=float(st.restarts))
+        yield GaugeMetricFamily("elastic_controller_lag_seconds", "How late the controller's "
+                                "event loop ran lately (silence is judged against it)",
+                                value=self.controller.view.lag_s)
+        yield CounterMetricFamily("elastic_registrations_deferred", "Registrations refused "
+                                  "with a retry-after hint while the controller was behind",
+                                  value=float(self.controller.registrations_deferred))

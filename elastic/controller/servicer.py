@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import grpc
 
 from elastic import transport
 from elastic.controller import admission as adm
-from elastic.controller.core import Controller
+from elastic.controller.core import ADMIT_LAG_S, Controller
 from elastic.controller.executor import Session
 from elastic.controller.status import job_status
 from elastic.policy import view as v
@@ -198,6 +199,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def Register(self, request: pb.RegisterRequest | None, context
                        ) -> pb.RegisterResponse:
         peer, key = await self._peer(context)
+        wait_s = adm.registration_wait_s(self.controller.behind_s(), random.random(),
+                                         ADMIT_LAG_S)
+        if wait_s is not None:
+            self.controller.registrations_deferred += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the controller is {self.controller.behind_s():.1f} s behind; "
+                                f"register again in {wait_s:.1f} s",
+                                trailing_metadata=((transport.RETRY_AFTER_KEY,
+                                                    str(int(wait_s * 1000))),))
         if not self.calls.acquire(key):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"more than {CALLS_PER_PEER} calls in flight from {key}")

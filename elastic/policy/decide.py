@@ -114,7 +114,7 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
 def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                 actions: list[Action]) -> SliceState:
     timeout = spec.health.heartbeat_timeout_s
-    cutoff = now - timeout
+    cutoff = now - timeout - view.lag_s  # (a controller behind has not read them yet)
     lost = set(state.lost)
     carried = dict(state.carried)
 
@@ -141,9 +141,10 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                     {"silent_s": silent_s, "lead_steps": lead, "step": record.worker.step}))
             continue
         was = " (carried until the slice stopped stepping)" if host in carried else ""
-        lose(host, f"no heartbeat for {silent_s:.1f} s (heartbeat_timeout_s = {timeout:g}){was}",
-             {"silent_s": silent_s})
-    grace = spec.health.reconnect_grace_s
+        behind = f", the controller {view.lag_s:.1f} s behind" if view.lag_s else ""
+        lose(host, f"no heartbeat for {silent_s:.1f} s (heartbeat_timeout_s = {timeout:g}"
+             f"{behind}){was}", {"silent_s": silent_s, "controller_lag_s": round(view.lag_s, 3)})
+    grace = spec.health.reconnect_grace_s + view.lag_s
     for host, at in view.disconnected.items():
         if host not in lost and now - at >= grace:
             lose(host, f"connection closed {now - at:.1f} s ago and not reopened "
@@ -178,7 +179,8 @@ def _carry_front(state: SliceState, view: ClusterView, now: float, spec: JobSpec
     if not spec.health.carry_silent_hosts or state.phase is not Phase.RUNNING:
         return None
     return silence.slice_front((view.hosts[h] for h in state.members if h in view.hosts),
-                               state.generation, now, spec.health.heartbeat_timeout_s)
+                               state.generation, now,
+                               spec.health.heartbeat_timeout_s + view.lag_s)
 
 
 def _lead(state: SliceState, record: HostRecord, front: int | None) -> int:

@@ -91,6 +91,7 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
                     for r in members)
     if saving or finishing:
         limit += spec.hang.checkpoint_allowance_s
+    limit += view.lag_s  # (steps the controller has not read yet)
     silent = now - progress_at
     if silent <= limit:
         return None

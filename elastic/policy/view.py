@@ -248,6 +248,10 @@ class ClusterView:
         self.emergency_failure = ""
         # Hosts whose stream ended and that have not registered since: when.
         self.disconnected: dict[str, float] = {}
+        # Seconds the controller itself is behind (its loop's lag lately, see
+        # elastic.controller.lag): what it has not read yet is not silence, so
+        # every silence limit is judged against limit + lag_s.
+        self.lag_s = 0.0
 
     def forgive_pause(self, pause_s: float, now: float) -> None:
         """The controller itself did not run for `pause_s` seconds up to

@@ -1,0 +1,96 @@
+"""How far behind the controller itself is: its event loop's lag.
+
+Every message, timer and decision of the controller runs on one asyncio
+loop. When it has more work than one core does (thousands of agents
+registering at once, a burst of reports, CPU starvation, a SIGSTOP or a
+suspended VM), a callback that became ready waits: a heartbeat that arrived
+on time is read late. Judging a host's silence against `heartbeat_timeout_s`
+alone then declares healthy hosts lost for heartbeats the controller has not
+read yet, which restarts the slice and adds a storm of re-registrations to
+the overload. So the controller measures its own lag, as Node.js and
+asyncio's debug mode do (how late a timer fires), and the policy judges
+silence against `heartbeat_timeout_s + lag` (ClusterView.lag_s).
+
+A probe task sleeps PROBE_S and records how much later than asked it woke;
+the reconcile loop records its own wake-lateness too (it may run before the
+probe after a pause). Two kinds of lateness:
+- lag (up to PAUSE_S): the loop runs but behind. `allowance_s` is the
+  largest lag within a window (the heartbeat timeout), added to every
+  silence limit: a dead host is still found, `allowance_s` later.
+- a pause (over PAUSE_S at one wake): the loop did not run at all (SIGSTOP,
+  a suspended VM, starvation). Agents that heard nothing from it meanwhile
+  may have closed their streams to look for another controller, so what
+  follows a pause is not judged by the allowance but forgiven: `note`
+  returns the seconds of the pause not forgiven before (the probe and the
+  loop both see one pause), and the caller moves the hosts' silence clocks
+  forward by them (ClusterView.forgive_pause). A loop over PAUSE_S late at
+  every wake counts as paused each time: detection slows down rather than
+  restarting a healthy slice for a controller far beyond its capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from elastic.clock import Clock
+
+#: Seconds between probes.
+PROBE_S = 0.1
+#: Lateness below this is noise (a pass, GC), not lag (seconds).
+NOISE_S = 0.05
+#: Lateness at one wake above which the controller counts itself paused
+#: (seconds; a pass, a burst of messages and GC stay well below).
+PAUSE_S = 2.0
+
+
+class LoopLag:
+    """Samples of the controller loop's lateness (seconds, at controller-
+    monotonic times), kept for `window_s` seconds."""
+
+    def __init__(self, clock: Clock, window_s: float) -> None:
+        self.clock = clock
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+        #: The largest lateness ever seen (seconds), for the metrics.
+        self.worst_s = 0.0
+        # the end of the latest pause (controller-monotonic seconds)
+        self._paused_until = float("-inf")
+
+    def note(self, lateness_s: float, at: float) -> float:
+        """Record that a wake-up due at `at - lateness_s` came at `at`.
+        Returns the seconds of a pause (lateness over PAUSE_S) that no
+        earlier note covered, for the caller to forgive; else 0.0."""
+        if lateness_s < NOISE_S:
+            return 0.0
+        self.worst_s = max(self.worst_s, lateness_s)
+        if lateness_s > PAUSE_S:
+            new_s = at - max(at - lateness_s, self._paused_until)
+            self._paused_until = max(self._paused_until, at)
+            return new_s if new_s >= NOISE_S else 0.0
+        # keep the deque decreasing in lateness: an older, smaller sample can
+        # never be the window's maximum again (a monotonic queue, O(1) amortised)
+        while self._samples and self._samples[-1][1] <= lateness_s:
+            self._samples.pop()
+        self._samples.append((at, lateness_s))
+        return 0.0
+
+    def allowance_s(self, now: float, window_s: float | None = None) -> float:
+        """The largest lateness recorded within the last `window_s` seconds
+        (default: the window given at construction) before `now`; 0.0 if
+        none."""
+        horizon = now - (self.window_s if window_s is None else window_s)
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        return next((late for at, late in self._samples if at >= horizon), 0.0)
+
+    async def probe(self, on_pause) -> None:
+        """Sleep PROBE_S at a time and note the lateness; a pause's new
+        seconds go to `on_pause(pause_s, now)`. Runs until cancelled."""
+        while True:
+            due = self.clock.monotonic() + PROBE_S
+            await asyncio.sleep(PROBE_S)
+            now = self.clock.monotonic()
+            pause_s = self.note(now - due, now)
+            if pause_s:
+                on_pause(pause_s, now)

@@ -1,0 +1,66 @@
+"""The controller's own lag (elastic.controller.lag): a fake clock for the
+window, a real event loop blocked for real for the probe."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from elastic.clock import FakeClock, SystemClock
+from elastic.controller.lag import NOISE_S, PAUSE_S, LoopLag
+
+
+@pytest.mark.parametrize("samples,now,window_s,allowance_s", [
+    ([], 100.0, None, 0.0),
+    ([(90.0, 1.5)], 100.0, None, 0.0),             # older than the window (5 s)
+    ([(96.0, 1.5)], 100.0, None, 1.5),             # lag 4 s ago still counts
+    ([(96.0, 1.5), (99.0, 0.5)], 100.0, None, 1.5),
+    ([(96.0, 1.5), (99.0, 0.5)], 100.0, 1.0, 0.5),  # only the last second
+    ([(99.5, NOISE_S / 2)], 100.0, None, 0.0),      # noise is not lag
+])
+def test_allowance_is_the_largest_lateness_in_the_window(samples, now, window_s, allowance_s):
+    lag = LoopLag(FakeClock(), window_s=5.0)
+    for at, late in samples:
+        lag.note(late, at)
+    assert lag.allowance_s(now, window_s) == allowance_s
+
+
+def test_a_pause_is_forgiven_once_and_is_not_lag():
+    lag = LoopLag(FakeClock(), window_s=5.0)
+    assert lag.note(3.5, 100.0) == 3.5      # the loop's wake sees the pause
+    assert lag.note(3.45, 100.02) == 0.0    # the probe sees the same pause
+    assert lag.note(PAUSE_S + 1, 104.0) == PAUSE_S + 1      # another pause
+    assert lag.note(PAUSE_S + 1, 105.0) == pytest.approx(1.0)  # half of it was forgiven
+    assert lag.allowance_s(105.0) == 0.0    # pauses are forgiven, not allowed
+    assert lag.note(0.5, 105.5) == 0.0 and lag.allowance_s(105.5) == 0.5
+
+
+def test_allowance_matches_a_brute_force_maximum():
+    rng = random.Random(7)
+    lag, kept, at = LoopLag(FakeClock(), window_s=5.0), [], 0.0
+    for _ in range(2_000):
+        at += rng.uniform(0.0, 0.5)
+        late = rng.choice([0.0, rng.uniform(0.0, PAUSE_S)])
+        lag.note(late, at)
+        kept.append((at, late))
+        for window_s in (1.0, 5.0):
+            expected = max((x for t, x in kept if t >= at - window_s and x >= NOISE_S),
+                           default=0.0)
+            assert lag.allowance_s(at, window_s) == expected
+
+
+def test_the_probe_measures_a_loop_that_was_blocked():
+    async def main():
+        lag = LoopLag(SystemClock(), window_s=5.0)
+        probe = asyncio.create_task(lag.probe(on_pause=None))
+        await asyncio.sleep(0)  # (the probe starts sleeping)
+        time.sleep(0.6)  # the loop runs nothing meanwhile
+        while lag.worst_s == 0.0:
+            await asyncio.sleep(0.01)
+        probe.cancel()
+        return lag.allowance_s(time.monotonic())
+
+    assert 0.45 <= asyncio.run(asyncio.wait_for(main(), 10)) < 5.0
