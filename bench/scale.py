@@ -14,7 +14,11 @@ mutual TLS costs. For each size:
 - detection: one agent goes silent -> `host_lost`, minus the silence start
   (target: within heartbeat_timeout_s + 1 s = 6 s);
 - fan-out: `generation_started` -> the last agent received its start, and
-  `slice_stopping` -> the last agent received its stop.
+  `slice_stopping` -> the last agent received its stop;
+- overload: seconds from the controller's start to the generation's start
+  (every agent registered), registrations deferred by admission control,
+  and hosts declared lost that were never silent (the silenced one aside:
+  should be 0; elastic.controller.lag).
 
     .venv/bin/python bench/scale.py --agents 1000 5000 10000 [--insecure]
 """
@@ -44,6 +48,13 @@ CLIENT_PROCESSES = 4
 
 async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
                           silence: asyncio.Event | None) -> None:
+    """One agent: registers, streams, heartbeats; like a real agent it
+    registers again whenever its session ends (counted by status code in
+    received["session_ended"])."""
+    import grpc
+
+    from elastic import transport
+
     incarnation = uuid.uuid4().hex[:12]
     status = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
 
@@ -51,15 +62,43 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
         return pb.Header(job_id=job_id, host_id=host_id, incarnation=incarnation,
                          generation=status.generation)
 
-    from elastic import transport
+    def deferred(state) -> None:  # refused while the controller was behind
+        if transport.retry_after_s(state.outcome.exception()) is not None:
+            counts = received.setdefault("deferred", {})
+            counts[host_id] = counts.get(host_id, 0) + 1
 
-    async for attempt in transport.retrying():  # as the real agent does
-        with attempt:
-            await stub.Register(pb.RegisterRequest(
-                header=header(), devices=1, address="127.0.0.1", failure_domain=host_id,
-                worker=status, free_port=20000 + random.randrange(20000)), timeout=30)
+    while silence is None or not silence.is_set():
+        stage = "register"
+        try:
+            async for attempt in transport.retrying(before_sleep=deferred):  # as agents do
+                with attempt:
+                    await stub.Register(pb.RegisterRequest(
+                        header=header(), devices=1, address="127.0.0.1", failure_domain=host_id,
+                        worker=status, free_port=20000 + random.randrange(20000)), timeout=30)
+            stage = "stream"
+            await session(stub, pb, header, status, host_id, received, silence)
+            code = "OK"
+        except grpc.aio.AioRpcError as e:
+            code = e.code().name
+            if code not in ("OK", "CANCELLED"):
+                first = received.setdefault("first_details", {})
+                first.setdefault(f"{stage}:{code}", (e.details() or "")[:200])
+        ended = received.setdefault("session_ended", {})
+        key = f"{stage}:{code}"
+        ended[key] = ended.get(key, 0) + 1
+        await asyncio.sleep(random.uniform(0.1, 1.0))  # (real agents back off too)
+
+
+async def session(stub, pb, header, status, host_id: str, received: dict,
+                  silence: asyncio.Event | None) -> None:
     call = stub.Connect()
-    await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=status)))
+    writing = asyncio.Lock()  # one write at a time on a call (the real agent has one writer)
+
+    async def write(message) -> None:
+        async with writing:
+            await call.write(message)
+
+    await write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=status)))
 
     async def beat():
         await asyncio.sleep(random.random())  # spread the heartbeats over the second
@@ -68,7 +107,7 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
             seq += 1
             if status.state == pb.WORKER_RUNNING:
                 status.step += 1  # a training step per heartbeat
-            await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
+            await write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
                 seq=seq, worker=status, free_port=30000 + seq % 1000, sent_at=time.time())))
             await asyncio.sleep(1.0)
 
@@ -86,9 +125,10 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
             elif kind == "stop" and status.state == pb.WORKER_RUNNING:
                 status.state, status.signal, status.stopped_on_request = pb.WORKER_EXITED, 9, True
                 if silence is None or not silence.is_set():
-                    await call.write(pb.AgentMessage(header=header(), worker_exited=status))
+                    await write(pb.AgentMessage(header=header(), worker_exited=status))
     finally:
         task.cancel()
+        call.cancel()
 
 
 async def client_main(address: str, job_id: str, first: int, count: int, out: str,
@@ -123,6 +163,22 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
             channels.append(grpc.aio.secure_channel(
                 address, grpc.ssl_channel_credentials(authority.ca_pem, key, cert),
                 options=[*options, *tls.SERVER_NAME_OPTIONS]))
+    worst = [0.0]  # this process's own loop lag: are the simulated agents behind?
+
+    async def probe() -> None:
+        recent, reported = 0.0, time.monotonic()
+        while True:
+            due = time.monotonic() + 0.1
+            await asyncio.sleep(0.1)
+            late = time.monotonic() - due
+            worst[0], recent = max(worst[0], late), max(recent, late)
+            if time.monotonic() - reported > 5:  # (to the client's log)
+                print(f"{time.strftime('%H:%M:%S')} loop lag over 5 s: {recent:.2f} s; "
+                      f"sessions ended: {received.get('session_ended', {})}",
+                      file=sys.stderr, flush=True)
+                recent, reported = 0.0, time.monotonic()
+
+    lag = asyncio.create_task(probe())
     tasks = []
     for i, host in enumerate(hosts):
         stub = pb_grpc.ControllerStub(channels[i])
@@ -136,11 +192,23 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     await done.wait()
     for t in tasks:
         t.cancel()
+    lag.cancel()
+    received["client_max_lag_s"] = {str(first): worst[0]}
+    received["session_ended"] = {f"{k}#{first}": v for k, v in received.get("session_ended", {}).items()}
     pathlib.Path(out).write_text(json.dumps(received))
     os._exit(0)  # skip channel teardown of thousands of streams
 
 
 # --- the benchmark driver ------------------------------------------------------------------
+
+def _by_code(ended: dict) -> dict:
+    """{"stage:CODE#client": n} summed over the client processes."""
+    total: dict = {}
+    for key, n in ended.items():
+        code = key.partition("#")[0]
+        total[code] = total.get(code, 0) + n
+    return total
+
 
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
@@ -149,6 +217,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_size(n: int, steady_s: float, insecure: bool) -> dict:
+    from elastic.controller.journal import read_journal
     from elastic.controller.status import fetch_status
     from elastic.security import certs
     from elastic.security.identity import Role
@@ -224,6 +293,8 @@ startup_timeout_s = 600.0
         for kind, by_host in json.loads(path.read_text()).items():
             received.setdefault(kind, {}).update(by_host)
     starts, stops = received.get("start", {}), received.get("stop", {})
+    journal = list(read_journal(state))
+    first_ts = journal[0]["ts"]
     return {
         "agents": n,
         "tls": not insecure,
@@ -235,6 +306,15 @@ startup_timeout_s = 600.0
         "starts_received": len(starts),
         "stop_fanout_s": round(max(stops.values()) - stopping["ts"], 3) if stops else None,
         "stops_received": len(stops),
+        "all_registered_s": round(started["ts"] - first_ts, 3),
+        "registrations_deferred": sum(received.get("deferred", {}).values()),
+        "sessions_ended": _by_code(received.get("session_ended", {})),
+        "session_end_details": received.get("first_details", {}),
+        "client_max_lag_s": round(max(received.get("client_max_lag_s", {"": 0.0}).values()), 3),
+        "false_host_lost": sum(e["kind"] == "host_lost" and e.get("host") != "sim-00000"
+                               for e in journal),
+        "max_controller_lag_s": max((e.get("controller_lag_s", 0.0) for e in journal
+                                     if e["kind"] == "host_lost"), default=0.0),
     }
 
 
@@ -260,11 +340,14 @@ def main() -> int:
         rows.append(row)
     print(f"\n{'TLS' if not args.insecure else 'plaintext'}:")
     print(f"{'agents':>7} {'ctl CPU':>8} {'hb p50':>8} {'hb p99':>8} {'detect':>8} "
-          f"{'start fan-out':>14} {'stop fan-out':>13}")
+          f"{'start fan-out':>14} {'stop fan-out':>13} {'registered':>11} {'deferred':>9} "
+          f"{'false lost':>11}")
     for r in rows:
         print(f"{r['agents']:>7} {100 * r['controller_cpu_share']:7.1f}% "
               f"{1000 * r['heartbeat_latency_p50_s']:6.1f}ms {1000 * r['heartbeat_latency_p99_s']:6.1f}ms "
-              f"{r['detection_s']:7.2f}s {r['start_fanout_s']:13.2f}s {r['stop_fanout_s']:12.2f}s")
+              f"{r['detection_s']:7.2f}s {r['start_fanout_s']:13.2f}s {r['stop_fanout_s']:12.2f}s "
+              f"{r['all_registered_s']:10.1f}s {r['registrations_deferred']:9d} "
+              f"{r['false_host_lost']:11d}")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "client_processes": CLIENT_PROCESSES, "rows": rows})
     return 0

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from elastic.clock import FakeClock, SystemClock
-from elastic.controller.lag import NOISE_S, PAUSE_S, LoopLag
+from elastic.controller.lag import NOISE_S, PAUSE_S, LoopLag, ReceiptDelay
 
 
 @pytest.mark.parametrize("samples,now,window_s,allowance_s", [
@@ -64,3 +64,20 @@ def test_the_probe_measures_a_loop_that_was_blocked():
         return lag.allowance_s(time.monotonic())
 
     assert 0.45 <= asyncio.run(asyncio.wait_for(main(), 10)) < 5.0
+
+
+def test_receipt_delay_is_the_median_of_the_last_second():
+    delays = ReceiptDelay()
+    for latency in (0.001, 0.002, 0.004):
+        delays.note(latency, at=100.0)
+    assert delays.recent_s(100.5) == 0.002
+    # behind: heartbeats read 2 s late; one host's clock is 40 s off
+    for latency in (2.0, 2.1, 42.0, 1.9, -38.0):
+        delays.note(latency, at=110.0)
+    assert delays.recent_s(110.2) == 2.0
+    assert delays.recent_s(112.0) == 0.0          # nothing in the last second
+    for latency in (-5.0, -4.0, -6.0):            # clocks ahead: no negative lag
+        delays.note(latency, at=113.0)
+    assert delays.recent_s(113.1) == 0.0
+    delays.note(3.0, at=114.0)                    # fewer than MIN_SAMPLES: no figure
+    assert delays.recent_s(114.1) == 0.0

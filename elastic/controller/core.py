@@ -11,7 +11,7 @@ from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.executor import Executor
 from elastic.controller.journal import JournalTail, JournalWriter
-from elastic.controller.lag import LoopLag
+from elastic.controller.lag import LoopLag, ReceiptDelay
 from elastic.policy.adopt import Inherited
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
@@ -71,6 +71,7 @@ class Controller:
         self._wake = asyncio.Event()
         # how far behind this controller's own loop is (see elastic.controller.lag)
         self.lag = LoopLag(clock, window_s=spec.health.heartbeat_timeout_s)
+        self.receipts = ReceiptDelay()
         #: registrations refused while it was behind (admission control)
         self.registrations_deferred = 0
         #: None, or a check before every reconcile pass (see reconcile)
@@ -160,6 +161,7 @@ class Controller:
         if pause_s:
             self._paused(pause_s, t0)
         # what it has not read yet while behind is not the hosts' silence
+        self.lag.note(self.receipts.recent_s(t0), t0, can_pause=False)
         self.view.lag_s = self.lag.allowance_s(t0)
         self.reconcile()
         return self.clock.monotonic() - t0

@@ -44,6 +44,8 @@ class Session:
     outbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     close_status: tuple | None = None
     attached: bool = False
+    #: when its latest heartbeat ack was queued (controller-monotonic seconds)
+    acked_at: float = float("-inf")
 
     def send(self, message: pb.ControllerMessage) -> None:
         """Queue `message`; past MAX_OUTBOX waiting, close the stream

@@ -11,6 +11,8 @@ the overload. So the controller measures its own lag, as Node.js and
 asyncio's debug mode do (how late a timer fires), and the policy judges
 silence against `heartbeat_timeout_s + lag` (ClusterView.lag_s).
 
+Two measures: the loop's own lateness, and how late heartbeats reach it
+(ReceiptDelay: messages can also wait in gRPC's core, unseen by the loop).
 A probe task sleeps PROBE_S and records how much later than asked it woke;
 the reconcile loop records its own wake-lateness too (it may run before the
 probe after a pause). Two kinds of lateness:
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 
 from elastic.clock import Clock
 
@@ -57,14 +60,15 @@ class LoopLag:
         # the end of the latest pause (controller-monotonic seconds)
         self._paused_until = float("-inf")
 
-    def note(self, lateness_s: float, at: float) -> float:
-        """Record that a wake-up due at `at - lateness_s` came at `at`.
+    def note(self, lateness_s: float, at: float, can_pause: bool = True) -> float:
+        """Record that a wake-up due at `at - lateness_s` came at `at` (or,
+        with `can_pause` False, a lag measured otherwise: never a pause).
         Returns the seconds of a pause (lateness over PAUSE_S) that no
         earlier note covered, for the caller to forgive; else 0.0."""
         if lateness_s < NOISE_S:
             return 0.0
         self.worst_s = max(self.worst_s, lateness_s)
-        if lateness_s > PAUSE_S:
+        if lateness_s > PAUSE_S and can_pause:
             new_s = at - max(at - lateness_s, self._paused_until)
             self._paused_until = max(self._paused_until, at)
             return new_s if new_s >= NOISE_S else 0.0
@@ -94,3 +98,36 @@ class LoopLag:
             pause_s = self.note(now - due, now)
             if pause_s:
                 on_pause(pause_s, now)
+
+
+class ReceiptDelay:
+    """How late heartbeats reach the controller's code: the lag its event
+    loop cannot see (messages queued in gRPC's core and the kernel while
+    its I/O thread works through a storm of TLS handshakes, say).
+
+    Each heartbeat carries its send time on the agent's clock; receipt -
+    send is its delay when the two clocks agree (NTP keeps a cluster's
+    within milliseconds). `recent_s` is the median of the heartbeats
+    received in the last second, over at least MIN_SAMPLES of them: how late
+    the typical heartbeat is read now. A few hosts with wrong clocks do not
+    move a median. (A per-host baseline, the least delay each host ever
+    showed, would remove clock offsets but not this: in a storm a host's
+    first heartbeats are already late, and its baseline with them.)"""
+
+    MIN_SAMPLES = 3
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)
+
+    def note(self, latency_s: float, at: float) -> None:
+        """A heartbeat received at `at` (controller-monotonic seconds),
+        `latency_s` after its send time (agent's clock, seconds)."""
+        self._recent.append((at, latency_s))
+
+    def recent_s(self, now: float, window_s: float = 1.0) -> float:
+        """The median delay (seconds, 0.0 if negative) of the heartbeats
+        received within `window_s` before `now`; 0.0 with fewer than
+        MIN_SAMPLES."""
+        recent = itertools.takewhile(lambda r: r[0] >= now - window_s, reversed(self._recent))
+        delays = sorted(x for _, x in recent)
+        return max(0.0, delays[len(delays) // 2]) if len(delays) >= self.MIN_SAMPLES else 0.0

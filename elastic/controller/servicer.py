@@ -29,6 +29,7 @@ from elastic.controller import admission as adm
 from elastic.controller.core import ADMIT_LAG_S, Controller
 from elastic.controller.executor import Session
 from elastic.controller.status import job_status
+from elastic.policy import silence
 from elastic.policy import view as v
 from elastic.security.identity import Identity, IdentityError
 from elastic.security.text import clean_text
@@ -48,8 +49,14 @@ _CODES = {"denied": grpc.StatusCode.PERMISSION_DENIED,
 STREAMS_PER_PEER = 4
 #: Unary calls (Register, GetStatus) one peer may have in flight at once.
 CALLS_PER_PEER = 8
-#: Seconds a new stream may take to send its first message.
-FIRST_MESSAGE_TIMEOUT_S = 10.0
+#: A heartbeat is acked when the session's last ack is this fraction of the
+#: heartbeat timeout old (an agent gives up on a controller after the whole
+#: timeout, elastic.agent.session).
+ACK_EVERY = 0.25
+#: Seconds a new stream may take to send its first message: as long as the
+#: policy waits for a registered host's stream (when thousands of agents
+#: connect at once, streams wait for seconds to be taken up).
+FIRST_MESSAGE_TIMEOUT_S = silence.STREAM_OPEN_S
 REFUSAL_JOURNAL_INTERVAL_S = 10.0
 #: How often (seconds) the step the job is known to have reached is recomputed.
 KNOWN_STEP_REFRESH_S = 1.0
@@ -375,16 +382,24 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             worker = self._observed(h.host_id, hb.worker, refusal)
             if hb.sent_at:
                 c.heartbeat_latency_s.append(latency := c.clock.time() - hb.sent_at)
+                c.receipts.note(latency, c.clock.monotonic())
                 if c.on_heartbeat_latency is not None:
                     c.on_heartbeat_latency(latency)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
                                          clean_text(hb.preemption, adm.MAX_REASON_CHARS),
                                          hb.devices, hb.device_kind))
-            # the agent's proof that it is still heard (its fencing lease)
-            session.send(pb.ControllerMessage(job_id=c.spec.job_id,
-                                              generation=c.state.generation,
-                                              term=c.executor.term,
-                                              ack=pb.HeartbeatAck(seq=hb.seq)))
+            # The agent's proof that it is still heard (its fencing lease, and
+            # its sign of a live controller): at most every ACK_EVERY of the
+            # heartbeat timeout, which an agent's patience far exceeds. Half the
+            # acks of 1 Hz heartbeats at the default timeout: writes are the
+            # dearest part of a heartbeat at scale (bench/scale.py).
+            now = c.clock.monotonic()
+            if now - session.acked_at >= ACK_EVERY * c.spec.health.heartbeat_timeout_s:
+                session.acked_at = now
+                session.send(pb.ControllerMessage(job_id=c.spec.job_id,
+                                                  generation=c.state.generation,
+                                                  term=c.executor.term,
+                                                  ack=pb.HeartbeatAck(seq=hb.seq)))
             return
         if refusal is None and not self._report_budget.take(h.host_id, c.clock.monotonic())[0]:
             refusal = adm.Refusal("implausible", f"more than {adm.REPORTS_PER_S:g} reports a "

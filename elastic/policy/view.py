@@ -101,6 +101,8 @@ class HostRecord:
     # the agent's own gRPC port and metrics port at `address` (0: none)
     service_port: int = 0
     metrics_port: int = 0
+    # Whether anything came on its stream since it registered.
+    streamed: bool = False
 
 
 # --- events (made by the servicer from messages) ---------------------------
@@ -122,6 +124,8 @@ class Registered:
     # the agent's own gRPC port and metrics port at `address` (0: none)
     service_port: int = 0
     metrics_port: int = 0
+    # Whether anything came on its stream since it registered.
+    streamed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +283,7 @@ class ClusterView:
             yield record
 
     def _touch(self, record: HostRecord, now: float) -> None:
-        record.last_heartbeat_at = now
+        record.last_heartbeat_at, record.streamed = now, True
         self.hosts.move_to_end(record.host_id)
 
 
