@@ -9,6 +9,7 @@ import pytest
 
 from elastic.config import MeshSpec, QuarantineSpec
 from elastic.policy import decide as d
+from elastic.policy import silence
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import (ClusterView, Disconnected, HeartbeatReceived, ProgressReported,
                                  WorkerObs, WorkerState, observe)
@@ -129,6 +130,19 @@ def test_lost_host_after_heartbeat_timeout(silent_s, controller_lag_s, lost):
     assert (decision.state.phase is Phase.STOPPING) is lost
     if lost:
         assert decision.state.lost == {"h1"}
+
+
+@pytest.mark.parametrize("streamed,after_s,lost", [
+    (True, 5.1, True),
+    (False, 5.1, False),   # registered, its stream not taken up yet (a storm)
+    (False, silence.STREAM_OPEN_S + 0.1, True)])
+def test_a_registered_host_has_time_to_open_its_stream(streamed, after_s, lost):
+    view = ClusterView()
+    register(view, "h0")
+    if streamed:
+        heartbeat_all(view, T0)
+    decision = decide(SliceState(phase_since=T0), view, T0 + after_s, spec(min_hosts=2))
+    assert ("host_lost" in kinds(decision)) is lost
 
 
 @pytest.mark.parametrize("closed_for_s,reconnects,lost", [
@@ -327,6 +341,51 @@ def test_grow_policy(policy, commit_after_join, finishing, grows):
         stopping = first if first.state.phase is Phase.STOPPING else second
         assert "grow" in stopping.reason
         assert {a.grace_s for a in stopping.actions if isinstance(a, d.StopWorker)} == {2.0}
+
+
+@pytest.mark.parametrize("steps_total,step_time_s,costs_s,grows", [
+    (None, 0.1, (2.0,), True),        # the job's length unknown: grow
+    (1_000, None, (2.0,), True),      # no step time yet: grow
+    (1_000, 0.1, (), True),           # no restart measured yet: grow
+    # 990 steps left at 0.1 s on 4 devices instead of 6: saves 33 s
+    (1_000, 0.1, (2.0, 3.0, 30.0), True),   # median cost 3 s: pays
+    (1_000, 0.1, (25.0,), False),           # 33 s < 1.5 x 25 s
+    (100, 0.1, (2.5,), False),              # 90 steps left save 3 s < 1.5 x 2.5 s
+])
+def test_a_grow_happens_only_when_it_pays(steps_total, step_time_s, costs_s, grows):
+    state, view = slice_with_a_waiting_host()
+    state = dataclasses.replace(state, restart_costs_s=costs_s)
+    metrics = {k: v for k, v in (("steps_total", steps_total), ("step_time_s", step_time_s))
+               if v is not None}
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, -1, metrics), T0 + 1)
+    s = spec(restart={"grow": "immediately"})
+    first = decide(state, view, T0 + 1, s)
+    assert (first.state.phase is Phase.STOPPING) is grows
+    if not grows:
+        assert kinds(first) == ["grow_declined"]
+        assert "not worth it" in first.actions[0].reason
+        again = decide(first.state, view, T0 + 2, s)  # journaled once
+        assert again.state.phase is Phase.RUNNING and "grow_declined" not in kinds(again)
+    elif steps_total and step_time_s and costs_s:
+        assert "would save ~33.0 s" in first.reason
+
+
+def test_first_progress_measures_what_the_restart_cost():
+    state, view = slice_with_a_waiting_host()
+    s = spec(restart={"grow": "immediately"})
+    stopping = decide(state, view, T0 + 1, s).state
+    assert stopping.phase is Phase.STOPPING and stopping.restart_began == T0 + 1
+    settled = stop_and_settle(stopping, view, T0 + 2, s)
+    heartbeat_all(view, T0 + 2.3)
+    settled = decide(settled.state, view, T0 + 2.3, s)
+    assert settled.state.phase is Phase.STARTING
+    g = settled.state.generation
+    for h in settled.state.members:
+        worker(view, h, T0 + 6, g, WorkerState.RUNNING, step=10)
+    running = decide(settled.state, view, T0 + 6, s)
+    progress = next(a for a in running.actions if getattr(a, "kind", "") == "first_progress")
+    assert progress.fields["restart_cost_s"] == 5.0
+    assert running.state.restart_costs_s == (5.0,) and running.state.restart_began is None
 
 
 def slice_with_a_waiting_host() -> tuple[SliceState, ClusterView]:

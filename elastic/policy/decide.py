@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from elastic.config import JobSpec
-from elastic.policy import adopt, quarantine, silence
+from elastic.policy import adopt, grow, quarantine, silence
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
@@ -123,7 +123,8 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         carried.pop(host, None)
         actions.append(Journal("host_lost", state.generation, reason, host, fields))
 
-    silent = [r for r in view.silent(cutoff) if r.host_id not in lost]
+    silent = [r for r in view.silent(cutoff)
+              if r.host_id not in lost and not silence.opening(r, now, view.lag_s)]
     # the slice's front step, O(members): only read when someone is silent
     front = _carry_front(state, view, now, spec) if silent or state.carried else None
     for record in silent:
@@ -358,12 +359,15 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if first_step_at is not None and not state.progressed:
         step = min(view.hosts[h].worker.step for h in state.members
                    if view.hosts[h].worker.step >= 0)
+        began = state.restart_began if state.restart_began is not None else state.phase_since
         actions.append(Journal("first_progress", state.generation,
                                f"first step reported (step {step})", None,
-                               {"step": step, "after_start_s": round(now - state.phase_since, 3)}))
+                               {"step": step, "after_start_s": round(now - state.phase_since, 3),
+                                "restart_cost_s": round(now - began, 3)}))
         state = _enter(state, Phase.RUNNING, now, f"generation {state.generation} running on "
                        f"{len(state.members)} hosts", progressed=True,
-                       failures_without_progress=0)
+                       failures_without_progress=0, restart_began=None,
+                       restart_costs_s=grow.remember_cost(state.restart_costs_s, now - began))
     if failures:
         # A member whose connection closed (its agent died: its worker did,
         # and the peers' collectives abort) is the likelier root cause than a
@@ -440,10 +444,23 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     state = dataclasses.replace(state, grow_ready_since=ready_since)
     if policy == "after_checkpoint" and view.committed_at <= ready_since:
         return state
+    rank0 = view.hosts[state.members[0]].worker
+    devices_now = len(state.members) * state.devices_per_host
+    pays, weighed = grow.grow_pays(devices_now, plan.devices, rank0.step,
+                                   rank0.metrics.get("steps_total"),
+                                   rank0.metrics.get("step_time_s"), state.restart_costs_s)
+    if not pays:
+        if state.grow_declined != plan.devices:
+            actions.append(Journal("grow_declined", state.generation,
+                                   f"no grow from {devices_now} to {plan.devices} devices: "
+                                   f"{weighed}", None,
+                                   {"devices": devices_now, "devices_after": plan.devices}))
+        return dataclasses.replace(state, grow_declined=plan.devices)
     why = (f"grow from {len(state.members)} to {len(plan.hosts)} hosts"
            + (f" ({plan.devices_per_host} devices each)"
               if plan.devices_per_host != state.devices_per_host else "")
-           + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else ""))
+           + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else "")
+           + f" ({weighed})")
     return _begin_stop(state, now, spec, actions, "grow", why, ())
 
 
@@ -511,7 +528,8 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
                            {"cause": kind, "grace_s": grace, "blamed": list(blamed)}))
     for member in state.members:
         actions.append(StopWorker(member, state.generation, grace, why, dump_stacks))
-    changes: dict = {"draining_since": None, "stop_hurried": False}
+    changes: dict = {"draining_since": None, "stop_hurried": False,
+                     "restart_began": now if state.restart_began is None else state.restart_began}
     if kind == "failure":
         changes["failures_without_progress"] = (1 if state.progressed
                                                 else state.failures_without_progress + 1)

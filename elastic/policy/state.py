@@ -108,6 +108,12 @@ class SliceState:
     fenced_until: no generation starts before this time: the members of
       the last one were all lost at once, none seen to stop, and may train
       on until their agents' controller lease runs out.
+    restart_began: when the latest restart's stop began (None once the
+      next generation made its first step).
+    restart_costs_s: what the latest restarts cost (stop began -> first
+      step; the first generation: start -> first step), for elastic.policy.grow.
+    grow_declined: the device count of the last grow judged not worth its
+      restart (journaled once per count; 0: none).
     """
 
     phase: Phase = Phase.WAITING
@@ -138,6 +144,9 @@ class SliceState:
     exit_code: int | None = None
     inherited: Inherited | None = None
     fenced_until: float = 0.0
+    restart_began: float | None = None
+    restart_costs_s: tuple[float, ...] = ()
+    grow_declined: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

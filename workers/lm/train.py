@@ -144,7 +144,7 @@ def main() -> int:
             rows = batches.rows(step, plan.data_shards)
             state, loss = step_fn(state, *global_rows(rows))
             loss_value = float(loss)
-            ctx.step_done(step, loss=loss_value)
+            ctx.step_done(step, loss=loss_value, steps_total=args.steps)
             if sample_log:
                 sample_log.write(json.dumps({"generation": ctx.generation, "step": step,
                                              "ids": batches.sample_ids(step).tolist(),

@@ -60,7 +60,7 @@ for step in range(start, STEPS):
     x, y = (jax.make_array_from_callback(a.shape, rows, lambda idx, a=a: a[idx])
             for a in batch(step))
     state, loss = step_fn(state, x, y)
-    ctx.step_done(step, loss=float(loss))                 # progress to the controller
+    ctx.step_done(step, loss=float(loss), steps_total=STEPS)  # progress to the controller
     ckpt.save(step, state, {"next_step": step + 1})
 
 ctx.log.info("done: loss %.6f", float(loss))
