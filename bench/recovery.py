@@ -38,7 +38,7 @@ from elastic.chaos import Chaos
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.status import fetch_status, slice_step
-from elastic.goodput import account
+from elastic.goodput import WORKER_PHASES, account
 from elastic.local import (journal_dir, kill_controller, restart_agent, restart_controller,
                            start_slice, stop_slice, surroundings)
 
@@ -46,7 +46,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ["kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt", "kill-during-save"]
 #: the reference job's checkpoint interval (steps)
 INTERVAL = 100
-PHASES = ("process_start", "distributed_init", "restore", "first_step")
+#: stop -> first step, back to back (elastic.goodput.startup_phases)
+PHASES = ("stop", "launch", *WORKER_PHASES, "report")
 
 
 def wait_full(local, hosts: int, steps: int) -> None:
@@ -159,12 +160,10 @@ def main() -> int:
                  and i.kind != "kill-controller"]
     phases = {}
     for incident in incidents:
-        worker = next((e for e in journal if e["kind"] == "worker_phases"
-                       and e["generation"] == incident.generation + 1), None)
-        if worker and incident.restarted:
+        if incident.startup and incident.restarted:
             for name in PHASES:
                 phases.setdefault(incident.kind, {}).setdefault(name, []).append(
-                    worker.get(f"{name}_s", 0.0))
+                    incident.startup.get(name, 0.0))
     results = {}
     for kind in (k for k in args.kinds if k != "kill-controller"):
         every = [i for i in incidents if i.kind == kind]
@@ -189,7 +188,7 @@ def main() -> int:
     step_time = statistics.median(e["step_time_s"] for e in saves)
     share = statistics.median(blocking) / (INTERVAL * step_time)
     print(f"\n{'fault':18} {'n':>3} {'detect p50':>10} {'p95':>7} {'first step p50':>14} "
-          f"{'p95':>7}  startup phases p50 (process, dist init, restore, first step)")
+          f"{'p95':>7}  stop -> first step p50: " + ", ".join(PHASES))
     for kind, r in results.items():
         if not r["faults"]:
             continue

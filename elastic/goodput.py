@@ -67,6 +67,9 @@ class Incident:
     #: stderr before it failed (a traceback, as the agent reported them with
     #: its exit), or the stacks of a hung worker's threads; "" if none
     last_words: str = ""
+    #: where the time from the stop to the next generation's first step went
+    #: (seconds, in order; see startup_phases); empty if none came
+    startup: dict = dataclasses.field(default_factory=dict)
 
 
 #: Lines of a worker's stderr tail shown with its incident.
@@ -130,6 +133,8 @@ class _Generation:
     lost: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     # host -> its worker's last words (stderr tail of a failed exit, stacks of a hang)
     last_words: dict[str, str] = dataclasses.field(default_factory=dict)
+    # process 0's worker_phases entry (elastic.worker: phase -> seconds, launched_at)
+    phases: dict | None = None
 
 
 def _generations(entries: list[dict]) -> list[_Generation]:
@@ -145,6 +150,13 @@ def _generations(entries: list[dict]) -> list[_Generation]:
         if kind == "first_progress" and gen.first is None:
             gen.first, gen.first_step = e["ts"], e.get("step", -1)
             gen.last_step = max(gen.last_step, gen.first_step)
+        elif kind == "slice_adopted" and gen.first is None and (e.get("step") or -1) >= 0:
+            # a generation adopted after its first step, which the controller
+            # that started it did not live to journal: it stepped by now
+            gen.first, gen.first_step = e["ts"], e["step"]
+            gen.last_step = max(gen.last_step, gen.first_step)
+        elif kind == "worker_phases" and gen.phases is None:
+            gen.phases = e
         elif kind == "checkpoint_restored":
             gen.restore_s, gen.restored_step = e.get("restore_s", 0.0), e.get("step")
             gen.restored_saved_at = e.get("saved_at")
@@ -283,7 +295,8 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
             recovered = (nxt.first - at) if nxt is not None and nxt.first is not None else None
             incidents.append(Incident(kind, host, gen.number, at, max(0.0, stop - at),
                                       recovered, lost_steps, reason,
-                                      last_words=gen.last_words.get(host or "", "")))
+                                      last_words=gen.last_words.get(host or "", ""),
+                                      startup=startup_phases(stop, nxt)))
         # Useful training ends at the failure moment (after it: detection), or
         # at the stop; with steps lost, at the save of the step resumed from.
         useful_until = min(at, stop) if cause == "failure" else stop
@@ -308,6 +321,33 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
     return Goodput(wall, productive, bad, productive / wall, steps, len(gens), incidents)
 
 
+#: The worker's startup phases in the order they run (elastic.worker.runtime).
+WORKER_PHASES = ("process_start", "import_jax", "distributed_init", "mesh", "setup", "compile",
+                 "checkpoint_setup", "restore", "first_step")
+
+
+def startup_phases(stop: float, nxt: _Generation | None) -> dict:
+    """From `stop` (slice_stopping, Unix seconds) to the first step of the
+    generation `nxt`, back to back: `stop` (to generation_started: the old
+    workers ending), `launch` (to the worker process's start or launch, on
+    its host's clock), process 0's phases (WORKER_PHASES), and `report` (the
+    rest: the first step's report reaching the controller, and whatever the
+    phases missed; negative if the clocks disagree). {} without a first
+    step or phases."""
+    if nxt is None or nxt.first is None or not nxt.phases:
+        return {}
+    e = nxt.phases
+    out = {"stop": round(nxt.start - stop, 3)}
+    launched = e.get("launched_at")
+    if isinstance(launched, (int, float)) and launched:
+        out["launch"] = round(launched - nxt.start, 3)
+    for name in WORKER_PHASES:
+        if isinstance(e.get(f"{name}_s"), (int, float)):
+            out[name] = e[f"{name}_s"]
+    out["report"] = round(nxt.first - stop - sum(out.values()), 3)
+    return out
+
+
 def format_report(g: Goodput) -> str:
     """The table `elasticd report` prints."""
     lines = [f"wall time {g.wall_s:.1f} s, productive {g.productive_s:.1f} s: "
@@ -327,6 +367,13 @@ def format_report(g: Goodput) -> str:
                          f"{detected:>14} {recovered:>15} {i.lost_steps:>10}"
                          + ("" if i.restarted else "  no restart: the slice kept stepping")
                          + ("" if i.noticed else " (nothing noticed)"))
+        startups = [i for i in g.incidents if i.startup]
+        if startups:
+            lines += ["", "  stop -> first step of the next generation (seconds):"]
+            for i in startups:
+                lines.append(f"  {i.generation:>4}  " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in i.startup.items())
+                    + f"  (= {sum(i.startup.values()):.2f})")
         for i in g.incidents:
             if i.last_words:
                 lines += ["", f"  generation {i.generation}, {i.kind} on {i.host}: its last "

@@ -56,6 +56,35 @@ def test_incident_from_an_injected_fault():
     assert incident.lost_steps == 49
 
 
+def test_a_restart_is_accounted_for_phase_by_phase():
+    """slice_stopping -> first step of the next generation, back to back:
+    the old workers ending, the launch, process 0's phases, the report."""
+    phases = dict(process_start_s=0.3, import_jax_s=0.6, distributed_init_s=0.2, mesh_s=0.01,
+                  setup_s=0.9, compile_s=0.4, checkpoint_setup_s=0.05, restore_s=0.5,
+                  first_step_s=0.6)
+    journal = JOURNAL[:13] + [e(23.9, "worker_phases", 2, "a", step=101, total_s=3.56,
+                                launched_at=1000.0 + 20.34, **phases)] + JOURNAL[13:]
+    [incident] = account(journal).incidents
+    startup = incident.startup
+    assert list(startup) == ["stop", "launch", "process_start", "import_jax", "distributed_init",
+                             "mesh", "setup", "compile", "checkpoint_setup", "restore",
+                             "first_step", "report"]
+    assert startup["stop"] == pytest.approx(0.2) and startup["launch"] == pytest.approx(0.04)
+    assert startup["report"] == pytest.approx(3.9 - 0.2 - 0.04 - 3.56)
+    assert sum(startup.values()) == pytest.approx(incident.recovered_after_s - incident.detected_after_s)
+    assert "launch 0.04, process_start 0.30" in format_report(account(journal))
+    assert account(JOURNAL).incidents[0].startup == {}  # (no phases journaled)
+
+
+def test_a_generation_adopted_after_its_first_step_counts_from_the_adoption():
+    """The controller that started generation 2 died before journaling its
+    first step; the one that adopted it says it had stepped."""
+    journal = [x for x in JOURNAL if not (x["kind"] == "first_progress" and x["generation"] == 2)]
+    journal.insert(13, e(25, "slice_adopted", 2, hosts=["a", "b"], step=105))
+    [incident] = account(journal).incidents
+    assert incident.recovered_after_s == pytest.approx(5.0)  # (at the latest)
+
+
 def test_lost_host_detection_counts_from_its_silence():
     journal = JOURNAL[:5] + [
         e(25, "host_lost", 1, "b", silent_s=5.0),

@@ -15,6 +15,7 @@ nats or more).
 
 from __future__ import annotations
 
+from elastic.goodput import account
 from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples
 
 
@@ -46,6 +47,20 @@ def test_training_through_a_lost_host_matches_undisturbed_run(tmp_path, local_jo
         assert restored["step"] >= max(committed)
     else:
         assert restored["step"] == max(committed)
+
+    # process 0's startup, phase by phase, back to back (elastic.worker.runtime)
+    phases = [e for e in journal if e["kind"] == "worker_phases"]
+    assert [e["generation"] for e in phases] == [1, 2]
+    for e in phases:
+        named = {k: v for k, v in e.items() if k.endswith("_s") and k != "total_s"}
+        assert abs(sum(named.values()) - e["total_s"]) < 0.01, e
+        assert {"import_jax_s", "distributed_init_s", "mesh_s", "setup_s", "compile_s",
+                "checkpoint_setup_s", "first_step_s"} <= set(named), e
+        started_at = next(s["ts"] for s in started if s["generation"] == e["generation"])
+        assert started_at - 1.0 <= e["launched_at"] <= e["ts"], e  # (prestarted: its launch)
+    assert phases[1]["restore_s"] > 0
+    [incident] = [i for i in account(journal).incidents if i.kind == "kill-host"]
+    assert list(incident.startup)[:2] == ["stop", "launch"] and "restore" in incident.startup
 
     assert_matches_reference(lm_samples(tmp_path / "fault-samples.jsonl"), lm_reference)
     # the step right after the restore recomputes the checkpointed step's successor

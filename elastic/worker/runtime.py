@@ -58,11 +58,16 @@ class WorkerContext:
     generation: the slice's generation (+1 at every restart).
     progress: reports steps, metrics and commits to the agent (non-blocking).
     log: a logger that writes on process 0 only (unless `init(log_all=True)`).
-    timings: seconds per startup phase: process_start (exec, or launch of a
-      pre-started process, to init()),
-      import_jax, distributed_init, restore, first_step (from the end of the
-      restore, or of init() without one, to the first step_done: state
-      creation, compile and the step itself).
+    timings: seconds per startup phase, back to back from the process's
+      start (or a pre-started process's launch) to the first step_done, so
+      that they add up to the whole of it: process_start (to init()),
+      import_jax, distributed_init, mesh, then the program's own setup
+      (model, data, lowering: whatever ran between the calls below),
+      compile (ctx.compile), checkpoint_setup (ctx.checkpoints), restore
+      (the restore itself), and first_step (from the last of those to the
+      first step_done: state creation, any compile outside ctx.compile,
+      the step itself). Phases a program does not go through are absent.
+    launched_at: Unix time of the process's start or launch (seconds).
     """
 
     env: WorkerEnv
@@ -73,7 +78,8 @@ class WorkerContext:
     progress: ProgressReporter
     log: logging.Logger
     timings: dict[str, float]
-    _started: float = 0.0
+    launched_at: float = 0.0
+    _started: float = 0.0  # (perf_counter at the end of the latest phase)
     _first_step_done: bool = False
     _checkpoints: Any = None
     _last_step_at: float = 0.0
@@ -91,6 +97,7 @@ class WorkerContext:
         (ELASTIC_RUN_ID); without a run id there are none. save_timeout_s:
         seconds a save may take to commit on every process before it is
         given up (see Checkpoints)."""
+        self._phase("setup")
         from elastic.checkpoint.manager import Checkpoints
         from elastic.checkpoint.snapshot import LocalSnapshots
 
@@ -99,9 +106,12 @@ class WorkerContext:
                 self.progress.committed(step)
 
         def on_event(kind: str, reason: str, fields: dict) -> None:
-            if kind == "checkpoint_restored":  # first_step counts from here
-                self.timings["restore"] = fields.get("restore_s", 0.0)
-                self._started = time.perf_counter()
+            if kind == "checkpoint_restored" and not self._first_step_done:
+                # what ran before the restore call is the program's setup
+                since = time.perf_counter() - self._started
+                restore_s = min(since, float(fields.get("restore_s", 0.0)))
+                self._phase("setup", since - restore_s)
+                self._phase("restore")
             if kind == "checkpoint_saved" and self._step_times:
                 fields = dict(fields, step_time_s=round(statistics.median(self._step_times), 4))
             if kind == "checkpoint_saved" and snapshots is not None and snapshots.seconds:
@@ -117,7 +127,19 @@ class WorkerContext:
         self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
                                         on_commit, on_event, self._preempted,
                                         snapshots=snapshots, save_timeout_s=save_timeout_s)
+        self._phase("checkpoint_setup")
         return self._checkpoints
+
+    def _phase(self, name: str, seconds: float | None = None) -> None:
+        """Before the first step: add `seconds` (default: all since the
+        latest phase ended) to startup phase `name`; the next phase starts
+        where this one ended."""
+        if self._first_step_done:
+            return
+        if seconds is None:
+            seconds = time.perf_counter() - self._started
+        self.timings[name] = round(self.timings.get(name, 0.0) + seconds, 3)
+        self._started += seconds
 
     def _preempted(self, step: int, committed: bool, wait_s: float = 120.0) -> None:
         """After the emergency checkpoint of `step` ended (`committed` or
@@ -139,7 +161,10 @@ class WorkerContext:
         loaded_from_cache, seconds)."""
         from elastic.worker.compile_cache import compile_cached
 
-        return compile_cached(lowered, self.env.cache_dir, name)
+        self._phase("setup")
+        result = compile_cached(lowered, self.env.cache_dir, name)
+        self._phase("compile")
+        return result
 
     def step_done(self, step: int, **metrics: float) -> None:
         """Call after every training step (`step` counts from 0). Reports it,
@@ -150,11 +175,13 @@ class WorkerContext:
             self._step_times.append(now - self._last_step_at)
         self._last_step_at = now
         if not self._first_step_done:
+            self._phase("first_step")
             self._first_step_done = True
-            self.timings["first_step"] = round(time.perf_counter() - self._started, 3)
             if self.process_index == 0:
+                total = round(sum(self.timings.values()), 3)
                 self.progress.event("worker_phases", "startup phases of process 0: " + ", ".join(
-                    f"{k} {v:.2f} s" for k, v in self.timings.items()), step=step,
+                    f"{k} {v:.2f} s" for k, v in self.timings.items()) + f" (total {total:.2f} s)",
+                    step=step, total_s=total, launched_at=round(self.launched_at, 3),
                     **{f"{k}_s": v for k, v in self.timings.items()})
         if self._step_times and len(self._step_times) % 10 == 0:
             metrics["step_time_s"] = statistics.median(self._step_times)
@@ -246,15 +273,14 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     prevents both for slices it starts).
     """
     started = _process_start_time()
-    t_init = time.time()
+    t_init, t = time.time(), time.perf_counter()
+    timings = {"process_start": round(max(0.0, t_init - started), 3)}
     env = WorkerEnv.from_environ(environ)
     allow_stack_dumps()
-    timings = {"process_start": round(max(0.0, t_init - started), 3)}
-    t = time.perf_counter()
     import jax
 
-    timings["import_jax"] = round(time.perf_counter() - t, 3)
     jax.config.update("jax_num_cpu_devices", env.host_devices)
+    timings["import_jax"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
     if env.process_id != 0:
         wait_for_coordinator(env.coordinator_address, timeout_s=120.0)
@@ -263,6 +289,7 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
                                initialization_timeout=120,
                                heartbeat_timeout_seconds=env.jax_heartbeat_timeout_s)
     timings["distributed_init"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
 
     from elastic.policy.mesh import mesh_shape
 
@@ -289,7 +316,9 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
         log.addHandler(handler)
         log.propagate = False
     log.setLevel(logging.INFO if (log_all or env.process_id == 0) else logging.WARNING)
-    return WorkerContext(env=env, mesh=mesh, process_index=jax.process_index(),
-                         process_count=jax.process_count(), generation=env.generation,
-                         progress=ProgressReporter(env.progress_socket, env.generation),
-                         log=log, timings=timings, _started=time.perf_counter())
+    ctx = WorkerContext(env=env, mesh=mesh, process_index=jax.process_index(),
+                        process_count=jax.process_count(), generation=env.generation,
+                        progress=ProgressReporter(env.progress_socket, env.generation),
+                        log=log, timings=timings, launched_at=started, _started=t)
+    ctx._phase("mesh")
+    return ctx
