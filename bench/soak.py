@@ -33,6 +33,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--mtbf", type=float, default=60.0)
+    parser.add_argument("--host-down-s", type=float, default=None,
+                        help="seconds a killed host stays down (default: a reboot, "
+                             "heartbeat timeout + 2 s; 600 for a repair)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--hosts", type=int, default=4)
     # lose-device, the storage kinds, kill-controller and stop-controller came after the published figures; left
@@ -65,7 +68,8 @@ def main() -> int:
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
                         net=around.net)
-    chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+"))), local.address,
+    chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+")),
+                                host_down_s=args.host_down_s), local.address,
                   local.tls, state, lambda h: restart_agent(local, h), lambda h: local.agents[h].pid,
                   spec.health.heartbeat_timeout_s, network=around.net)
     chaos.start()
@@ -82,6 +86,7 @@ def main() -> int:
     print(format_report(goodput))
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "duration_s": args.duration, "mtbf_s": args.mtbf, "seed": args.seed,
+                            "host_down_s": args.host_down_s,
                             "isolated": args.isolate, "kinds": args.kinds,
                             "faults_injected": chaos.injected, **goodput.to_json()})
     return 0

@@ -2,13 +2,15 @@
 
 A chaos spec is comma-separated `key=value`: `mtbf=60` (mean seconds between
 faults; the gaps are exponential), `seed=1`, `kinds=kill-worker+preempt` (or
-`all`, the default), `count=N` (stop after N faults; default unlimited).
+`all`, the default), `count=N` (stop after N faults; default unlimited),
+`host-down=S` (seconds a killed host stays down; default: a reboot).
 
 Fault kinds (each journaled as `fault_injected`):
 
 - kill-worker: SIGKILL a host's worker process group;
 - kill-host: SIGKILL its agent and worker; the host comes back (a new agent)
-  after heartbeat_timeout_s + 2 s, as a rebooted machine would;
+  after heartbeat_timeout_s + 2 s, as a rebooted machine would, or after
+  `host-down=S` seconds of the chaos spec (a repair: `host-down=600`);
 - stop-worker: SIGSTOP the worker (a hang: the controller must SIGKILL it);
 - stop-agent: SIGSTOP the agent, SIGCONT after heartbeat_timeout_s + 2 s (its
   worker trains on; see health.carry_silent_hosts);
@@ -105,12 +107,14 @@ CHAOS_KINDS = ("kill-worker", "kill-host", "stop-worker", "stop-agent", "preempt
 @dataclasses.dataclass(frozen=True)
 class ChaosSpec:
     """mtbf_s: mean seconds between faults; seed; kinds drawn from; count:
-    the number of faults (None: until stopped)."""
+    the number of faults (None: until stopped); host_down_s: seconds a
+    killed host stays down (None: heartbeat timeout + 2 s, a reboot)."""
 
     mtbf_s: float = 60.0
     seed: int = 0
     kinds: tuple[str, ...] = CHAOS_KINDS
     count: int | None = None
+    host_down_s: float | None = None
 
 
 def parse_chaos(text: str) -> ChaosSpec:
@@ -126,6 +130,8 @@ def parse_chaos(text: str) -> ChaosSpec:
                 values["seed"] = int(value)
             elif key == "count" and eq:
                 values["count"] = int(value)
+            elif key == "host-down" and eq:
+                values["host_down_s"] = float(value.rstrip("s"))
             elif key == "kinds" and eq:
                 kinds = CHAOS_KINDS if value == "all" else tuple(value.split("+"))
                 unknown = [k for k in kinds if k not in CHAOS_KINDS]
@@ -133,14 +139,16 @@ def parse_chaos(text: str) -> ChaosSpec:
                     raise ValueError(f"unknown fault kind(s) {unknown}")
                 values["kinds"] = kinds
             else:
-                raise ValueError("expected mtbf=S, seed=N, kinds=A+B or count=N")
+                raise ValueError("expected mtbf=S, seed=N, kinds=A+B, count=N or host-down=S")
         except ValueError as e:
             raise ValueError(f"chaos spec {text!r}: {part!r}: {e}") from None
     spec = ChaosSpec(**values)
     if not (math.isfinite(spec.mtbf_s) and spec.mtbf_s > 0) or \
-            (spec.count is not None and spec.count < 1):
-        raise ValueError(f"chaos spec {text!r}: mtbf must be a finite number > 0 and "
-                         f"count >= 1")
+            (spec.count is not None and spec.count < 1) or \
+            (spec.host_down_s is not None and not (math.isfinite(spec.host_down_s)
+                                                   and spec.host_down_s >= 0)):
+        raise ValueError(f"chaos spec {text!r}: mtbf must be a finite number > 0, "
+                         f"count >= 1 and host-down a finite number >= 0")
     return spec
 
 
@@ -184,6 +192,9 @@ class Chaos(threading.Thread):
         self.planned = list(planned or [])
         self.restart_agent, self.agent_pid = restart_agent, agent_pid
         self.away_s = heartbeat_timeout_s + 2.0
+        # how long a killed host stays down
+        self.host_down_s = spec.host_down_s if spec and spec.host_down_s is not None \
+            else self.away_s
         self.journal = JournalWriter(state_dir)
         self.injected = 0
         self._halt = threading.Event()
@@ -338,7 +349,7 @@ class Chaos(threading.Thread):
             signal_pid(agent, signal.SIGKILL)
             signal_group(worker, signal.SIGKILL)
             self._record(kind, host, status, [agent, worker])
-            self._later(self.away_s, lambda: self.restart_agent(h))
+            self._later(self.host_down_s, lambda: self.restart_agent(h))
         elif kind == "stop-agent":
             signal_pid(agent, signal.SIGSTOP)
             self._record(kind, host, status, [agent])

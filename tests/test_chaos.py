@@ -119,6 +119,20 @@ def test_chaos_spec_and_schedule_are_deterministic():
         parse_chaos("kinds=explode")
 
 
+def test_a_killed_host_stays_down_as_long_as_the_spec_says(tmp_path):
+    from elastic.chaos import Chaos
+
+    def chaos(spec):
+        return Chaos(spec, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 5.0)
+
+    assert chaos(None).host_down_s == 7.0  # a reboot: the heartbeat timeout + 2 s
+    assert chaos(parse_chaos("mtbf=60")).host_down_s == 7.0
+    repair = parse_chaos("mtbf=60,host-down=600")
+    assert repair.host_down_s == 600.0 and chaos(repair).host_down_s == 600.0
+    with pytest.raises(ValueError, match="host-down"):
+        parse_chaos("host-down=-1")
+
+
 def test_storage_faults_act_on_the_proxy_and_are_journaled(tmp_path, gcs_emulator):
     """storage-slow and storage-outage set the proxy in front of the bucket,
     are journaled without a host (they hit the whole bucket) and healed when
