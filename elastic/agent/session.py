@@ -115,7 +115,8 @@ class ControllerSession:
                 self._heartbeat()
 
         tasks = [asyncio.create_task(write()), asyncio.create_task(beat())]
-        # A controller answers every heartbeat. One silent this long is
+        # A controller acks heartbeats at least every quarter of its heartbeat
+        # timeout (elastic.controller.servicer.ACK_EVERY). One silent this long is
         # stopped or cut off (its connection may stay open for minutes):
         # end the session and go round the addresses (a standby may lead).
         # (Reads go through a queue: a cancelled read would end the call.)
