@@ -185,11 +185,12 @@ def test_forged_journal_fields_and_implausible_numbers_are_refused(tmp_path, pki
                     await call.write(attack)
                     replies.append(await call.read())
                 # a heartbeat with impossible steps still says the host is alive: its
-                # steps are ignored, not believed
+                # steps are ignored, not believed (not rejected either: the next
+                # message read is the flood's budget, and the host's step stays -1;
+                # acks come at most every quarter heartbeat timeout, none is due)
                 await call.write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
                     worker=pb.WorkerStatus(state=pb.WORKER_IDLE, step=10**18,
                                            committed_step=10**18))))
-                assert (await call.read()).WhichOneof("body") == "ack"
                 # and a flood of reports is cut off at the budget
                 flood = pb.AgentMessage(header=header(), progress=pb.Progress(step=-1,
                                                                              committed_step=-1))
