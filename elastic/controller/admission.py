@@ -299,10 +299,15 @@ def check_rebind(bound: str | None, fingerprint: str, incarnation: str,
                              f"registration has been silent for the heartbeat timeout")
 
 
-def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = 1.0
+#: Seconds of lag above which registrations are refused for a while (with a
+#: hint when to come back) instead of adding to the backlog.
+ADMIT_LAG_S = 1.0
+
+
+def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = ADMIT_LAG_S
                         ) -> float | None:
     """Admission control for registrations: None (admit) while the
-    controller's loop is less than `admit_lag_s` seconds behind (see
+    controller is less than `admit_lag_s` seconds behind (see
     elastic.controller.lag); else the seconds the agent should wait before
     trying again, `behind_s` stretched by `jitter` (0..1, drawn by the
     caller) to between 1x and 3x, and between 1 and 30 s. Refusing costs the

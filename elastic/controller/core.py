@@ -4,7 +4,6 @@ reconcile loop. The servicer calls `submit`; `run` decides and executes."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 
 from elastic.clock import Clock
@@ -17,11 +16,6 @@ from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
 
 log = logging.getLogger("elasticd")
-
-
-#: Seconds of lag above which registrations are refused for a while (with a
-#: hint when to come back) instead of adding to the backlog.
-ADMIT_LAG_S = 1.0
 
 
 class Controller:
@@ -71,13 +65,12 @@ class Controller:
         self._wake = asyncio.Event()
         # how far behind this controller's own loop is (see elastic.controller.lag)
         self.lag = LoopLag(clock, window_s=spec.health.heartbeat_timeout_s)
-        self.receipts = ReceiptDelay()
+        # seconds from an agent's send to receipt, of the last 10,000 heartbeats
+        self.receipts = ReceiptDelay(keep=10_000)
         #: registrations refused while it was behind (admission control)
         self.registrations_deferred = 0
         #: None, or a check before every reconcile pass (see reconcile)
         self.may_act = None
-        # Seconds from an agent's send to receipt, for the last 10,000 heartbeats.
-        self.heartbeat_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)
         #: None, or called with each heartbeat's latency (the metrics)
         self.on_heartbeat_latency = None
 
@@ -132,7 +125,7 @@ class Controller:
 
     def behind_s(self) -> float:
         """Seconds this controller's loop has lately run late (the largest
-        lateness in the last second); see ADMIT_LAG_S."""
+        lateness in the last second; elastic.controller.admission.ADMIT_LAG_S)."""
         return self.lag.allowance_s(self.clock.monotonic(), window_s=1.0)
 
     def _paused(self, pause_s: float, now: float) -> None:

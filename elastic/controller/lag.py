@@ -55,7 +55,7 @@ class LoopLag:
         self.clock = clock
         self.window_s = window_s
         self._samples: collections.deque[tuple[float, float]] = collections.deque()
-        #: The largest lateness ever seen (seconds), for the metrics.
+        #: The largest lateness ever noted (seconds).
         self.worst_s = 0.0
         # the end of the latest pause (controller-monotonic seconds)
         self._paused_until = float("-inf")
@@ -119,9 +119,15 @@ class ReceiptDelay:
     def __init__(self, keep: int = 4096) -> None:
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)
 
+    def latencies(self) -> list[float]:
+        """The delays (seconds) of the last `keep` heartbeats, oldest first
+        (for `elasticd status`'s percentiles)."""
+        return [latency for _, latency in self._recent]
+
     def note(self, latency_s: float, at: float) -> None:
         """A heartbeat received at `at` (controller-monotonic seconds),
-        `latency_s` after its send time (agent's clock, seconds)."""
+        `latency_s` after its send time (agent's clock, seconds). O(1): it
+        runs for every heartbeat."""
         self._recent.append((at, latency_s))
 
     def recent_s(self, now: float, window_s: float = 1.0) -> float:

@@ -26,7 +26,7 @@ import grpc
 
 from elastic import transport
 from elastic.controller import admission as adm
-from elastic.controller.core import ADMIT_LAG_S, Controller
+from elastic.controller.core import Controller
 from elastic.controller.executor import Session
 from elastic.controller.status import job_status
 from elastic.policy import silence
@@ -206,12 +206,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def Register(self, request: pb.RegisterRequest | None, context
                        ) -> pb.RegisterResponse:
         peer, key = await self._peer(context)
-        wait_s = adm.registration_wait_s(self.controller.behind_s(), random.random(),
-                                         ADMIT_LAG_S)
+        behind_s = self.controller.behind_s()
+        wait_s = adm.registration_wait_s(behind_s, random.random())
         if wait_s is not None:
             self.controller.registrations_deferred += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the controller is {self.controller.behind_s():.1f} s behind; "
+                                f"the controller is {behind_s:.1f} s behind; "
                                 f"register again in {wait_s:.1f} s",
                                 trailing_metadata=((transport.RETRY_AFTER_KEY,
                                                     str(int(wait_s * 1000))),))
@@ -381,7 +381,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             hb = message.heartbeat
             worker = self._observed(h.host_id, hb.worker, refusal)
             if hb.sent_at:
-                c.heartbeat_latency_s.append(latency := c.clock.time() - hb.sent_at)
+                latency = c.clock.time() - hb.sent_at
                 c.receipts.note(latency, c.clock.monotonic())
                 if c.on_heartbeat_latency is not None:
                     c.on_heartbeat_latency(latency)

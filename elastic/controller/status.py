@@ -60,7 +60,7 @@ def job_status(controller) -> pb.JobStatus:
             device_kind=record.device_kind, service_port=record.service_port,
             metrics_port=record.metrics_port))
     goodput = account(controller.journal_tail.read(), now=controller.clock.time())
-    latencies = sorted(controller.heartbeat_latency_s)
+    latencies = sorted(controller.receipts.latencies())
     p50 = latencies[len(latencies) // 2] if latencies else 0.0
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0
     return pb.JobStatus(job_id=controller.spec.job_id, phase=state.phase.value,

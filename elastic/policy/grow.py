@@ -43,9 +43,10 @@ def grow_pays(devices_now: int, devices_after: int, step: int, steps_total: floa
     """(whether to grow from `devices_now` to `devices_after` devices in
     all, a sentence saying why) at slice step `step` of `steps_total` (None:
     unknown), with the slice's median `step_time_s` (seconds, None:
-    unknown) and the job's latest restart costs `costs_s` (seconds)."""
+    unknown) and the job's latest restart costs `costs_s` (seconds).
+    `devices_after` must exceed `devices_now` (> 0)."""
     cost_s = restart_cost_s(costs_s)
-    if not steps_total or not step_time_s or cost_s is None or devices_after <= devices_now:
+    if not steps_total or not step_time_s or cost_s is None:
         missing = ("the job's length (steps_total)" if not steps_total else
                    "a step time" if not step_time_s else "a restart's cost")
         return True, f"{missing} is not known"

@@ -124,8 +124,6 @@ class Registered:
     # the agent's own gRPC port and metrics port at `address` (0: none)
     service_port: int = 0
     metrics_port: int = 0
-    # Whether anything came on its stream since it registered.
-    streamed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
