@@ -69,6 +69,17 @@ def test_program_imports_leave_out_the_programs_own_modules(tmp_path):
     assert program_imports(str(tmp_path / "missing.py")) == []
 
 
+def test_program_imports_follow_the_programs_own_modules(tmp_path):
+    """What a program's own modules import from elsewhere is preloaded too
+    (read from their source, in order, each once), the modules themselves
+    never; a cycle between them ends."""
+    (tmp_path / "model.py").write_text("import jax\nimport step\nimport flax.linen\n")
+    (tmp_path / "step.py").write_text("import optax\nimport model\nimport jax\n")
+    script = tmp_path / "train.py"
+    script.write_text("import json\nimport model\nimport jax\n")
+    assert program_imports(str(script)) == ["json", "jax", "flax.linen", "optax"]
+
+
 def test_jax_runtime_preloaded_only_for_programs_that_import_jax(tmp_path):
     jax_program, plain = tmp_path / "train.py", tmp_path / "tiny.py"
     jax_program.write_text("import jax\nimport optax\n")

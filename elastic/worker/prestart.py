@@ -48,13 +48,11 @@ RUNTIME_PRELOAD = ("jax", "jax.numpy", "numpy", "orbax.checkpoint", "elastic.wor
                    "elastic.checkpoint.manager")
 
 
-def program_imports(script: str) -> list[str]:
-    """Top-level modules a script imports at module level (absolute imports
-    only), leaving out modules that live next to the script (user code may
-    read its environment when imported). Unreadable script: []."""
-    path = pathlib.Path(script)
+def _module_imports(path: pathlib.Path) -> list[str]:
+    """Modules a file imports at module level (absolute imports only), in
+    order; [] when it cannot be read or parsed."""
     try:
-        tree = ast.parse(path.read_text(), filename=script)
+        tree = ast.parse(path.read_text(), filename=str(path))
     except (OSError, SyntaxError, ValueError):
         return []
     names: list[str] = []
@@ -63,9 +61,34 @@ def program_imports(script: str) -> list[str]:
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
-    local = {p.stem for p in path.parent.glob("*.py")} | \
-        {p.name for p in path.parent.iterdir() if (p / "__init__.py").exists()}
-    return [n for n in names if n.split(".")[0] not in local]
+    return names
+
+
+def program_imports(script: str) -> list[str]:
+    """Top-level modules a script imports at module level (absolute imports
+    only), and those its own modules next to it (`import model`, a file
+    model.py beside it) import, read from their source, without importing
+    them: the program's own modules are never preloaded (user code may read
+    its environment when imported), only what they import from elsewhere
+    (optax for a step built in step.py). Unreadable script: []."""
+    path = pathlib.Path(script)
+    if not path.is_file():
+        return []
+    folder = path.parent
+    local = {p.stem for p in folder.glob("*.py")} | \
+        {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    names: list[str] = []
+    pending, read = [path], {path}
+    while pending:
+        for name in _module_imports(pending.pop(0)):
+            top = name.split(".")[0]
+            if top not in local:
+                if name not in names:
+                    names.append(name)
+            elif (own := folder / f"{top}.py") not in read and own.is_file():
+                read.add(own)
+                pending.append(own)
+    return names
 
 
 def preload_names(script: str) -> list[str]:
