@@ -11,6 +11,19 @@ import subprocess
 from collections.abc import Sequence
 
 
+#: Popen arguments that give a worker a process group of its own (the agent
+#: signals the whole group) inside the agent's session, not a session of its
+#: own. Why: with the kernel's autogroup scheduler (sched_autogroup_enabled,
+#: on by default on Debian and Ubuntu kernels) every session is one
+#: scheduling group with an equal share of the CPU, and the processes of a
+#: slice, which wait on each other in every collective, step slower when the
+#: kernel schedules them as separate groups: 4 local hosts x 2 CPU devices on
+#: 2 cores, the same plain-JAX program (bench/plain_lm.py) took 0.284 s a
+#: step with each process in its own session against 0.254 s in one (the
+#: gap bench/steady_state.py first showed between elastic and plain JAX).
+WORKER_PROCESS_GROUP = {"process_group": 0}
+
+
 def process_state(pid: int) -> str | None:
     """The state letter of `pid` from /proc (R, S, D, T, t, Z, ...), None if
     there is no such process (or it cannot be read)."""

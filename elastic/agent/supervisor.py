@@ -22,7 +22,8 @@ from collections.abc import Callable, Mapping
 
 from elastic import config
 from elastic.agent.logs import WorkerLog
-from elastic.procs import die_with_parent, process_state, signal_group, signal_pid
+from elastic.procs import (WORKER_PROCESS_GROUP, die_with_parent, process_state, signal_group,
+                           signal_pid)
 from elastic.worker.prestart import READY_LINE, set_policy
 from elastic.v1 import control_pb2 as pb
 
@@ -171,7 +172,7 @@ class WorkerSupervisor:
                 proc = await asyncio.create_subprocess_exec(
                     *die_with_parent(argv), cwd=workdir or None, env=full_env,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, start_new_session=True)
+                    stderr=asyncio.subprocess.PIPE, **WORKER_PROCESS_GROUP)
             except OSError as e:
                 self.status.state = pb.WORKER_EXITED
                 self.status.exit_code = 127
@@ -215,7 +216,7 @@ class WorkerSupervisor:
                 *die_with_parent([argv[0], "-P", "-m", "elastic.worker.prestart", *script]),
                 cwd=workdir or None, env=spawn_env, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True)
+                **WORKER_PROCESS_GROUP)
         except OSError as e:
             log.warning("cannot pre-start a worker process: %s", e)
             return
