@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 
 from common import lm_job, machine, write_result
 
+from elastic.checkpoint.emulator import free_port
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.local import start_slice, stop_slice
@@ -46,12 +46,6 @@ def window(times_path: pathlib.Path, first: int) -> tuple[float, float]:
     ends = recorded["ends"][first - 1:]
     gaps = [b - a for a, b in zip(ends, ends[1:])]
     return (ends[-1] - ends[0]) / len(gaps), statistics.median(gaps)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_plain(work: pathlib.Path, hosts: int, steps: int, timeout_s: float) -> pathlib.Path:

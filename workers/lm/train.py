@@ -75,6 +75,7 @@ def main() -> int:
         step_fn, hit, seconds = ctx.compile(
             parts.jit_step.lower(abstract, *parts.rows_abstract(batches.rows(0, plan.data_shards))),
             "train_step")
+        log.info("%s the train step in %.2f s", "loaded" if hit else "compiled", seconds)
         ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep,
                                snapshot_every=args.snapshot_every)
         restored = ckpt.restore_latest(abstract)
@@ -95,7 +96,7 @@ def main() -> int:
         sample_log = open(args.sample_log, "a") if args.sample_log and ctx.process_index == 0 else None
         t_last, steps_since = time.perf_counter(), 0
         loss_value = float("nan")
-        step_ends: list[float] = []
+        step_ends = [] if args.step_times and ctx.process_index == 0 else None
         for step in range(start, args.steps):
             rows = batches.rows(step, plan.data_shards)
             state, loss = step_fn(state, *parts.global_rows(rows))
@@ -116,8 +117,9 @@ def main() -> int:
                          loss_value, held, ema_held,
                          steps_since * plan.global_batch * cfg.seq_len / elapsed)
                 t_last, steps_since = time.perf_counter(), 0
-            step_ends.append(time.perf_counter())
-        if args.step_times and ctx.process_index == 0:
+            if step_ends is not None:
+                step_ends.append(time.perf_counter())
+        if step_ends is not None:
             pathlib.Path(args.step_times).write_text(json.dumps({"first_step": start,
                                                                  "ends": step_ends}))
         log.info("done: step %d, loss %.4f", args.steps - 1, loss_value)
