@@ -362,13 +362,16 @@ def assert_matches_reference(samples: list[dict], reference: dict[int, dict]) ->
 
 
 def lm_run_spec(tmp_path: pathlib.Path, name: str, grow: str = "never",
-                checkpoint_dir: str | None = None) -> pathlib.Path:
+                checkpoint_dir: str | None = None, snapshot_every: int = 10) -> pathlib.Path:
     """The reference model for 40 steps (checkpoints every 10), logging its
     samples and loss per step to tmp_path/NAME-samples.jsonl; 2 to 4 hosts;
-    checkpoints in `checkpoint_dir` (default tmp_path/NAME-ckpt)."""
+    checkpoints in `checkpoint_dir` (default tmp_path/NAME-ckpt); local
+    snapshots every `snapshot_every` steps (0: none, every restore reads
+    the checkpoint directory)."""
     return lm_spec(tmp_path / f"{name}.toml", "lm-test",
                    ["--steps", "40", "--checkpoint-every", "10", "--eval-every", "1000",
-                    "--sample-log", str(tmp_path / f"{name}-samples.jsonl")],
+                    "--sample-log", str(tmp_path / f"{name}-samples.jsonl"),
+                    "--snapshot-every", str(snapshot_every)],
                    min_hosts=2, max_hosts=4, heartbeat_timeout_s=2.0,
                    job_extra=f'checkpoint_dir = "{checkpoint_dir or tmp_path / (name + "-ckpt")}"',
                    grow=grow)

@@ -69,12 +69,15 @@ def test_start_refuses_a_missing_bucket_before_anything_starts(tmp_path, proc_en
 def test_training_with_checkpoints_in_a_bucket_survives_a_preemption_and_a_lost_host(
         tmp_path, local_job, lm_reference, gcs_emulator, gcs_bucket):
     """Every request to the bucket, the controller's and the workers', goes
-    through 100 ms of added latency (a bucket in another region)."""
+    through 100 ms of added latency (a bucket in another region). Local
+    snapshots are off, so that every restore reads the bucket: with them on,
+    an emergency step that falls on a snapshot step is (rightly) restored
+    from memory, and the bucket's restore path would go untested."""
     url = f"{gcs_bucket}/lm"
     with FaultProxy(gcs_emulator.url) as proxy:
         proxy.set(latency_s=STORAGE_SLOW_LATENCY_S)
-        job = local_job(lm_run_spec(tmp_path, "gcs", checkpoint_dir=url), hosts=4, devices=2,
-                        name="gcs", env=proxy.env,
+        spec = lm_run_spec(tmp_path, "gcs", checkpoint_dir=url, snapshot_every=0)
+        job = local_job(spec, hosts=4, devices=2, name="gcs", env=proxy.env,
                         faults=("preempt:host-1@step=12", "kill-host:host-2@step=28"))
         assert job.wait(300) == 0, job.output()
     assert proxy.counts.requests > 100, proxy.counts
