@@ -8,7 +8,8 @@ the latest at start, a save at JAX's preemption sync point: Orbax's own
 model, data, batch and train step (workers/lm/step.py) as workers/lm/train.py,
 with nothing of elastic imported: no progress reports, no snapshots.
 
-Used by bench/steady_state.py to measure what elastic.worker costs a step.
+Used by bench/steady_state.py to measure what elastic.worker costs a step,
+and by bench/vs_restart_all.py as the job a restart-all supervisor runs.
 
     python bench/plain_lm.py --process-id 0 --num-processes 4 \\
         --coordinator 127.0.0.1:8476 --checkpoint-dir /tmp/ckpt --steps 300
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -46,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-times", help="as workers/lm/train.py --step-times")
+    p.add_argument("--progress-log", help="process 0 appends {step, ts, pid} here after "
+                   "each step (ts: time.time(), seconds)")
     return p.parse_args(argv)
 
 
@@ -92,11 +96,17 @@ def main() -> int:
             state = manager.restore(latest, args=ocp.args.StandardRestore(parts.abstract))
             start = latest
         step_ends: list[float] = []
+        progress = open(args.progress_log, "a") if args.progress_log and args.process_id == 0 \
+            else None
         loss = float("nan")
         for step in range(start, args.steps):
             state, loss_array = parts.jit_step(state, *parts.global_rows(
                 batches.rows(step, data_shards)))
             loss = float(loss_array)
+            if progress:
+                progress.write(json.dumps({"step": step, "ts": time.time(),
+                                           "pid": os.getpid()}) + "\n")
+                progress.flush()
             manager.save(step + 1, args=ocp.args.StandardSave(state))
             if manager.reached_preemption(step + 1):
                 manager.wait_until_finished()
