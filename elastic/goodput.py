@@ -332,8 +332,11 @@ def startup_phases(stop: float, nxt: _Generation | None) -> dict:
     workers ending), `launch` (to the worker process's start or launch, on
     its host's clock), process 0's phases (WORKER_PHASES), and `report` (the
     rest: the first step's report reaching the controller, and whatever the
-    phases missed; negative if the clocks disagree). {} without a first
-    step or phases."""
+    phases missed). `report` is negative, by tens of milliseconds, when
+    another process's first step reached the controller before process 0
+    ended its own first step (the generation's first step is the earliest
+    any member reports), or when the hosts' clocks disagree. {} without a
+    first step or phases."""
     if nxt is None or nxt.first is None or not nxt.phases:
         return {}
     e = nxt.phases
