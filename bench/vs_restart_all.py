@@ -36,8 +36,10 @@ plain_lm.py --progress-log) times the undisturbed step time of the restart-all a
 process, leaving out each start's first STEADY_AFTER steps), over the
 duration. Elastic's own report (elastic.goodput) is printed beside it. On
 this machine slices of fewer hosts step faster (the processes share 2
-cores), which flatters the elastic arm when it shrinks: the share of its
-time at each slice size is printed too.
+cores), which flatters the elastic arm when it shrinks: its time at each
+slice size is printed too, and its ETTR and the ratio once more with each
+surviving step weighted by its slice's share of the hosts
+(`full_size_steps`).
 
     .venv/bin/python bench/vs_restart_all.py --duration 600 --mtbf 60 --seed 1
 """
@@ -45,7 +47,6 @@ time at each slice size is printed too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
@@ -188,7 +189,11 @@ def undisturbed_step_s(path: pathlib.Path) -> float | None:
 
 
 def run_restart_all(args, spec: ChaosSpec, host_down_s: float) -> dict:
-    """The restart-all arm; its figures."""
+    """Run the restart-all arm for args.duration seconds under the faults of
+    `spec` (killed hosts away `host_down_s` seconds). Returns {steps: the
+    step count process 0 stood at when the time was up, faults_injected,
+    starts, step_s: the undisturbed step in seconds (None if no start ran
+    long enough), work: its directory, events: what the supervisor did}."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-vs-plain-"))
     sup = RestartAll(args.hosts, work, args.checkpoint_every, host_down_s)
     faults = iter(schedule(spec, 100_000))
@@ -210,9 +215,8 @@ def run_restart_all(args, spec: ChaosSpec, host_down_s: float) -> dict:
     finally:
         if sup.running:
             sup.stop_all("the end")
-    steps = last["step"] + 1 if last else 0
-    starts = [ts for ts, what in sup.events if what == "start"]
-    return {"steps": steps, "faults_injected": injected, "starts": len(starts),
+    return {"steps": last["step"] + 1 if last else 0, "faults_injected": injected,
+            "starts": sum(what == "start" for _, what in sup.events),
             "step_s": undisturbed_step_s(sup.progress_log), "work": str(work),
             "events": [what for _, what in sup.events]}
 
@@ -233,43 +237,42 @@ def full_size_steps(samples: list[dict], hosts_of: dict[int, int], hosts: int) -
 
 
 def run_elastic(args, spec: ChaosSpec, spec_path: pathlib.Path) -> dict:
-    """The elastic arm (bench/soak.py's setup) of the job at `spec_path`;
-    its figures."""
+    """Run the elastic arm (bench/soak.py's setup) of the job at `spec_path`
+    for args.duration seconds under the faults of `spec`. Returns {steps
+    (as run_restart_all's), full_size_steps, faults_injected, starts
+    (generations), report_ettr (elastic.goodput's, 0-1), seconds_at_hosts:
+    slice size -> seconds, state: its state directory}."""
     job = load_spec(spec_path)
     state = spec_path.parent / "state"
     progress = spec_path.parent / "samples.jsonl"  # the job's --sample-log
     progress.touch()
-    stack = contextlib.ExitStack()
-    around = stack.enter_context(surroundings(state, job.job_id, args.hosts, False,
-                                              gcs_emulator=False))
-    local = start_slice(str(spec_path), job, args.hosts, 2, state,
-                        checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env)
-    chaos = Chaos(spec, local.address, local.tls, state, lambda h: restart_agent(local, h),
-                  lambda h: local.agents[h].pid, job.health.heartbeat_timeout_s)
-    t0 = time.time()
-    chaos.start()
-    try:
-        time.sleep(args.duration)
-        size = progress.stat().st_size  # what was logged by the end
-    finally:
-        chaos.stop()
-        stop_slice(local)
-        stack.close()
+    with surroundings(state, job.job_id, args.hosts, False, gcs_emulator=False) as around:
+        local = start_slice(str(spec_path), job, args.hosts, 2, state,
+                            checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env)
+        chaos = Chaos(spec, local.address, local.tls, state, lambda h: restart_agent(local, h),
+                      lambda h: local.agents[h].pid, job.health.heartbeat_timeout_s)
+        t0 = time.time()
+        chaos.start()
+        try:
+            time.sleep(args.duration)
+            size = progress.stat().st_size  # what was logged by the end
+        finally:
+            chaos.stop()
+            stop_slice(local)
     journal = list(read_journal(state))
-    goodput = account(journal)
     end = t0 + args.duration
+    started = [e for e in journal if e["kind"] == "generation_started"]
     sizes: dict[int, float] = {}  # slice size -> seconds from its generations' starts
-    starts = [(e["ts"], len(e["hosts"])) for e in journal if e["kind"] == "generation_started"]
-    for (ts, n), (next_ts, _) in zip(starts, starts[1:] + [(end, 0)]):
-        sizes[n] = sizes.get(n, 0.0) + max(0.0, min(next_ts, end) - ts)
+    for e, until in zip(started, [n["ts"] for n in started[1:]] + [end]):
+        n = len(e["hosts"])
+        sizes[n] = sizes.get(n, 0.0) + max(0.0, min(until, end) - e["ts"])
     logged = progress.read_bytes()[:size].rpartition(b"\n")[0]
     samples = [json.loads(line) for line in logged.splitlines()]
-    hosts_of = {e["generation"]: len(e["hosts"]) for e in journal
-                if e["kind"] == "generation_started"}
+    hosts_of = {e["generation"]: len(e["hosts"]) for e in started}
     return {"steps": samples[-1]["step"] + 1 if samples else 0,
             "full_size_steps": round(full_size_steps(samples, hosts_of, args.hosts), 1),
             "faults_injected": chaos.injected,
-            "starts": len(starts), "report_ettr": goodput.ettr,
+            "starts": len(started), "report_ettr": account(journal).ettr,
             "seconds_at_hosts": {n: round(s, 1) for n, s in sizes.items()},
             "state": str(state)}
 
