@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from elastic.checkpoint.snapshot import replica_name
 from tests.conftest import REPO
 
 HELPER = REPO / "tests" / "helpers" / "ckpt_worker.py"
@@ -187,8 +188,57 @@ def test_hosts_without_the_step_get_it_from_a_peer_holding_the_whole_state(tmp_p
     assert restored["step"] == 9 and restored["meta"] == {"data_position": 10}
     assert restored["checksums"] == trained["checksums"]  # bit for bit, on all 3 hosts
     [event] = restored["events"]
-    assert event["source"] == "snapshot" and event["sent_by"] == 0, event
+    assert event["source"] == "snapshot" and event["sent_by"] == [0], event
+    assert "replicas_of" not in event
     assert restored["mesh"] == {"data": 3, "model": 2}
+
+
+def keep_replica(snaps, lost: str, buddy: str) -> None:
+    """What a buddy's agent holds (elastic.agent.replicas): `lost`'s snapshot
+    files in `buddy`'s directory under replica names; then `lost` is gone."""
+    for path in (snaps / lost).glob("step-*.snap"):
+        step = int(path.name[5:-5])
+        shutil.copy(path, snaps / buddy / replica_name(lost, step))
+    shutil.rmtree(snaps / lost)
+
+
+def test_a_lost_hosts_shards_come_from_its_buddys_replica(trained_by_three, tmp_path, proc_env):
+    """'w' is split over hosts: host 2 is lost (its replacement has nothing)
+    but host 1 kept a replica of its snapshots, so the slice resumes from
+    step 9, bit for bit, instead of the committed step 8."""
+    _, _, trained = trained_by_three
+    restored, left = restore_with(tmp_path, proc_env, trained_by_three,
+                                  prepare=lambda snaps: keep_replica(snaps, "h2", "h1"))
+    assert restored["step"] == 9 and restored["meta"] == {"data_position": 10}
+    assert restored["checksums"] == trained["checksums"]
+    [event] = restored["events"]
+    assert event["source"] == "snapshot" and event["replicas_of"] == ["h2"], event
+    assert 1 in event["sent_by"], event
+    # the replica of the step restored stays (a failed restore can retry); step 8's went
+    assert sorted(p.name for p in (left / "h1").iterdir()) == \
+        ["replica-h2-step-0000000009.snap", "step-0000000009.snap"]
+
+
+def test_a_smaller_mesh_is_made_up_from_snapshots_and_replicas(trained_by_three, tmp_path,
+                                                               proc_env):
+    """The slice shrinks to 2 hosts on a 2x2 mesh: each needs rows that only
+    the lost host 2 held, and host 0 holds them as a replica."""
+    _, _, trained = trained_by_three
+    restored, _ = restore_with(tmp_path, proc_env, trained_by_three, processes=2,
+                               prepare=lambda snaps: keep_replica(snaps, "h2", "h0"))
+    assert restored["step"] == 9 and restored["mesh"] == {"data": 2, "model": 2}
+    assert restored["checksums"] == trained["checksums"]
+    assert restored["events"][0]["replicas_of"] == ["h2"]
+
+
+def test_a_replica_of_another_run_is_never_used(trained_by_three, tmp_path, proc_env):
+    def foreign(snaps):
+        keep_replica(snaps, "h2", "h1")
+        for path in (snaps / "h1").glob("replica-*"):
+            path.write_bytes(path.read_bytes().replace(b'"run-1"', b'"run-0"'))
+
+    restored, _ = restore_with(tmp_path, proc_env, trained_by_three, prepare=foreign)
+    assert restored["step"] == 8 and restored["events"][0].get("source") is None
 
 
 def test_a_torn_snapshot_is_never_restored(trained_by_three, tmp_path, proc_env):

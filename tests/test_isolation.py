@@ -148,7 +148,7 @@ def test_isolated_hosts_survive_partitions_without_split_brain(tmp_path, local_j
     # host-2 missed generation 2: it got the step from host-0 over the network
     restored = [e for e in journal if e["kind"] == "checkpoint_restored"]
     third = next(e for e in restored if e["generation"] == 3)
-    assert third.get("source") == "snapshot" and third.get("sent_by") == 0, restored
+    assert third.get("source") == "snapshot" and third.get("sent_by") == [0], restored
     # the peers' partition hung the collectives (until the hang detector
     # restarted the slice, or the links came back first); the controller
     # still heard host-2 all along: no host lost

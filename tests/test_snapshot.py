@@ -9,45 +9,69 @@ import stat
 import numpy as np
 import pytest
 
-from elastic.checkpoint.snapshot import (SnapshotError, Snapshot, choose_restore, covers, read,
-                                         region_of, whole, write)
+from elastic.checkpoint.snapshot import (SnapshotError, Snapshot, choose_restore, covers,
+                                         parse_replica_name, plan_assembly, read, region_of,
+                                         replica_name, write)
 
 
-def vote(own, whole=()):
-    return {"own": list(own), "whole": list(whole)}
+FULL = ((0, 4), (0, 4))
+TOP, BOTTOM = ((0, 2), (0, 4)), ((2, 4), (0, 4))
+SHAPES = {"['w']": (4, 4)}
+
+
+def vote(own, held=None):
+    """A process's vote: steps it restores itself, and {step: regions of 'w'}
+    it holds (default: the whole array at every `own` step)."""
+    held = {step: [FULL] for step in own} if held is None else held
+    return {"own": list(own), "held": {str(k): {"['w']": v} for k, v in held.items()}}
 
 
 @pytest.mark.parametrize("votes, committed, expected", [
     ([vote([8, 9])] * 3, 8, (9, None)),                        # everyone at 9
-    ([vote([8, 9]), vote([7, 8]), vote([8, 9])], 5, (8, None)),  # one a step behind (hang, stop)
-    ([vote([8, 9]), vote([]), vote([8, 9])], 5, None),          # a host without snapshots, and
-    ([vote([8, 9], [8, 9]), vote([]), vote([8, 9], [8, 9])], 5, (9, 0)),  # ... the whole state
-    ([vote([8, 9]), vote([]), vote([8, 9], [9])], 5, (9, 2)),   # the lowest whole holder sends
-    ([vote([9], [9]), vote([7], [7])], None, (9, 0)),           # the newest step wins
+    ([vote([8, 9], {}), vote([7, 8], {}), vote([8, 9], {})], 5, (8, None)),  # one a step behind
+    ([vote([8, 9]), vote([7, 8]), vote([8, 9])], 5, (9, {"['w']": [(FULL, 0)]})),  # ... sent 9
+    ([vote([8, 9], {}), vote([]), vote([8, 9], {})], 5, None),  # a host without the step, and
+    ([vote([8, 9]), vote([]), vote([8, 9])], 5, (9, {"['w']": [(FULL, 0)]})),  # ... the whole
+    ([vote([8, 9], {}), vote([]), vote([8, 9], {9: [FULL]})], 5,  # the lowest whole holder sends
+     (9, {"['w']": [(FULL, 2)]})),
+    ([vote([9]), vote([7])], None, (9, {"['w']": [(FULL, 0)]})),  # the newest step wins
     ([vote([8, 9]), vote([8, 9])], 9, (9, None)),               # as new as the checkpoint
-    ([vote([8, 9], [8, 9]), vote([])], 10, None),               # older than the newest committed
+    ([vote([8, 9]), vote([])], 10, None),                       # older than the newest committed
     ([vote([3]), vote([3])], None, (3, None)),                  # nothing committed yet
-    ([vote([5, 6]), vote([7, 8])], None, None),                 # no step in common
+    ([vote([5, 6], {}), vote([7, 8], {})], None, None),         # no step in common
+    # state sharded across hosts: host 1 lost, its rows in host 0's replica
+    ([vote([], {9: [TOP, BOTTOM]}), vote([])], 5, (9, {"['w']": [(TOP, 0), (BOTTOM, 0)]})),
+    # ... in host 2's, the rows each from the lowest holder
+    ([vote([], {9: [TOP]}), vote([]), vote([], {9: [TOP, BOTTOM]})], 5,
+     (9, {"['w']": [(TOP, 0), (BOTTOM, 2)]})),
+    ([vote([], {9: [TOP]}), vote([])], 5, None),                # ... nobody kept the bottom rows
     ([], None, None),
 ])
 def test_choose_restore(votes, committed, expected):
-    assert choose_restore(votes, committed) == expected
+    assert choose_restore(votes, committed, SHAPES) == expected
 
 
 @pytest.mark.parametrize("held, expected", [
-    ([((0, 4), (0, 4))], True),                                 # one shard: the whole array
-    ([((0, 2), (0, 4)), ((2, 4), (0, 4))], True),               # tiles that make it up
-    ([((0, 2), (0, 4)), ((3, 4), (0, 4))], False),              # row 2 held by another host
+    ([[FULL]], {"['w']": [(FULL, 0)]}),                          # one shard: the whole array
+    ([[TOP], [BOTTOM]], {"['w']": [(TOP, 0), (BOTTOM, 1)]}),     # tiles that make it up
+    ([[TOP], None, [TOP, FULL]], {"['w']": [(FULL, 2)]}),        # a whole one beats tiles
+    ([[TOP], [((3, 4), (0, 4))]], None),                         # row 2 held by nobody
+    ([[TOP], [((1, 4), (0, 4))]], None),                         # two shardings overlap
+    ([[TOP, ((2, 5), (0, 4))]], None),                           # beyond the array
+    ([[TOP, BOTTOM]], {"['w']": [(TOP, 0), (BOTTOM, 0)]}),
 ])
-def test_whole_assembles_tiles_or_refuses_gaps(held, expected):
-    full = np.arange(16, dtype=np.float32).reshape(4, 4)
-    snap = snapshot([(r, full[tuple(slice(a, b) for a, b in r)]) for r in held])
-    got = whole(snap, needed([((0, 4), (0, 4))]))
-    assert (got is not None) is expected
-    if expected:
-        [(region, data)] = got.leaves["['w']"][2]
-        assert region == ((0, 4), (0, 4)) and np.array_equal(data, full)
-    assert whole(snap, needed([((0, 4), (0, 4))], shape=(4, 5))) is None
+def test_plan_assembly_takes_each_region_once_or_refuses_gaps(held, expected):
+    held = [None if h is None else {"['w']": h} for h in held]
+    assert plan_assembly(held, SHAPES) == expected
+    assert plan_assembly(held, {**SHAPES, "['b']": (3,)}) is None  # a leaf nobody holds
+
+
+def test_replica_names_round_trip_and_refuse_others():
+    assert parse_replica_name(replica_name("host-2.a", 40)) == ("host-2.a", 40)
+    assert replica_name("h1", 7) == "replica-h1-step-0000000007.snap"
+    for other in ("step-0000000007.snap", "replica--step-1.snap", "replica-h1-step-x.snap",
+                  ".replica-h1-step-0000000007.snap.tmp"):
+        assert parse_replica_name(other) is None, other
 
 
 def test_region_of_fills_open_slices():

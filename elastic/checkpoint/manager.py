@@ -357,10 +357,11 @@ class Checkpoints:
 
         Local snapshots, if any, come first: when every process can rebuild
         its shards of the current mesh from a snapshot of one step, at least
-        as new as the newest committed one (its own, or one a peer holding
-        the whole state sends: elastic.checkpoint.snapshot_transfer), that
-        step is restored (the event says `source: snapshot`, and `sent_by`
-        the sending process when one did). Otherwise, if a committed step
+        as new as the newest committed one (its own, or one made up from the
+        parts the processes hold, own and peers' replicas:
+        elastic.checkpoint.snapshot_transfer), that step is restored (the
+        event says `source: snapshot`, `sent_by` the sending processes and
+        `replicas_of` the hosts whose replicas were used, when any). Otherwise, if a committed step
         fails to restore on any process, every process moves on to the
         previous step together (agreed through the coordination service,
         elastic.worker.coordination) and the failure is reported through
@@ -373,14 +374,18 @@ class Checkpoints:
             if snap is not None:
                 state = to_state(snap, abstract_state)
                 seconds = time.perf_counter() - t0
-                sent = snap.sent_by
+                sent = list(snap.sent_by)
                 fields = {"step": snap.step, "restore_s": round(seconds, 3),
                           "source": "snapshot", "saved_at": snap.saved_at}
-                if sent is not None:
+                if sent:
                     fields["sent_by"] = sent
+                if snap.replicas_of:
+                    fields["replicas_of"] = list(snap.replicas_of)
+                parts = (f" (process(es) {', '.join(map(str, sent))} sent the parts the others "
+                         f"lacked" + (f", from replicas of host(s) {', '.join(snap.replicas_of)}"
+                                      if snap.replicas_of else "") + ")") if sent else ""
                 self.on_event("checkpoint_restored", f"restored step {snap.step} from local "
-                              "snapshots" + (f" (process {sent} sent it to the processes "
-                                             "without it)" if sent is not None else "")
+                              "snapshots" + parts
                               + f" in {seconds:.2f} s (newest committed checkpoint: "
                               f"{'none' if newest is None else newest})", fields)
                 return Restored(snap.step, state, dict(snap.meta))

@@ -14,14 +14,17 @@ whole or absent) in the agent's snapshot directory, by default on tmpfs
 A restart can use snapshots of step S when every process of the new slice
 can rebuild its shards of the new mesh from S: from its own snapshot when
 every shard it needs lies inside one that it holds (always on the hosts of
-the same slice), or else from a peer's. A process whose snapshot holds every
-leaf whole (a mesh whose axes across hosts only replicate the state, as data
-parallelism does) sends it to the rest through one collective of the new
-slice (elastic.checkpoint.snapshot_transfer): a newcomer, a restarted host or
-one that was cut off gets the step over the network. The processes agree
-through the JAX coordination service; otherwise the persistent checkpoint is
-restored. State sharded across hosts has no such peer: a lost host's shards
-are gone with it. A snapshot is never a committed checkpoint: it is used
+the same slice), or else from the parts the processes hold between them.
+Each host's agent also sends every snapshot to a buddy host's agent
+(elastic.agent.replicas), which keeps it beside its own as a replica; at a
+restore the processes vote with the regions they hold, own and replicas,
+and when together they make up the whole state (`plan_assembly`), they send
+them to each other through one collective of the new slice
+(elastic.checkpoint.snapshot_transfer): a newcomer, a restarted host or one
+that was cut off gets the step over the network, and a host lost with state
+sharded across hosts is made up from its buddy's replica. The processes
+agree through the JAX coordination service; otherwise the persistent
+checkpoint is restored. A snapshot is never a committed checkpoint: it is used
 only by the same controller run (run id), and the agent wipes its directory
 when it starts, stops, sees a new run or missed a generation, so a host that
 was really restarted (or simulated as such) has none.
@@ -47,6 +50,8 @@ log = logging.getLogger("elastic.checkpoint")
 
 MAGIC = b"ELSNAP1\n"
 SUFFIX = ".snap"
+#: Replicas of peers' snapshots start with this (see replica_name).
+REPLICA_PREFIX = "replica-"
 # (start, stop) per dimension: the part of a global array a shard holds
 Region = tuple[tuple[int, int], ...]
 # by tree path (jax.tree_util.keystr): global shape, dtype name, shards held
@@ -70,8 +75,10 @@ class Snapshot:
     run_id: str
     meta: dict
     leaves: Leaves
-    # the process that sent this step to the processes without it (None: none lacked it)
-    sent_by: int | None = None
+    # the processes that sent parts of this step to the processes without them
+    # (empty: none lacked it), and the hosts whose replicas they sent from
+    sent_by: tuple[int, ...] = ()
+    replicas_of: tuple[str, ...] = ()
 
 
 def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
@@ -80,7 +87,8 @@ def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
         + tuple((0, dim) for dim in shape[len(index):])
 
 
-def _inside(inner: Region, outer: Region) -> bool:
+def inside(inner: Region, outer: Region) -> bool:
+    """Whether region `inner` lies within region `outer`."""
     return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))
 
 
@@ -192,61 +200,97 @@ def covers(snapshot: Snapshot, needed: dict) -> bool:
         held_shape, held_dtype, shards = snapshot.leaves[name]
         if held_shape != shape or held_dtype != dtype:
             return False
-        if not all(any(_inside(r, held) for held, _ in shards) for r in regions):
+        if not all(any(inside(r, held) for held, _ in shards) for r in regions):
             return False
     return True
 
 
-def whole(snapshot: Snapshot, needed: dict) -> Snapshot | None:
-    """`snapshot` with every leaf as one shard holding the whole array, when
-    its shards tile every leaf of `needed` (from `needed_regions`: the same
-    leaves, shapes and dtypes); None when a part of some leaf is missing."""
+def held_regions(snapshot: Snapshot, needed: dict) -> dict[str, list[Region]] | None:
+    """Per leaf, the regions `snapshot` holds, when its leaves are those of
+    `needed` (from `needed_regions`: the same paths, shapes and dtypes);
+    None when it is a snapshot of another state."""
     if set(snapshot.leaves) != set(needed):
         return None
-    leaves: Leaves = {}
+    held = {}
     for name, (shape, dtype, _) in needed.items():
         held_shape, held_dtype, shards = snapshot.leaves[name]
-        if held_shape != shape or held_dtype != dtype:
+        if tuple(held_shape) != tuple(shape) or held_dtype != dtype:
             return None
-        full_region = tuple((0, dim) for dim in shape)
-        if len(shards) == 1 and shards[0][0] == full_region:
-            leaves[name] = (shape, dtype, shards)
+        held[name] = [region for region, _ in shards]
+    return held
+
+
+def _volume(region: Region) -> int:
+    out = 1
+    for start, stop in region:
+        out *= stop - start
+    return out
+
+
+def _overlap(a: Region, b: Region) -> bool:
+    return all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a, b))
+
+
+def plan_assembly(held: Sequence[dict[str, list[Region]] | None],
+                  shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple[Region, int]]] | None:
+    """Which process sends which region of every leaf so that together they
+    make up the whole state, or None when some part of a leaf is held by
+    nobody. Pure.
+
+    held: per process (in process order), the regions it holds of each leaf
+      (its own snapshot's and its peers' replicas'), None for none.
+    shapes: every leaf's global shape.
+    Returns per leaf [(region, process)]: the whole array from the lowest
+    process holding it whole, else a partition of it (regions of one
+    sharding: disjoint, filling the leaf), each region from the lowest
+    process holding it. Regions that overlap without being equal (two
+    shardings) are not combined: None."""
+    plan: dict[str, list[tuple[Region, int]]] = {}
+    for name, shape in shapes.items():
+        full = tuple((0, dim) for dim in shape)
+        holders: dict[Region, int] = {}
+        for process, leaves in enumerate(held):
+            for region in (leaves or {}).get(name, []):
+                holders.setdefault(tuple(tuple(r) for r in region), process)
+        if full in holders:
+            plan[name] = [(full, holders[full])]
             continue
-        full = np.empty(shape, dtype=shards[0][1].dtype if shards else dtype)
-        seen = np.zeros(shape, dtype=bool)
-        for region, data in shards:
-            cut = tuple(slice(a, b) for a, b in region)
-            full[cut], seen[cut] = data, True
-        if not seen.all():
+        regions = sorted(holders)
+        if sum(map(_volume, regions)) != _volume(full) or any(
+                _overlap(a, b) for i, a in enumerate(regions) for b in regions[i + 1:]) or \
+                not all(inside(r, full) for r in regions):
             return None
-        leaves[name] = (shape, dtype, [(full_region, full)])
-    return dataclasses.replace(snapshot, leaves=leaves)
+        plan[name] = [(r, holders[r]) for r in regions]
+    return plan
 
 
-def choose_restore(votes: Sequence[dict], committed_step: int | None
-                   ) -> tuple[int, int | None] | None:
-    """The snapshot step the slice restores, and the process that sends it
-    to the others (None: every process restores its own), or None to
-    restore the persistent checkpoint. Pure.
+def choose_restore(votes: Sequence[dict], committed_step: int | None,
+                   shapes: dict[str, tuple[int, ...]]
+                   ) -> tuple[int, dict[str, list[tuple[Region, int]]] | None] | None:
+    """The snapshot step the slice restores and how, or None to restore the
+    persistent checkpoint. Pure.
 
     votes: per process, in process order, {"own": steps it can restore from
-    its own snapshot, "whole": steps of which it holds every leaf whole}.
+    its own snapshot, "held": {str(step): {leaf: regions held}}} (regions
+    of its own snapshots and of replicas its agent keeps for peers).
+    shapes: every leaf's global shape (the state being restored).
     The newest step at least as new as `committed_step` (a snapshot of the
-    same step restores faster, from memory) that every process holds
-    itself, or, failing that, that some process holds whole: the lowest
-    such process sends it."""
+    same step restores faster, from memory) that every process can restore
+    itself -> (step, None); failing that, one whose regions, held across
+    the processes, make up the whole state -> (step, plan_assembly's plan):
+    the processes send them to each other (snapshot_transfer.assemble)."""
     if not votes:
         return None
     own = [set(v["own"]) for v in votes]
-    whole_at = [set(v["whole"]) for v in votes]
-    for step in sorted(set().union(*own, *whole_at), reverse=True):
+    held = [{int(step): regions for step, regions in v.get("held", {}).items()} for v in votes]
+    for step in sorted(set().union(*own, *held), reverse=True):
         if committed_step is not None and step < committed_step:
             break
         if all(step in steps for steps in own):
             return step, None
-        sources = [i for i, steps in enumerate(whole_at) if step in steps]
-        if sources:
-            return step, sources[0]
+        plan = plan_assembly([h.get(step) for h in held], shapes)
+        if plan is not None:
+            return step, plan
     return None
 
 
@@ -279,17 +323,24 @@ class LocalSnapshots:
     run_id: the controller run they belong to; others are never restored.
     agree(own_vote) -> every process's vote (see `choose_restore`): defaults
       to the coordination service; tests pass their own.
+    on_written(step): called after each snapshot file is in place (the
+      worker runtime tells its agent, which sends a replica to the host's
+      buddy: elastic.agent.replicas). Replicas that peers' agents sent to
+      this host's agent lie in the same directory (`replica_name`) and are
+      offered at every restore beside the process's own snapshots.
     """
 
     def __init__(self, directory: str | None, run_id: str, every_steps: int = 10, keep: int = 2,
                  agree: Callable[[dict], list[dict]] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 on_written: Callable[[int], None] | None = None) -> None:
         if every_steps < 1 or keep < 2:
             raise ValueError(f"every_steps ({every_steps}) must be >= 1 and keep ({keep}) >= 2")
         self.directory = pathlib.Path(directory) if directory else None
         self.run_id, self.every_steps, self.keep = run_id, every_steps, keep
         self.agree = agree or coordination_service_agree("restore")
         self.clock = clock
+        self.on_written = on_written
         self._last_saved: int | None = None
         # seconds each of the recent snapshots blocked the training loop, and
         # the sum since the last drain_blocked_s
@@ -347,6 +398,8 @@ class LocalSnapshots:
         blocked = time.perf_counter() - t0
         self.seconds.append(blocked)
         self._blocked_s += blocked
+        if self.on_written is not None:
+            self.on_written(step)
         return True
 
     def drain_blocked_s(self) -> float:
@@ -355,48 +408,94 @@ class LocalSnapshots:
         blocked, self._blocked_s = self._blocked_s, 0.0
         return blocked
 
+    def replicas(self) -> dict[int, list[pathlib.Path]]:
+        """Replica files here (peers' snapshots, `replica_name`) by step."""
+        out: dict[int, list[pathlib.Path]] = {}
+        if self.directory is None:
+            return out
+        for path in sorted(self.directory.glob(f"{REPLICA_PREFIX}*{SUFFIX}")):
+            parsed = parse_replica_name(path.name)
+            if parsed is not None:
+                out.setdefault(parsed[1], []).append(path)
+        return out
+
+    def _read(self, path: pathlib.Path, step: int, needed: dict) -> Snapshot | None:
+        """The snapshot at `path` if it is a whole one of `step`, this run
+        and this state; else None (a torn or foreign file is logged)."""
+        try:
+            snap = read(path)
+        except SnapshotError as e:
+            log.warning("local snapshot ignored: %s", e)
+            return None
+        if snap.run_id != self.run_id or snap.step != step or held_regions(snap, needed) is None:
+            return None
+        return snap
+
     def restore(self, abstract_state: Any, committed_step: int | None) -> Snapshot | None:
         """Agree with every other process on a step the slice can restore from
         snapshots (collective: every process calls it once per restore), if
         one is at least as new as `committed_step` (see `choose_restore`);
-        return this process's snapshot of it, received from a peer when it
-        holds none (leaves still host arrays: see `to_state`), or None (then
-        restore the persistent checkpoint). Snapshots of other steps are
-        deleted either way: they belong to a line of training that the slice
-        is not resuming. Raises what the transfer's collective raises."""
-        usable: dict[int, Snapshot] = {}
-        wholes: dict[int, Snapshot] = {}
+        return this process's snapshot of it, or one assembled from the parts
+        the processes hold (their own and replicas: see `plan_assembly` and
+        elastic.checkpoint.snapshot_transfer), leaves still host arrays (see
+        `to_state`); or None (then restore the persistent checkpoint).
+        Snapshots and replicas of other steps are deleted either way: they
+        belong to a line of training that the slice is not resuming. Raises
+        what the transfer's collective raises."""
+        own: dict[int, Snapshot] = {}
+        held: dict[int, list[Snapshot]] = {}  # own and replicas, by step
+        needed = needed_regions(abstract_state)
         if self.directory is not None:
             for partial in self.directory.glob(f".step-*{SUFFIX}.tmp"):  # a killed writer's
                 partial.unlink(missing_ok=True)
-            needed = needed_regions(abstract_state)
             for step in self.steps():
-                try:
-                    snap = read(self._path(step))
-                except SnapshotError as e:
-                    log.warning("local snapshot ignored: %s", e)
-                    continue
-                if snap.run_id != self.run_id or snap.step != step:
-                    continue
-                full = whole(snap, needed)
-                if full is not None:
-                    wholes[step] = usable[step] = full
-                elif covers(snap, needed):
-                    usable[step] = snap
-        chosen = choose_restore(self.agree({"own": sorted(usable), "whole": sorted(wholes)}),
-                                committed_step)
-        step, source = chosen if chosen else (None, None)
+                snap = self._read(self._path(step), step, needed)
+                if snap is not None:
+                    held.setdefault(step, []).append(snap)
+                    if covers(snap, needed):
+                        own[step] = snap
+            for step, paths in self.replicas().items():
+                for path in paths:
+                    snap = self._read(path, step, needed)
+                    if snap is not None:
+                        held.setdefault(step, []).append(dataclasses.replace(
+                            snap, replicas_of=(parse_replica_name(path.name)[0],)))
+        vote = {"own": sorted(own), "held": {
+            str(step): {name: sorted({r for snap in snaps for r, _ in snap.leaves[name][2]})
+                        for name in needed} for step, snaps in held.items()}}
+        shapes = {name: shape for name, (shape, _, _) in needed.items()}
+        chosen = choose_restore(self.agree(vote), committed_step, shapes)
+        step, plan = chosen if chosen else (None, None)
         for old in self.steps():
             if old != step:
                 self._path(old).unlink(missing_ok=True)
+        for old, paths in self.replicas().items():
+            if old != step:  # (the chosen step's stay until the agent replaces them)
+                for path in paths:
+                    path.unlink(missing_ok=True)
         if step is None:
             return None
         self._last_saved = step
-        if source is None:
-            return usable[step]
-        from elastic.checkpoint.snapshot_transfer import send_whole
+        if plan is None:
+            return own[step]
+        from elastic.checkpoint.snapshot_transfer import assemble
 
-        return send_whole(wholes.get(step), abstract_state, source, usable.get(step))
+        return assemble(plan, held.get(step, []), abstract_state, own.get(step))
+
+
+def replica_name(host_id: str, step: int) -> str:
+    """The file name of host `host_id`'s snapshot of `step` kept by a peer."""
+    return f"{REPLICA_PREFIX}{host_id}-step-{step:010d}{SUFFIX}"
+
+
+def parse_replica_name(name: str) -> tuple[str, int] | None:
+    """(host id, step) of a `replica_name`, None for any other name."""
+    if not (name.startswith(REPLICA_PREFIX) and name.endswith(SUFFIX)):
+        return None
+    host, sep, step = name[len(REPLICA_PREFIX):-len(SUFFIX)].rpartition("-step-")
+    if not sep or not host or not step.isdigit():
+        return None
+    return host, int(step)
 
 
 def to_state(snapshot: Snapshot, abstract_state: Any) -> Any:
@@ -413,7 +512,7 @@ def to_state(snapshot: Snapshot, abstract_state: Any) -> Any:
 
         def piece(index, shards=shards, shape=leaf.shape):
             want = region_of(index, shape)
-            held, data = next(((r, d) for r, d in shards if _inside(want, r)), (None, None))
+            held, data = next(((r, d) for r, d in shards if inside(want, r)), (None, None))
             if held is None:
                 raise ValueError(f"snapshot of step {snapshot.step} holds no shard with "
                                  f"{want} of {jax.tree_util.keystr(path)}")

@@ -1,24 +1,30 @@
-"""A snapshot sent from one process to the rest of a new slice over the
-network, so that a host without one (a newcomer, a restarted host, a host
-that was cut off and missed a generation) resumes from the step its peers
-hold instead of sending every process back to the last committed checkpoint.
+"""A snapshot step made up over the network from the parts the processes
+of a new slice hold, so that a host without it (a newcomer, a restarted
+host, a host that was cut off and missed a generation, a lost host's
+replacement) resumes from the step its peers hold instead of sending every
+process back to the last committed checkpoint.
 
-The source is a process whose snapshot holds every leaf whole
-(elastic.checkpoint.snapshot.whole). It sends the leaves' bytes through one
+The parts are each process's own snapshot and the replicas of peers'
+snapshots its agent keeps (elastic.agent.replicas: every host's snapshot
+also lives on a buddy host), so state sharded across hosts survives the
+loss of a host as long as its buddy lives. snapshot.plan_assembly gives
+every region of every leaf to one process. They send them through one
 compiled collective over a mesh of one device per process: every process
-puts a row of bytes on its device, zeros but on the source, and the sum of
-the rows comes back on every device. A sum of unsigned bytes where all but
-one row are zero is that row, bit for bit, whatever the leaves' dtypes. The
-transfer goes where JAX's collectives go between hosts (gloo over TCP on
-CPU, the data-centre network between TPU slices), never through shared
-memory or a shared disk. The idea is Orbax's emergency checkpointing
-(orbax.checkpoint.experimental.emergency), where a replica that lost its
-local checkpoint gets it broadcast from a replica that has one.
+puts a row of the whole state's bytes on its device, zeros but in the
+regions it sends, and the sum of the rows comes back on every device. A sum
+of unsigned bytes where all but one row are zero at each byte is that byte,
+bit for bit, whatever the leaves' dtypes. The transfer goes where JAX's
+collectives go between hosts (gloo over TCP on CPU, the data-centre network
+between TPU slices), never through shared memory or a shared disk. The idea
+is Orbax's emergency checkpointing (orbax.checkpoint.experimental.emergency),
+where a replica that lost its local checkpoint gets it broadcast from a
+replica that has one.
 
-Cost: the state's bytes once per process in host memory, twice on the
-device; one compile of a small sum per state size. Sending a sharded
-state's pieces to the hosts that need them (buddy replication across
-failure domains) is not here.
+Cost: the whole state's bytes once per process in host memory, twice on
+the device, whatever part of it a process needs: fine for the states this
+project's hosts hold in memory anyway, wasteful for a model sharded over
+hundreds of hosts (sending each process only its regions is the way on);
+one compile of a small sum per state size.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic.checkpoint.snapshot import Snapshot, needed_regions
+from elastic.checkpoint.snapshot import Region, Snapshot, inside, needed_regions
 
 
 def _one_device_per_process() -> list:
@@ -60,43 +66,53 @@ def _sum_rows(row: np.ndarray) -> np.ndarray:
     return np.asarray(summed.addressable_data(0))
 
 
-def send_whole(whole: Snapshot | None, abstract_state: Any, source: int,
-               own: Snapshot | None = None) -> Snapshot:
-    """Send the source's whole snapshot to every process (collective: every
-    process of the slice calls it, with the same `source`, the process
-    index that sends). `whole`: this process's whole snapshot of the step
-    (required on the source); `own`: a snapshot of the step this process
-    can restore from itself, returned as it is (it still takes part).
-    Returns the snapshot to restore (the received one has one whole shard
-    per leaf), with `sent_by` = source. Raises ValueError when the
-    source has no whole snapshot, and the collective's error
-    (XlaRuntimeError) when a process fails or is gone."""
+def assemble(plan: dict[str, list[tuple[Region, int]]], held: list[Snapshot],
+             abstract_state: Any, own: Snapshot | None = None) -> Snapshot:
+    """Make up a snapshot step from the parts the processes hold
+    (collective: every process of the slice calls it with the same `plan`,
+    from snapshot.plan_assembly: per leaf, which process sends which
+    region). `held`: this process's snapshots of the step (its own and
+    replicas), where its assigned regions are found; `own`: a snapshot of
+    the step it can restore from itself, returned as it is (it still takes
+    part). Returns the snapshot to restore (an assembled one has one whole
+    shard per leaf), with `sent_by` the sending processes and
+    `replicas_of` the hosts whose replicas they sent from. Raises
+    ValueError when this process lacks a region the plan gives it, and the
+    collective's error (XlaRuntimeError) when a process fails or is gone."""
     import jax
     import jax.numpy as jnp
 
     from elastic.worker.coordination import all_gather
 
-    is_source = jax.process_index() == source
-    if is_source and whole is None:
-        raise ValueError(f"process {source} is to send a whole snapshot but holds none")
+    me = jax.process_index()
     needed = needed_regions(abstract_state)
     sizes = [int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
              for shape, dtype, _ in needed.values()]
     row = np.zeros(sum(sizes), np.uint8)
-    header = None
-    if is_source:
-        offset = 0
-        for (name, _), size in zip(needed.items(), sizes):
-            [(_, data)] = whole.leaves[name][2]
-            row[offset:offset + size] = np.frombuffer(np.ascontiguousarray(data).tobytes(),
-                                                      np.uint8)
-            offset += size
-        header = {"step": whole.step, "saved_at": whole.saved_at, "run_id": whole.run_id,
-                  "meta": whole.meta}
-    [sent] = [h for h in all_gather(f"snapshot-sent-{source}", header) if h is not None]
+    offset, header, used = 0, None, set()
+    for (name, (shape, dtype, _)), size in zip(needed.items(), sizes):
+        full = row[offset:offset + size].view(jnp.dtype(dtype)).reshape(shape)
+        for region, process in plan[name]:
+            if process != me:
+                continue
+            snap, held_region, data = next(
+                ((s, r, d) for s in held for r, d in s.leaves[name][2] if inside(region, r)),
+                (None, None, None))
+            if snap is None:
+                raise ValueError(f"process {me} is to send {region} of {name} but holds none")
+            full[tuple(slice(a, b) for a, b in region)] = data[tuple(
+                slice(a - h, b - h) for (a, b), (h, _) in zip(region, held_region))]
+            header = header or {"step": snap.step, "saved_at": snap.saved_at,
+                                "run_id": snap.run_id, "meta": snap.meta}
+            used.update(snap.replicas_of)
+        offset += size
+    gathered = all_gather("snapshot-assembled", {"header": header, "replicas": sorted(used)})
+    senders = tuple(i for i, g in enumerate(gathered) if g["header"] is not None)
+    replicas = tuple(sorted({h for g in gathered for h in g["replicas"]}))
+    sent = gathered[senders[0]]["header"]
     received = _sum_rows(row)
     if own is not None:
-        return dataclasses.replace(own, sent_by=source)
+        return dataclasses.replace(own, sent_by=senders, replicas_of=replicas)
     leaves, offset = {}, 0
     for (name, (shape, dtype, _)), size in zip(needed.items(), sizes):
         data = np.frombuffer(received[offset:offset + size].tobytes(),
@@ -104,4 +120,4 @@ def send_whole(whole: Snapshot | None, abstract_state: Any, source: int,
         leaves[name] = (shape, dtype, [(tuple((0, dim) for dim in shape), data)])
         offset += size
     return Snapshot(sent["step"], sent["saved_at"], sent["run_id"], sent["meta"], leaves,
-                    sent_by=source)
+                    sent_by=senders, replicas_of=replicas)
