@@ -25,6 +25,7 @@ import uuid
 
 from elastic import config, transport
 from elastic.agent import snapshot_dir, stacks
+from elastic.agent.replicas import ReplicaSender, ReplicaStore
 from elastic.agent.host import Devices, PortProber, discover_devices
 from elastic.agent.preemption import watch_metadata
 from elastic.agent.session import ControllerSession
@@ -32,6 +33,7 @@ from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
 from elastic.security.allow import AllowList, check_launch
 from elastic.security.text import clean_text
 from elastic.security.files import private_dir
+from elastic.security.identity import check_id
 from elastic.security.tls import TLSFiles
 from elastic.worker import progress
 from elastic.v1 import control_pb2 as pb
@@ -118,6 +120,9 @@ class Agent(ControllerSession):
         self.snapshot_dir = ""  # made by prepare()
         self._snapshot_run = ""  # the controller run the snapshots belong to
         self._snapshot_generation = 0  # the generation whose worker wrote them last
+        # buddy replication of snapshots (elastic.agent.replicas), made by prepare()
+        self.replica_store: ReplicaStore | None = None
+        self.replica_sender: ReplicaSender | None = None
         self._prepared = False
         self.devices = Devices(settings.devices, settings.device_kind)
         # the fencing lease: renewed by every word from the controller; none
@@ -161,6 +166,8 @@ class Agent(ControllerSession):
         # a host that restarts keeps no state of the last one
         self.snapshot_dir = str(snapshot_dir.make(self.settings.state_dir,
                                                   self.settings.snapshot_dir))
+        self.replica_store = ReplicaStore(self.snapshot_dir, lambda: self._snapshot_run)
+        self.replica_sender = ReplicaSender(self.snapshot_dir, self.settings.tls)
         private_dir(self._cache_dir())
         self._prepared = True
 
@@ -248,6 +255,11 @@ class Agent(ControllerSession):
         except ValueError as e:
             log.warning("%s", e)
             return
+        if report.event == "snapshot_written":  # for the buddy, not the journal
+            if report.generation == self.supervisor.status.generation and \
+                    isinstance(report.fields.get("step"), int):
+                self.replica_sender.offer(report.fields["step"])
+            return
         if report.event:
             if report.generation == self.supervisor.status.generation:
                 self._post(worker_event=pb.WorkerEvent(
@@ -327,6 +339,7 @@ class Agent(ControllerSession):
                                              f"{self.settings.host_id}: cannot empty its "
                                              f"snapshot directory {self.snapshot_dir}: {e}")
                 return
+        self.replica_sender.target(start.replica_host, start.replica_address, run)
         self._prestart_next = start.prestart_next
         if not start.prestart_next:
             self.supervisor.discard_prestarted()
@@ -342,6 +355,9 @@ class Agent(ControllerSession):
             s = message.start
             try:
                 transport.parse_address(s.coordinator_address, "coordinator address")
+                if s.replica_address:
+                    transport.parse_address(s.replica_address, "replica address")
+                    check_id(s.replica_host, "replica host")
             except ValueError as e:
                 return str(e)
             if s.generation < 1 or not 0 <= s.process_id < s.num_processes <= 1_000_000:
@@ -418,7 +434,8 @@ class Agent(ControllerSession):
         if s.listen is not None:
             from elastic.agent.service import AgentService
 
-            self.service = AgentService(s.listen, s.tls, s.state_dir)
+            self.service = AgentService(s.listen, s.tls, s.state_dir,
+                                        replicas=lambda: self.replica_store)
             self.service_port = await self.service.start()
         if s.metrics_port is not None:
             from elastic import metrics
@@ -458,6 +475,7 @@ class Agent(ControllerSession):
             await self.supervisor.stop(self.supervisor.status.generation, grace)
         finally:
             await self.supervisor.close()
+            await self.replica_sender.close()
             try:
                 snapshot_dir.remove_recorded(self.settings.state_dir)
             except OSError as e:

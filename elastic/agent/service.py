@@ -1,5 +1,6 @@
 """The agent's own gRPC port (`elastic-agent --listen HOST:PORT`): the
-host's logs for `elasticd logs` (elastic.agent.logs), and the standard
+host's logs for `elasticd logs` (elastic.agent.logs), replicas of its
+peers' snapshots (elastic.agent.replicas), and the standard
 health service and reflection (elastic.health), over mutual TLS with the
 host's certificate, for probes (systemd, Kubernetes, a load balancer's
 checks) and grpcurl. Services in grpc.health.v1:
@@ -17,9 +18,11 @@ carries the controller's name, so none can stand in for a controller.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from elastic import transport
 from elastic.agent.logs import LogsServicer
+from elastic.agent.replicas import ReplicaReceiver, ReplicaStore
 from elastic.health import NOT_SERVING, SERVING, add_health_and_reflection
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
@@ -46,14 +49,25 @@ def can_serve(tls: TLSFiles) -> bool:
     return ExtendedKeyUsageOID.SERVER_AUTH in usage
 
 
+class AgentServicer(LogsServicer, ReplicaReceiver):
+    """The Agent service: Logs (elastic.agent.logs) and PutReplica
+    (elastic.agent.replicas)."""
+
+    def __init__(self, state_dir: str, replicas: Callable[[], ReplicaStore | None]) -> None:
+        LogsServicer.__init__(self, state_dir)
+        ReplicaReceiver.__init__(self, replicas)
+
+
 class AgentService:
     """The agent's server: `await start()` (returns the port), `await
-    session(up)` as its controller session opens and ends, `await stop()`."""
+    session(up)` as its controller session opens and ends, `await stop()`.
+    `replicas()` -> where peers' snapshot replicas go (None: refused)."""
 
-    def __init__(self, listen: str, tls: TLSFiles | None, state_dir: str) -> None:
+    def __init__(self, listen: str, tls: TLSFiles | None, state_dir: str,
+                 replicas: Callable[[], ReplicaStore | None] = lambda: None) -> None:
         self.listen, self.tls = listen, tls
         self.server = transport.aio_server()
-        pb_grpc.add_AgentServicer_to_server(LogsServicer(state_dir), self.server)
+        pb_grpc.add_AgentServicer_to_server(AgentServicer(state_dir, replicas), self.server)
         self.health = add_health_and_reflection(self.server, [AGENT_SERVICE])
         self.port = 0
 

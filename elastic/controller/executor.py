@@ -136,6 +136,8 @@ class Executor:
                 start.num_processes = action.num_processes
                 start.coordinator_address = action.coordinator_address
                 start.devices_per_host = action.devices_per_host
+                start.replica_host = action.replica_host
+                start.replica_address = action.replica_address
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation, start=start))
             elif isinstance(action, d.StopWorker):

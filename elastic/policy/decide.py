@@ -23,6 +23,7 @@ from elastic.policy import adopt, grow, quarantine, silence
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
+from elastic.policy.buddies import buddies
 from elastic.policy.hang import check_hang
 from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
@@ -287,9 +288,13 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         "coordinator": address, "restarts": state.restarts,
         "incarnations": [view.hosts[h].incarnation for h in plan.hosts]}))
     state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
+    buddy = buddies(plan.hosts, {h: view.hosts[h].failure_domain for h in plan.hosts},
+                    {h: view.hosts[h].service_port > 0 for h in plan.hosts})
     for rank, host in enumerate(plan.hosts):
-        actions.append(StartWorker(host, generation, rank, len(plan.hosts), address,
-                                   plan.devices_per_host))
+        to = buddy.get(host, "")
+        actions.append(StartWorker(
+            host, generation, rank, len(plan.hosts), address, plan.devices_per_host, to,
+            f"{view.hosts[to].address}:{view.hosts[to].service_port}" if to else ""))
     return _enter(state, Phase.STARTING, now, reason,
                   coordinator=address, members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
                                                          for h in plan.hosts),

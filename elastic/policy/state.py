@@ -42,7 +42,9 @@ class Journal:
 @dataclasses.dataclass(frozen=True)
 class StartWorker:
     """Tell `host` to start its worker as `process_id` of `num_processes`,
-    putting `devices_per_host` of its devices in the mesh (0: all)."""
+    putting `devices_per_host` of its devices in the mesh (0: all), and
+    sending replicas of its snapshots to `replica_host`'s agent at
+    `replica_address` (host:port; "": none; elastic.policy.buddies)."""
 
     host: str
     generation: int
@@ -50,6 +52,8 @@ class StartWorker:
     num_processes: int
     coordinator_address: str
     devices_per_host: int = 0
+    replica_host: str = ""
+    replica_address: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -189,7 +189,7 @@ class AgentMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., worker_event: _Optional[_Union[WorkerEvent, _Mapping]] = ..., stacks: _Optional[_Union[WorkerStacks, _Mapping]] = ...) -> None: ...
 
 class StartWorker(_message.Message):
-    __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir", "prestart_next", "devices_per_host")
+    __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir", "prestart_next", "devices_per_host", "replica_host", "replica_address")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,8 @@ class StartWorker(_message.Message):
     WORKDIR_FIELD_NUMBER: _ClassVar[int]
     PRESTART_NEXT_FIELD_NUMBER: _ClassVar[int]
     DEVICES_PER_HOST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_HOST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     process_id: int
     num_processes: int
@@ -215,7 +217,9 @@ class StartWorker(_message.Message):
     workdir: str
     prestart_next: bool
     devices_per_host: int
-    def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., prestart_next: _Optional[bool] = ..., devices_per_host: _Optional[int] = ...) -> None: ...
+    replica_host: str
+    replica_address: str
+    def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., prestart_next: _Optional[bool] = ..., devices_per_host: _Optional[int] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ...) -> None: ...
 
 class StopWorker(_message.Message):
     __slots__ = ("generation", "grace_s", "reason", "dump_stacks")
@@ -361,3 +365,21 @@ class LogChunk(_message.Message):
     rank: int
     data: bytes
     def __init__(self, source: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("run_id", "step", "size", "data")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    size: int
+    data: bytes
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...

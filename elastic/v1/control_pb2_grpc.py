@@ -26,8 +26,8 @@ if _version_not_supported:
 
 
 class AgentStub:
-    """Served by each agent on its own port (elastic-agent --listen), to
-    operators and the controller.
+    """Served by each agent on its own port (elastic-agent --listen): logs to
+    operators and the controller, replicas of snapshots to the job's hosts.
     """
 
     def __init__(self, channel):
@@ -41,15 +41,28 @@ class AgentStub:
                 request_serializer=elastic_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
                 response_deserializer=elastic_dot_v1_dot_control__pb2.LogChunk.FromString,
                 _registered_method=True)
+        self.PutReplica = channel.stream_unary(
+                '/elastic.v1.Agent/PutReplica',
+                request_serializer=elastic_dot_v1_dot_control__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_control__pb2.ReplicaAck.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
-    """Served by each agent on its own port (elastic-agent --listen), to
-    operators and the controller.
+    """Served by each agent on its own port (elastic-agent --listen): logs to
+    operators and the controller, replicas of snapshots to the job's hosts.
     """
 
     def Logs(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutReplica(self, request_iterator, context):
+        """Keep a replica of the calling host's snapshot (the caller is named by
+        its certificate; only hosts of the job's CA may call).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -62,6 +75,11 @@ def add_AgentServicer_to_server(servicer, server):
                     request_deserializer=elastic_dot_v1_dot_control__pb2.LogsRequest.FromString,
                     response_serializer=elastic_dot_v1_dot_control__pb2.LogChunk.SerializeToString,
             ),
+            'PutReplica': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutReplica,
+                    request_deserializer=elastic_dot_v1_dot_control__pb2.ReplicaChunk.FromString,
+                    response_serializer=elastic_dot_v1_dot_control__pb2.ReplicaAck.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'elastic.v1.Agent', rpc_method_handlers)
@@ -71,8 +89,8 @@ def add_AgentServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Agent:
-    """Served by each agent on its own port (elastic-agent --listen), to
-    operators and the controller.
+    """Served by each agent on its own port (elastic-agent --listen): logs to
+    operators and the controller, replicas of snapshots to the job's hosts.
     """
 
     @staticmethod
@@ -92,6 +110,33 @@ class Agent:
             '/elastic.v1.Agent/Logs',
             elastic_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
             elastic_dot_v1_dot_control__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutReplica(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/elastic.v1.Agent/PutReplica',
+            elastic_dot_v1_dot_control__pb2.ReplicaChunk.SerializeToString,
+            elastic_dot_v1_dot_control__pb2.ReplicaAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -123,7 +123,9 @@ class WorkerContext:
 
         snapshots = None
         if snapshot_every > 0 and self.env.run_id:  # the same on every process: all vote
-            snapshots = LocalSnapshots(self.env.snapshot_dir, self.env.run_id, snapshot_every)
+            snapshots = LocalSnapshots(  # each one also goes to a buddy host (its agent sends it)
+                self.env.snapshot_dir, self.env.run_id, snapshot_every,
+                on_written=lambda step: self.progress.event("snapshot_written", "", step=step))
         self._checkpoints = Checkpoints(self.env.checkpoint_dir, interval_steps, max_to_keep,
                                         on_commit, on_event, self._preempted,
                                         snapshots=snapshots, save_timeout_s=save_timeout_s)

@@ -1,0 +1,240 @@
+"""Replicas of local snapshots between agents (buddy replication).
+
+A host's local snapshots (elastic.checkpoint.snapshot) live in its own
+memory: lost with the host. When the state is sharded across hosts, the
+rest of the slice cannot make up the lost host's shards, and every process
+goes back to the last committed checkpoint. So every agent also sends each
+of its worker's snapshots to one peer, its buddy (chosen by the controller
+in another failure domain where there is one: elastic.policy.buddies), and
+keeps its peers' snapshots beside its own as replica files
+(snapshot.replica_name). At a restore the processes vote with what they
+hold, own and replicas, and make the step up between them
+(elastic.checkpoint.snapshot_transfer). The idea is GEMINI's (Wang et al.,
+SOSP 2023: checkpoints in the CPU memory of peer machines, placed across
+failure domains) and ByteRobust's in-memory backups on peers.
+
+Off the training loop: the worker only tells its agent that a snapshot is
+written (one datagram); the agent reads the file and streams it to the
+buddy's agent (`PutReplica` on the agents' own port, mutual TLS), one at a
+time; a newer snapshot waiting replaces an older one not yet sent. The
+receiving agent names a replica after the caller's certificate (a host can
+only ever write its own replicas), keeps only the controller run it works
+for, refuses what does not fit its directory, writes it atomically (a
+temporary name, then rename) and keeps the newest KEEP per host.
+
+Cost: a host holds its buddy's snapshots besides its own (twice the
+snapshot memory, in /dev/shm by default) and sends each snapshot's bytes
+over the network once, from the agent's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+
+import grpc
+
+from elastic import transport
+from elastic.checkpoint.snapshot import (REPLICA_PREFIX, SUFFIX, parse_replica_name,
+                                         replica_name)
+from elastic.security.files import open_private
+from elastic.security.identity import IdentityError, Role
+from elastic.security.tls import TLSFiles, peer_identity
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger("elastic-agent")
+
+#: Replicas kept per peer host (as many as a host keeps of its own snapshots).
+KEEP = 2
+#: Bytes per chunk of a replica on the wire (under the servers' 1 MiB message limit).
+CHUNK_BYTES = 1 << 19
+#: Free bytes a replica must leave in the directory.
+HEADROOM_BYTES = 1 << 20
+
+
+class ReplicaStore:
+    """Peers' replicas in `directory` (the agent's snapshot directory).
+    `run_id()` -> the controller run this agent works for ("" before its
+    first start: then nothing is accepted)."""
+
+    def __init__(self, directory: str | os.PathLike[str], run_id: Callable[[], str],
+                 keep: int = KEEP) -> None:
+        self.directory = pathlib.Path(directory)
+        self.run_id = run_id
+        self.keep = keep
+        self.received = 0
+
+    def refusal(self, host: str, run_id: str, step: int, size: int) -> str | None:
+        """Why a replica of `host`'s step `step` (`size` bytes, run `run_id`)
+        is not kept, or None."""
+        ours = self.run_id()
+        if not ours or run_id != ours:
+            return (f"the replica is of controller run {run_id[:64]!r}; this agent works for "
+                    f"{ours or 'none yet'}")
+        if step < 0 or size <= 0:
+            return f"step {step} and size {size} must be >= 0 and > 0"
+        free = shutil.disk_usage(self.directory).free
+        if size + HEADROOM_BYTES > free:
+            return f"{size} bytes do not fit in {self.directory} ({free} bytes free)"
+        return None
+
+    def keep_file(self, host: str, step: int, chunks: list[bytes]) -> int:
+        """Write `chunks` as `host`'s replica of `step` (atomically) and drop
+        that host's older ones beyond `keep`. Returns the bytes written;
+        raises OSError."""
+        path = self.directory / replica_name(host, step)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with open_private(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        mine = sorted((parsed[1], p) for p in self.directory.glob(f"{REPLICA_PREFIX}*{SUFFIX}")
+                      if (parsed := parse_replica_name(p.name)) and parsed[0] == host)
+        for _, old in mine[:-self.keep]:
+            old.unlink(missing_ok=True)
+        self.received += 1
+        return sum(map(len, chunks))
+
+
+class ReplicaReceiver(pb_grpc.AgentServicer):
+    """The PutReplica call of the agent's own port (module docstring).
+    `store()` -> the ReplicaStore, None while the agent keeps none."""
+
+    def __init__(self, store: Callable[[], ReplicaStore | None]) -> None:
+        self.store = store
+
+    async def PutReplica(self, request_iterator, context):
+        try:
+            who = peer_identity(context)
+        except IdentityError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        if who is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "replicas need mutual TLS: the sender is named by its certificate")
+        if who.role is not Role.HOST:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{who}: only the job's hosts send replicas")
+        store = self.store()
+        if store is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this agent keeps no snapshots")
+        chunks: list[bytes] = []
+        head = None
+        async for chunk in request_iterator:
+            if head is None:
+                head = chunk
+                problem = store.refusal(who.name, chunk.run_id, chunk.step, chunk.size)
+                if problem:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            chunks.append(chunk.data)
+            if sum(map(len, chunks)) > head.size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"more than the {head.size} bytes announced")
+        if head is None or sum(map(len, chunks)) != head.size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the replica ended before the bytes announced")
+        try:
+            size = await asyncio.to_thread(store.keep_file, who.name, head.step, chunks)
+        except OSError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not kept: {e}")
+        return pb.ReplicaAck(size=size)
+
+
+class ReplicaSender:
+    """Sends this host's snapshots (files `step-N.snap` in `directory`) to
+    its buddy's agent, one at a time, newest first: `target()` at every
+    start, `offer(step)` as each snapshot is written. Failures are logged
+    (the first of a run of them, then every 100th) and counted (`failed`:
+    in a row, since the last replica sent); training never waits for a
+    replica. `sent`, `last_sent_step` and `last_send_s` (seconds) tell how
+    it goes."""
+
+    def __init__(self, directory: str | os.PathLike[str], tls: TLSFiles | None,
+                 timeout_s: float = 120.0) -> None:
+        self.directory = pathlib.Path(directory)
+        self.tls = tls
+        self.timeout_s = timeout_s
+        self.host = self.address = self.run_id = ""
+        self.sent = self.failed = 0
+        self.last_sent_step = -1
+        self.last_send_s = 0.0
+        self._channel: grpc.aio.Channel | None = None
+        self._pending: int | None = None
+        self._task: asyncio.Task | None = None
+
+    def target(self, host: str, address: str, run_id: str) -> None:
+        """Send to `host`'s agent at `address` ("host:port"; "" for none)
+        from now on, replicas of controller run `run_id`."""
+        if address != self.address and self._channel is not None:
+            channel, self._channel = self._channel, None
+            asyncio.get_running_loop().create_task(channel.close())
+        self.host, self.address, self.run_id = host, address, run_id
+        self._pending = None
+
+    def offer(self, step: int) -> None:
+        """Snapshot `step` is written: send it when the one in flight is done
+        (replacing any older one still waiting)."""
+        if not self.address or self.tls is None:
+            return
+        self._pending = step
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._pending is not None:
+            step, self._pending = self._pending, None
+            try:
+                await self._send(step)
+            except FileNotFoundError:
+                pass  # already replaced by a newer one (the worker keeps two)
+            except (grpc.RpcError, OSError) as e:
+                self.failed += 1
+                if self.failed == 1 or self.failed % 100 == 0:
+                    detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else e
+                    log.warning("replica of step %d to host %s (%s) not sent (%d failed so "
+                                "far): %s", step, self.host, self.address, self.failed, detail)
+
+    async def _send(self, step: int) -> None:
+        path = self.directory / f"step-{step:010d}{SUFFIX}"
+        f = await asyncio.to_thread(open, path, "rb")  # (kept open: the file may be replaced)
+        try:
+            size = os.fstat(f.fileno()).st_size
+
+            async def chunks():
+                first = True
+                while True:
+                    data = await asyncio.to_thread(f.read, CHUNK_BYTES)
+                    if not data and not first:
+                        return
+                    yield (pb.ReplicaChunk(run_id=self.run_id, step=step, size=size, data=data)
+                           if first else pb.ReplicaChunk(data=data))
+                    first = False
+
+            if self._channel is None:
+                self._channel = transport.aio_agent_channel(self.address, self.tls,
+                                                            roles=(Role.HOST,))
+            t0 = time.monotonic()
+            await pb_grpc.AgentStub(self._channel).PutReplica(chunks(), timeout=self.timeout_s)
+        finally:
+            f.close()
+        self.sent += 1
+        self.last_sent_step, self.last_send_s = step, time.monotonic() - t0
+        if self.failed:
+            log.info("replicas to host %s flow again (step %d)", self.host, step)
+            self.failed = 0
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._channel is not None:
+            await self._channel.close()

@@ -1,0 +1,106 @@
+"""Buddy replication of local snapshots: who sends to whom (a table), and
+the agents' PutReplica over real mutual TLS on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import grpc
+import pytest
+
+from elastic import transport
+from elastic.agent.replicas import ReplicaSender, ReplicaStore
+from elastic.agent.service import AgentService
+from elastic.checkpoint.snapshot import replica_name
+from elastic.policy.buddies import buddies
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+
+YES = {h: True for h in ("a", "b", "c", "d")}
+
+
+@pytest.mark.parametrize("hosts, domains, can_receive, expected", [
+    (("a", "b", "c"), {"a": "a", "b": "b", "c": "c"}, YES,       # a domain each: a ring
+     {"a": "b", "b": "c", "c": "a"}),
+    (("a", "b", "c", "d"), {"a": "x", "b": "x", "c": "y", "d": "y"}, YES,  # two 2-host slices:
+     {"a": "c", "b": "c", "c": "a", "d": "a"}),                  # always the other slice
+    (("a", "b"), {"a": "x", "b": "x"}, YES, {"a": "b", "b": "a"}),  # one domain: still a peer
+    (("a", "b", "c"), {"a": "a", "b": "b", "c": "c"}, {"a": True, "c": True},  # b serves no port
+     {"a": "c", "b": "c", "c": "a"}),
+    (("a",), {"a": "a"}, YES, {}),                               # a slice of one: none
+    (("a", "b"), {"a": "a", "b": "b"}, {"a": True}, {"b": "a"}),
+])
+def test_buddies(hosts, domains, can_receive, expected):
+    assert buddies(hosts, domains, can_receive) == expected
+
+
+def snapshot_file(directory: pathlib.Path, step: int, size: int = 3_000_000) -> bytes:
+    data = bytes([step % 251]) * size
+    (directory / f"step-{step:010d}.snap").write_bytes(data)
+    return data
+
+
+async def until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp_path, pki):
+    mine, theirs = tmp_path / "h0", tmp_path / "h1"
+    mine.mkdir(mode=0o700)
+    theirs.mkdir(mode=0o700)
+
+    async def main():
+        store = ReplicaStore(theirs, lambda: "run-1")
+        service = AgentService("127.0.0.1:0", pki.host("h1"), str(tmp_path / "state"),
+                               replicas=lambda: store)
+        port = await service.start()
+        sender = ReplicaSender(mine, pki.host("h0"))
+        try:
+            sender.target("h1", f"127.0.0.1:{port}", "run-1")
+            sent = {step: snapshot_file(mine, step) for step in (10, 20, 30)}
+            sender.offer(10)
+            await until(lambda: sender.sent == 1)
+            assert (theirs / replica_name("h0", 10)).read_bytes() == sent[10]
+            sender.offer(20)
+            sender.offer(30)  # 20 may be replaced by 30 while 10... is done: newest wins
+            await until(lambda: sender.last_sent_step == 30)
+            names = sorted(p.name for p in theirs.iterdir())
+            assert names[-1] == replica_name("h0", 30) and len(names) <= 2, names
+            assert (theirs / replica_name("h0", 30)).read_bytes() == sent[30]
+            assert (theirs / replica_name("h0", 30)).stat().st_mode & 0o077 == 0
+            assert sender.failed == 0
+
+            # a replica of another controller run is refused, nothing written
+            sender.target("h1", f"127.0.0.1:{port}", "run-0")
+            snapshot_file(mine, 40)
+            sender.offer(40)
+            await until(lambda: sender.failed == 1)
+            assert not (theirs / replica_name("h0", 40)).exists()
+
+            # only hosts send replicas; a short stream is not kept
+            async with transport.aio_agent_channel(f"127.0.0.1:{port}", pki.operator) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as denied:
+                    await pb_grpc.AgentStub(ch).PutReplica(
+                        iter([pb.ReplicaChunk(run_id="run-1", step=50, size=3, data=b"abc")]))
+                assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            async with transport.aio_agent_channel(f"127.0.0.1:{port}", pki.host("h2"),
+                                                   roles=(transport.Role.HOST,)) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as short:
+                    await pb_grpc.AgentStub(ch).PutReplica(
+                        iter([pb.ReplicaChunk(run_id="run-1", step=50, size=9, data=b"abc")]))
+                assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                ack = await pb_grpc.AgentStub(ch).PutReplica(
+                    iter([pb.ReplicaChunk(run_id="run-1", step=50, size=6, data=b"abc"),
+                          pb.ReplicaChunk(data=b"def")]))
+                assert ack.size == 6
+            assert (theirs / replica_name("h2", 50)).read_bytes() == b"abcdef"
+            assert not list(theirs.glob(".*.tmp"))
+        finally:
+            await sender.close()
+            await service.stop()
+
+    asyncio.run(main())
