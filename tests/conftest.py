@@ -164,10 +164,11 @@ LM_TRAIN = REPO / "workers" / "lm" / "train.py"
 
 def lm_spec(path: pathlib.Path, job_id: str, args: list[str], min_hosts: int, max_hosts: int,
             heartbeat_timeout_s: float, job_extra: str = "",
-            grow: str = "", controller_lease_s: float | None = None) -> pathlib.Path:
+            grow: str = "", controller_lease_s: float | None = None,
+            mesh: str = "data = -1\nmodel = 2") -> pathlib.Path:
     """Write to `path` a job spec running the reference model small (one
     layer, d_model 64, sequence 64 bytes: it compiles in half the time of
-    two; `args` added) on mesh data=-1 x model=2, with
+    two; `args` added) on `mesh` ([mesh] lines; default data=-1 x model=2), with
     heartbeats every 0.5 s and the given timeout (seconds). `job_extra`: more
     [job] lines (e.g. checkpoint_dir); `grow`: restart.grow if not the default;
     `controller_lease_s`: health.controller_lease_s if not the default."""
@@ -184,8 +185,7 @@ def lm_spec(path: pathlib.Path, job_id: str, args: list[str], min_hosts: int, ma
         {job_extra}
 
         [mesh]
-        data = -1
-        model = 2
+        {mesh}
 
         [health]
         heartbeat_interval_s = 0.5
@@ -362,19 +362,21 @@ def assert_matches_reference(samples: list[dict], reference: dict[int, dict]) ->
 
 
 def lm_run_spec(tmp_path: pathlib.Path, name: str, grow: str = "never",
-                checkpoint_dir: str | None = None, snapshot_every: int = 10) -> pathlib.Path:
-    """The reference model for 40 steps (checkpoints every 10), logging its
-    samples and loss per step to tmp_path/NAME-samples.jsonl; 2 to 4 hosts;
-    checkpoints in `checkpoint_dir` (default tmp_path/NAME-ckpt); local
-    snapshots every `snapshot_every` steps (0: none, every restore reads
-    the checkpoint directory)."""
+                checkpoint_dir: str | None = None, snapshot_every: int = 10,
+                checkpoint_every: int = 10, **spec) -> pathlib.Path:
+    """The reference model for 40 steps (checkpoints every `checkpoint_every`),
+    logging its samples and loss per step to tmp_path/NAME-samples.jsonl; 2
+    to 4 hosts; checkpoints in `checkpoint_dir` (default tmp_path/NAME-ckpt);
+    local snapshots every `snapshot_every` steps (0: none, every restore
+    reads the checkpoint directory); `spec`: more lm_spec arguments (mesh)."""
     return lm_spec(tmp_path / f"{name}.toml", "lm-test",
-                   ["--steps", "40", "--checkpoint-every", "10", "--eval-every", "1000",
+                   ["--steps", "40", "--checkpoint-every", str(checkpoint_every),
+                    "--eval-every", "1000",
                     "--sample-log", str(tmp_path / f"{name}-samples.jsonl"),
                     "--snapshot-every", str(snapshot_every)],
                    min_hosts=2, max_hosts=4, heartbeat_timeout_s=2.0,
                    job_extra=f'checkpoint_dir = "{checkpoint_dir or tmp_path / (name + "-ckpt")}"',
-                   grow=grow)
+                   grow=grow, **spec)
 
 
 @pytest.fixture(scope="session")

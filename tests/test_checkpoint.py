@@ -212,7 +212,7 @@ def test_a_lost_hosts_shards_come_from_its_buddys_replica(trained_by_three, tmp_
     assert restored["step"] == 9 and restored["meta"] == {"data_position": 10}
     assert restored["checksums"] == trained["checksums"]
     [event] = restored["events"]
-    assert event["source"] == "snapshot" and event["replicas_of"] == ["h2"], event
+    assert event["source"] == "snapshot" and event["replicas_of"] == "h2", event
     assert 1 in event["sent_by"], event
     # the replica of the step restored stays (a failed restore can retry); step 8's went
     assert sorted(p.name for p in (left / "h1").iterdir()) == \
@@ -228,7 +228,7 @@ def test_a_smaller_mesh_is_made_up_from_snapshots_and_replicas(trained_by_three,
                                prepare=lambda snaps: keep_replica(snaps, "h2", "h0"))
     assert restored["step"] == 9 and restored["mesh"] == {"data": 2, "model": 2}
     assert restored["checksums"] == trained["checksums"]
-    assert restored["events"][0]["replicas_of"] == ["h2"]
+    assert restored["events"][0]["replicas_of"] == "h2"
 
 
 def test_a_replica_of_another_run_is_never_used(trained_by_three, tmp_path, proc_env):

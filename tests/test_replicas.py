@@ -16,6 +16,7 @@ from elastic.checkpoint.snapshot import replica_name
 from elastic.policy.buddies import buddies
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
+from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples
 
 YES = {h: True for h in ("a", "b", "c", "d")}
 
@@ -104,3 +105,38 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
             await service.stop()
 
     asyncio.run(main())
+
+
+def test_a_lost_host_of_a_sharded_state_costs_no_step_beyond_the_last_snapshot(
+        tmp_path, local_job, lm_reference):
+    """The reference model tensor-parallel over 4 devices on 2 hosts (mesh
+    model=4: each host holds half of every layer's weights), a third host
+    spare; snapshots every 5 steps, checkpoints every 20. host-1 is killed
+    at step 29: its half is gone with it, and the newest committed
+    checkpoint is step 20. Its buddy host-0 holds replicas of its
+    snapshots, so the slice of host-0 and the spare resumes from the newest
+    snapshot step the slice reached, and trains on to the undisturbed run's
+    end."""
+    spec = lm_run_spec(tmp_path, "sharded", snapshot_every=5, checkpoint_every=20,
+                       mesh="model = 4\ndata = -1")
+    job = local_job(spec, hosts=3, devices=2, name="sharded",
+                    faults=("kill-host:host-1@step=29",))
+    assert job.wait(240) == 0, job.output()
+    journal = job.journal()
+    started = [e for e in journal if e["kind"] == "generation_started"]
+    assert started[0]["hosts"] == ["host-0", "host-1"] and started[0]["mesh_shape"] == [4, 1]
+    assert started[1]["hosts"] == ["host-0", "host-2"], started[1]
+    committed = [e["step"] for e in journal if e["kind"] == "checkpoint_committed"
+                 and e["ts"] < started[1]["ts"]]
+    assert max(committed) == 20
+    # the last step of generation 1 (host-0 went on a little before it was stopped)
+    reached = max(e["step"] for e in journal if e["kind"] == "worker_exited"
+                  and e["generation"] == 1)
+    restored = next(e for e in journal if e["kind"] == "checkpoint_restored"
+                    and e["generation"] == 2)
+    assert restored["source"] == "snapshot" and restored["step"] % 5 == 0, restored
+    # the newest snapshot, or the one before if host-1 died as it wrote the newest
+    assert max(reached - 10, 20) < restored["step"] <= reached, (reached, restored)
+    assert restored["replicas_of"] == "host-1" and restored["sent_by"] == [0], restored
+    assert not [e for e in journal if e["kind"] == "message_refused"]
+    assert_matches_reference(lm_samples(tmp_path / "sharded-samples.jsonl"), lm_reference)

@@ -361,7 +361,8 @@ class Checkpoints:
         parts the processes hold, own and peers' replicas:
         elastic.checkpoint.snapshot_transfer), that step is restored (the
         event says `source: snapshot`, `sent_by` the sending processes and
-        `replicas_of` the hosts whose replicas were used, when any). Otherwise, if a committed step
+        `replicas_of` the hosts whose replicas were used, comma-separated,
+        when any). Otherwise, if a committed step
         fails to restore on any process, every process moves on to the
         previous step together (agreed through the coordination service,
         elastic.worker.coordination) and the failure is reported through
@@ -379,8 +380,8 @@ class Checkpoints:
                           "source": "snapshot", "saved_at": snap.saved_at}
                 if sent:
                     fields["sent_by"] = sent
-                if snap.replicas_of:
-                    fields["replicas_of"] = list(snap.replicas_of)
+                if snap.replicas_of:  # (text: journal lists hold process ids only)
+                    fields["replicas_of"] = ",".join(snap.replicas_of)
                 parts = (f" (process(es) {', '.join(map(str, sent))} sent the parts the others "
                          f"lacked" + (f", from replicas of host(s) {', '.join(snap.replicas_of)}"
                                       if snap.replicas_of else "") + ")") if sent else ""
