@@ -175,6 +175,11 @@ class RestartSpec:
       4 processes on 2 cores, bench/recovery.py). Needs `[job] command` to be
       `python script.py ...` or `python -m module ...` with `elastic`
       importable by that Python; other commands always start cold.
+    replicate_snapshots: each host's agent also sends its worker's local
+      snapshots to a buddy host's agent (elastic.agent.replicas), so that a
+      lost host's shards of a state sharded across hosts are restored from
+      memory rather than from the last checkpoint; costs each host a second
+      snapshot's memory and the network transfer.
     """
 
     max_restarts: int = 20
@@ -183,6 +188,7 @@ class RestartSpec:
     grow: str = "after_checkpoint"
     prestart_workers: bool = True
     waiting_timeout_s: float = 1800.0
+    replicate_snapshots: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,3 +117,15 @@ def test_mesh_text_round_trip_and_errors():
         MeshSpec.from_text("data")
     with pytest.raises(SpecError, match="at most one axis"):
         MeshSpec.from_text("a=-1,b=-1")
+
+
+def test_the_sharded_reference_job_spans_hosts_with_its_model_axis():
+    """workers/lm/job_sharded.toml: 'model' first, so on hosts of 2 devices
+    (laid out host-major) it runs across hosts; slices of 2 or 4 hosts."""
+    from elastic.policy.mesh import mesh_shape
+    from tests.conftest import REPO
+
+    spec = load_spec(REPO / "workers" / "lm" / "job_sharded.toml")
+    assert spec.mesh.names == ("model", "data") and spec.restart.replicate_snapshots
+    assert [mesh_shape(spec.mesh, 2 * hosts) for hosts in (1, 2, 3, 4)] == \
+        [None, (4, 1), None, (4, 2)]

@@ -610,3 +610,21 @@ def test_quarantine_never_sets_aside_the_hosts_the_job_needs():
     stopping = decide(state, view, T0 + 1, s)
     assert stopping.state.phase is Phase.STOPPING
     assert "host_quarantined" not in kinds(stopping) and not stopping.state.quarantined
+
+
+@pytest.mark.parametrize("replicate, expected", [
+    (True, [("h1", "h3", "10.0.0.1:7003"), ("h2", "h3", "10.0.0.1:7003"),
+            ("h3", "h1", "10.0.0.1:7001")]),
+    (False, [("h1", "", ""), ("h2", "", ""), ("h3", "", "")]),
+])
+def test_each_host_is_told_its_buddy(replicate, expected):
+    """The next host that serves a port (h2 serves none); the choice among
+    failure domains is elastic.policy.buddies' (tests/test_replicas.py)."""
+    view = ClusterView()
+    for host in ("h1", "h2", "h3"):
+        register(view, host)
+    view.hosts["h1"].service_port, view.hosts["h3"].service_port = 7001, 7003
+    decision = decide(SliceState(), view, T0 + 2,
+                      spec(max_hosts=3, restart={"replicate_snapshots": replicate}))
+    assert [(a.host, a.replica_host, a.replica_address) for a in decision.actions
+            if isinstance(a, d.StartWorker)] == expected

@@ -289,7 +289,8 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         "incarnations": [view.hosts[h].incarnation for h in plan.hosts]}))
     state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
     buddy = buddies(plan.hosts, {h: view.hosts[h].failure_domain for h in plan.hosts},
-                    {h: view.hosts[h].service_port > 0 for h in plan.hosts})
+                    {h: view.hosts[h].service_port > 0 for h in plan.hosts}) \
+        if spec.restart.replicate_snapshots else {}
     for rank, host in enumerate(plan.hosts):
         to = buddy.get(host, "")
         actions.append(StartWorker(
