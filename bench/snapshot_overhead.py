@@ -1,10 +1,12 @@
 """Benchmark: what local snapshots cost the training loop (workers/lm, 4 local
 hosts x 2 CPU devices): the median step time with a snapshot every `--every`
-steps against none, in alternating runs (this machine is shared: the ratio
-of medians is the figure, not one run), and how long a snapshot blocks the
-training loop (process 0's median).
+steps against none, each interval with every snapshot also sent to a buddy
+host's agent (restart.replicate_snapshots, the default) and, with
+`--replicas-off-too`, without; in alternating runs (this machine is shared:
+the ratio of medians is the figure, not one run); and how long a snapshot
+blocks the training loop (process 0's median).
 
-    .venv/bin/python bench/snapshot_overhead.py --rounds 3 --every 1 10
+    .venv/bin/python bench/snapshot_overhead.py --rounds 3 --every 10 --replicas-off-too
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from elastic.local import start_slice, stop_slice
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run(every: int, hosts: int, steps: int) -> tuple[list[float], list[float]]:
-    """One job with `--snapshot-every every`; the median step times and
-    snapshot times (s, over the last 50 steps) process 0 reported with its
-    saves after step 50."""
+def run(every: int, hosts: int, steps: int, replicas: bool = True
+        ) -> tuple[list[float], list[float]]:
+    """One job with `--snapshot-every every` (and `replicas`: each sent to a
+    buddy host); the median step times and snapshot times (s, over the last
+    50 steps) process 0 reported with its saves after step 50."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-snapbench-"))
-    spec_path = lm_job(work, "snapbench", hosts, worker_args=("--snapshot-every", str(every)))
+    spec_path = lm_job(work, "snapbench", hosts, worker_args=("--snapshot-every", str(every)),
+                       extra=f"replicate_snapshots = {str(replicas).lower()}")
     state = work / "state"
     local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
     try:
@@ -54,34 +58,44 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--every", type=int, nargs="+", default=[1, 10],
                         help="snapshot intervals (steps) to compare with none")
+    parser.add_argument("--replicas-off-too", action="store_true",
+                        help="run every interval also with restart.replicate_snapshots = false")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "snapshot_overhead.json"))
     args = parser.parse_args()
-    settings = [0, *args.every]
-    times: dict[int, list[float]] = {e: [] for e in settings}
-    blocking: dict[int, list[float]] = {e: [] for e in settings}
+    # (label, interval, replicas)
+    settings = [("none", 0, False)]
+    for every in args.every:
+        if args.replicas_off_too:
+            settings.append((f"every {every}, no replicas", every, False))
+        settings.append((f"every {every}" + (", replicas" if args.replicas_off_too else ""),
+                         every, True))
+    times: dict[str, list[float]] = {label: [] for label, _, _ in settings}
+    blocking: dict[str, list[float]] = {label: [] for label, _, _ in settings}
     for r in range(args.rounds):
-        for every in settings:
-            steps, snaps = run(every, args.hosts, args.steps)
-            times[every] += steps
-            blocking[every] += snaps
-            print(f"round {r + 1}: snapshot every {every or '-'}: median step "
+        for label, every, replicas in settings:
+            steps, snaps = run(every, args.hosts, args.steps, replicas)
+            times[label] += steps
+            blocking[label] += snaps
+            print(f"round {r + 1}: snapshot {label}: median step "
                   f"{statistics.median(steps):.4f} s ({len(steps)} saves)"
                   + (f", a snapshot blocks {1000 * statistics.median(snaps):.1f} ms"
                      if snaps else ""), flush=True)
-    base = statistics.median(times[0])
-    print(f"\nmedian step time without snapshots: {base:.4f} s")
+    base = statistics.median(times["none"])
+    print(f"\n{args.hosts} hosts x 2 CPU devices, {args.rounds} rounds, {machine()}")
+    print(f"median step time without snapshots: {base:.4f} s")
     rows = {}
-    for every in args.every:
-        med = statistics.median(times[every])
-        block = statistics.median(blocking[every]) if blocking[every] else None
-        rows[str(every)] = {"median_step_s": med, "ratio": med / base, "snapshot_blocking_s": block}
-        print(f"a snapshot every {every:>3} steps: median step {med:.4f} s -> x{med / base:.3f} "
+    for label, every, replicas in settings[1:]:
+        med = statistics.median(times[label])
+        block = statistics.median(blocking[label]) if blocking[label] else None
+        rows[label] = {"every": every, "replicas": replicas, "median_step_s": med,
+                       "ratio": med / base, "snapshot_blocking_s": block}
+        print(f"a snapshot {label:>22}: median step {med:.4f} s -> x{med / base:.3f} "
               f"({100 * (med / base - 1):+.1f} %); a snapshot blocks "
               f"{1000 * (block or 0):.1f} ms ({100 * (block or 0) / (every * base):.2f} % of "
               f"{every} steps)")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "hosts": args.hosts, "rounds": args.rounds,
-                            "median_step_s_without": base, "every": rows})
+                            "median_step_s_without": base, "settings": rows})
     return 0
 
 

@@ -138,6 +138,8 @@ def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_
     assert a[("elastic_agent_worker_running", ())] == 1.0
     assert a[("elastic_agent_sessions_total", ())] >= 1.0
     assert a[("elastic_agent_heartbeats_total", ())] > 0
+    assert a[("elastic_agent_replica_failures_total", ())] == 0.0  # (this worker keeps none)
+    assert a[("elastic_agent_replicas_sent_total", ())] == 0.0
     assert job.wait(60) == 0, job.output()
     # ... and in the report (the final summary of elasticd local is the same)
     report = elasticd("report", "--state-dir", str(job.state_dir), env=proc_env)

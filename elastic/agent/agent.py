@@ -423,7 +423,12 @@ class Agent(ControllerSession):
                 "step": w.step, "committed": w.committed_step,
                 "exits": dict(self.worker_exits), "devices": self.devices.count,
                 "heartbeats": self._seq, "fenced": bool(self._fenced),
-                "preempted": bool(self.preemption)}
+                "preempted": bool(self.preemption),
+                "replicas_sent": self.replica_sender.sent,
+                "replica_failures": self.replica_sender.failures_total,
+                "replica_step": self.replica_sender.last_sent_step,
+                "replica_send_s": self.replica_sender.last_send_s,
+                "replicas_received": self.replica_store.received}
 
     async def _serve_ports(self, loop) -> None:
         """Open the agent's own gRPC port and its metrics port, if asked for

@@ -12,6 +12,11 @@ each scrape from a snapshot its event loop takes (elastic.metrics):
   elastic_agent_heartbeats_total        heartbeats sent
   elastic_agent_fenced                  1 after it stopped its worker on its own
   elastic_agent_preempted               1 once its host is being taken away
+  elastic_agent_replicas_sent_total     snapshots sent to its buddy (elastic.agent.replicas)
+  elastic_agent_replica_failures_total  snapshots it failed to send
+  elastic_agent_replica_step            the step of the last snapshot sent (-1: none)
+  elastic_agent_replica_send_seconds    how long the last one took to send
+  elastic_agent_replicas_received_total peers' snapshots it keeps
 """
 
 from __future__ import annotations
@@ -42,12 +47,22 @@ def _families(s: dict):
             ("elastic_agent_devices", "Accelerators counted now", s["devices"]),
             ("elastic_agent_fenced", "1 after the agent stopped its worker on its own",
              s["fenced"]),
-            ("elastic_agent_preempted", "1 once the host is being taken away", s["preempted"])):
+            ("elastic_agent_preempted", "1 once the host is being taken away", s["preempted"]),
+            ("elastic_agent_replica_step", "Step of the last snapshot sent to the buddy",
+             s["replica_step"]),
+            ("elastic_agent_replica_send_seconds", "Seconds the last replica took to send",
+             s["replica_send_s"])):
         yield GaugeMetricFamily(name, doc, value=float(value))
     yield CounterMetricFamily("elastic_agent_sessions", "Controller sessions opened",
                               value=float(s["sessions"]))
     yield CounterMetricFamily("elastic_agent_heartbeats", "Heartbeats sent",
                               value=float(s["heartbeats"]))
+    for name, doc, key in (
+            ("elastic_agent_replicas_sent", "Snapshots sent to the buddy host", "replicas_sent"),
+            ("elastic_agent_replica_failures", "Snapshots not sent to the buddy host",
+             "replica_failures"),
+            ("elastic_agent_replicas_received", "Peers' snapshots kept", "replicas_received")):
+        yield CounterMetricFamily(name, doc, value=float(s[key]))
     exits = CounterMetricFamily("elastic_agent_worker_exits", "Worker exits by outcome",
                                 labels=["outcome"])
     for outcome in ("succeeded", "failed", "stopped"):

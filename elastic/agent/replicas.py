@@ -155,9 +155,9 @@ class ReplicaSender:
     its buddy's agent, one at a time, newest first: `target()` at every
     start, `offer(step)` as each snapshot is written. Failures are logged
     (the first of a run of them, then every 100th) and counted (`failed`:
-    in a row, since the last replica sent); training never waits for a
-    replica. `sent`, `last_sent_step` and `last_send_s` (seconds) tell how
-    it goes."""
+    in a row, since the last replica sent; `failures_total`: all); training
+    never waits for a replica. `sent`, `last_sent_step` and `last_send_s`
+    (seconds) tell how it goes."""
 
     def __init__(self, directory: str | os.PathLike[str], tls: TLSFiles | None,
                  timeout_s: float = 120.0) -> None:
@@ -165,7 +165,7 @@ class ReplicaSender:
         self.tls = tls
         self.timeout_s = timeout_s
         self.host = self.address = self.run_id = ""
-        self.sent = self.failed = 0
+        self.sent = self.failed = self.failures_total = 0
         self.last_sent_step = -1
         self.last_send_s = 0.0
         self._channel: grpc.aio.Channel | None = None
@@ -199,6 +199,7 @@ class ReplicaSender:
                 pass  # already replaced by a newer one (the worker keeps two)
             except (grpc.RpcError, OSError) as e:
                 self.failed += 1
+                self.failures_total += 1
                 if self.failed == 1 or self.failed % 100 == 0:
                     detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else e
                     log.warning("replica of step %d to host %s (%s) not sent (%d failed so "
