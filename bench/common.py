@@ -74,16 +74,20 @@ def print_table(results: dict[str, dict]) -> None:
 
 
 def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 100,
-           extra: str = "", worker_args: tuple[str, ...] = ()) -> pathlib.Path:
-    """Write a job spec running workers/lm (endless, mesh data=-1 x model=2,
-    restart budget and crash loop out of the way, as benchmarks hit the same
-    hosts again and again) into `work`; returns its path. `extra`: more TOML;
-    `worker_args`: more arguments for train.py."""
+           extra: str = "", worker_args: tuple[str, ...] = (),
+           mesh: str = "data=-1,model=2") -> pathlib.Path:
+    """Write a job spec running workers/lm (endless, on `mesh` (axes in
+    order; default data=-1 x model=2), restart budget and crash loop out of
+    the way, as benchmarks hit the same hosts again and again) into `work`;
+    returns its path. `extra`: more TOML (in [restart]); `worker_args`: more
+    arguments for train.py."""
     import sys
 
     repo = pathlib.Path(__file__).resolve().parent.parent
     argv = [sys.executable, str(repo / "workers/lm/train.py"), "--steps", "100000000",
             "--checkpoint-every", str(checkpoint_every), "--eval-every", "100000000", *worker_args]
+    mesh_lines = "\n".join(f"{name.strip()} = {size.strip()}" for name, size in
+                           (axis.split("=") for axis in mesh.split(",")))
     path = work / "job.toml"
     path.write_text(f"""
 [job]
@@ -93,8 +97,7 @@ min_hosts = 1
 max_hosts = {hosts}
 
 [mesh]
-data = -1
-model = 2
+{mesh_lines}
 
 [restart]
 max_restarts = 10000

@@ -116,12 +116,18 @@ def main() -> int:
     parser.add_argument("--standby", action="store_true",
                         help="a standby controller beside the leader (kill-controller then "
                              "fails over to it instead of waiting for a restart)")
+    parser.add_argument("--mesh", default="data=-1,model=2",
+                        help="the job's mesh, axes in order: model=4,data=-1 puts 'model' "
+                             "across hosts (each holds a quarter of every layer on 4 hosts)")
+    parser.add_argument("--no-replicas", action="store_true",
+                        help="restart.replicate_snapshots = false")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-recovery-"))
-    spec_path = lm_job(work, "recovery", args.hosts, INTERVAL,
-                       extra='grow = "immediately"\n[quarantine]\nfailures = 10000')
+    spec_path = lm_job(work, "recovery", args.hosts, INTERVAL, mesh=args.mesh,
+                       extra=f'grow = "immediately"\nreplicate_snapshots = '
+                             f'{str(not args.no_replicas).lower()}\n[quarantine]\nfailures = 10000')
     spec = load_spec(spec_path)
     state = work / "state"
     stack = contextlib.ExitStack()
@@ -208,13 +214,25 @@ def main() -> int:
         phase_text = ", ".join(f"{ph[k]['median_s']:.2f}" for k in PHASES if k in ph)
         print(f"{kind:18} {r['faults']:>3} {d['median_s']:9.2f}s {d['p95_s']:6.2f}s "
               f"{f['median_s']:13.2f}s {f['p95_s']:6.2f}s  {phase_text}"
+              f"  (steps lost p50 {r['lost_steps_median']:g})"
               + (f"  ({ridden} ridden out without a restart: detection "
                  f"is agent_silent, first step is agent_heard)" if ridden else "")
               + (f"  ({r['unnoticed']} unnoticed)" if r["unnoticed"] else ""))
+    restores = [e for e in journal if e["kind"] == "checkpoint_restored"]
+    from_snapshots = [e for e in restores if e.get("source") == "snapshot"]
+    with_replicas = [e for e in from_snapshots if e.get("replicas_of")]
+    print(f"\nmesh {args.mesh}, replicas {'off' if args.no_replicas else 'on'}: "
+          f"{len(restores)} restores, {len(from_snapshots)} from local snapshots "
+          f"({len(with_replicas)} using replicas), {len(restores) - len(from_snapshots)} "
+          f"from checkpoints")
     print(f"\ncheckpoint saves: median blocking {statistics.median(blocking):.3f} s per save "
           f"every {INTERVAL} steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "hosts": args.hosts, "trials": args.trials, "faults": results,
+                            "mesh": args.mesh, "replicas": not args.no_replicas,
+                            "restores": {"all": len(restores),
+                                         "from_snapshots": len(from_snapshots),
+                                         "using_replicas": len(with_replicas)},
                             "isolated": args.isolate, "standby": args.standby,
                             "gcs_emulator": args.isolate or args.gcs_emulator,
                             "checkpoint": {"median_blocking_s": statistics.median(blocking),

@@ -55,13 +55,13 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
     theirs.mkdir(mode=0o700)
 
     async def main():
-        store = ReplicaStore(theirs, lambda: "run-1")
+        store = ReplicaStore(theirs, lambda: "run-1", lambda: 2)
         service = AgentService("127.0.0.1:0", pki.host("h1"), str(tmp_path / "state"),
                                replicas=lambda: store)
         port = await service.start()
         sender = ReplicaSender(mine, pki.host("h0"))
         try:
-            sender.target("h1", f"127.0.0.1:{port}", "run-1")
+            sender.target("h1", f"127.0.0.1:{port}", "run-1", 2)
             sent = {step: snapshot_file(mine, step) for step in (10, 20, 30)}
             sender.offer(10)
             await until(lambda: sender.sent == 1)
@@ -75,27 +75,32 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
             assert (theirs / replica_name("h0", 30)).stat().st_mode & 0o077 == 0
             assert sender.failed == 0
 
-            # a replica of another controller run is refused, nothing written
-            sender.target("h1", f"127.0.0.1:{port}", "run-0")
+            # a replica of another controller run, or of a generation older than
+            # the receiver's worker (a send that outlived it), is refused
             snapshot_file(mine, 40)
-            sender.offer(40)
-            await until(lambda: sender.failed == 1)
-            assert not (theirs / replica_name("h0", 40)).exists()
+            for run, generation in (("run-0", 2), ("run-1", 1)):
+                sender.target("h1", f"127.0.0.1:{port}", run, generation)
+                sender.offer(40)
+                await until(lambda: sender.failures_total == (1 if run == "run-0" else 2))
+                assert not (theirs / replica_name("h0", 40)).exists()
 
             # only hosts send replicas; a short stream is not kept
             async with transport.aio_agent_channel(f"127.0.0.1:{port}", pki.operator) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as denied:
                     await pb_grpc.AgentStub(ch).PutReplica(
-                        iter([pb.ReplicaChunk(run_id="run-1", step=50, size=3, data=b"abc")]))
+                        iter([pb.ReplicaChunk(run_id="run-1", generation=2, step=50, size=3,
+                                               data=b"abc")]))
                 assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
             async with transport.aio_agent_channel(f"127.0.0.1:{port}", pki.host("h2"),
                                                    roles=(transport.Role.HOST,)) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as short:
                     await pb_grpc.AgentStub(ch).PutReplica(
-                        iter([pb.ReplicaChunk(run_id="run-1", step=50, size=9, data=b"abc")]))
+                        iter([pb.ReplicaChunk(run_id="run-1", generation=2, step=50, size=9,
+                                               data=b"abc")]))
                 assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 ack = await pb_grpc.AgentStub(ch).PutReplica(
-                    iter([pb.ReplicaChunk(run_id="run-1", step=50, size=6, data=b"abc"),
+                    iter([pb.ReplicaChunk(run_id="run-1", generation=3, step=50, size=6,
+                                               data=b"abc"),
                           pb.ReplicaChunk(data=b"def")]))
                 assert ack.size == 6
             assert (theirs / replica_name("h2", 50)).read_bytes() == b"abcdef"

@@ -166,7 +166,8 @@ class Agent(ControllerSession):
         # a host that restarts keeps no state of the last one
         self.snapshot_dir = str(snapshot_dir.make(self.settings.state_dir,
                                                   self.settings.snapshot_dir))
-        self.replica_store = ReplicaStore(self.snapshot_dir, lambda: self._snapshot_run)
+        self.replica_store = ReplicaStore(self.snapshot_dir, lambda: self._snapshot_run,
+                                          lambda: self._snapshot_generation)
         self.replica_sender = ReplicaSender(self.snapshot_dir, self.settings.tls)
         private_dir(self._cache_dir())
         self._prepared = True
@@ -339,7 +340,8 @@ class Agent(ControllerSession):
                                              f"{self.settings.host_id}: cannot empty its "
                                              f"snapshot directory {self.snapshot_dir}: {e}")
                 return
-        self.replica_sender.target(start.replica_host, start.replica_address, run)
+        self.replica_sender.target(start.replica_host, start.replica_address, run,
+                                   start.generation)
         self._prestart_next = start.prestart_next
         if not start.prestart_next:
             self.supervisor.discard_prestarted()

@@ -19,7 +19,9 @@ buddy's agent (`PutReplica` on the agents' own port, mutual TLS), one at a
 time; a newer snapshot waiting replaces an older one not yet sent. The
 receiving agent names a replica after the caller's certificate (a host can
 only ever write its own replicas), keeps only the controller run it works
-for, refuses what does not fit its directory, writes it atomically (a
+for and generations not older than its own worker's (a send that outlived
+its generation may carry a step of a line of training given up since),
+refuses what does not fit its directory, writes it atomically (a
 temporary name, then rename) and keeps the newest KEEP per host.
 
 Cost: a host holds its buddy's snapshots besides its own (twice the
@@ -61,22 +63,27 @@ HEADROOM_BYTES = 1 << 20
 class ReplicaStore:
     """Peers' replicas in `directory` (the agent's snapshot directory).
     `run_id()` -> the controller run this agent works for ("" before its
-    first start: then nothing is accepted)."""
+    first start: then nothing is accepted); `generation()` -> the
+    generation of its current worker."""
 
     def __init__(self, directory: str | os.PathLike[str], run_id: Callable[[], str],
-                 keep: int = KEEP) -> None:
+                 generation: Callable[[], int], keep: int = KEEP) -> None:
         self.directory = pathlib.Path(directory)
-        self.run_id = run_id
+        self.run_id, self.generation = run_id, generation
         self.keep = keep
         self.received = 0
 
-    def refusal(self, host: str, run_id: str, step: int, size: int) -> str | None:
-        """Why a replica of `host`'s step `step` (`size` bytes, run `run_id`)
-        is not kept, or None."""
+    def refusal(self, host: str, run_id: str, generation: int, step: int, size: int
+                ) -> str | None:
+        """Why a replica of `host`'s step `step` (`size` bytes, written in
+        `generation` of run `run_id`) is not kept, or None."""
         ours = self.run_id()
         if not ours or run_id != ours:
             return (f"the replica is of controller run {run_id[:64]!r}; this agent works for "
                     f"{ours or 'none yet'}")
+        if generation < self.generation():
+            return (f"the replica was written in generation {generation}; this host's worker "
+                    f"is of generation {self.generation()}")
         if step < 0 or size <= 0:
             return f"step {step} and size {size} must be >= 0 and > 0"
         free = shutil.disk_usage(self.directory).free
@@ -133,7 +140,8 @@ class ReplicaReceiver(pb_grpc.AgentServicer):
         async for chunk in request_iterator:
             if head is None:
                 head = chunk
-                problem = store.refusal(who.name, chunk.run_id, chunk.step, chunk.size)
+                problem = store.refusal(who.name, chunk.run_id, chunk.generation, chunk.step,
+                                        chunk.size)
                 if problem:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
             chunks.append(chunk.data)
@@ -165,6 +173,7 @@ class ReplicaSender:
         self.tls = tls
         self.timeout_s = timeout_s
         self.host = self.address = self.run_id = ""
+        self.generation = 0
         self.sent = self.failed = self.failures_total = 0
         self.last_sent_step = -1
         self.last_send_s = 0.0
@@ -172,13 +181,15 @@ class ReplicaSender:
         self._pending: int | None = None
         self._task: asyncio.Task | None = None
 
-    def target(self, host: str, address: str, run_id: str) -> None:
+    def target(self, host: str, address: str, run_id: str, generation: int) -> None:
         """Send to `host`'s agent at `address` ("host:port"; "" for none)
-        from now on, replicas of controller run `run_id`."""
+        from now on, replicas of controller run `run_id` written by the
+        worker of `generation`."""
         if address != self.address and self._channel is not None:
             channel, self._channel = self._channel, None
             asyncio.get_running_loop().create_task(channel.close())
         self.host, self.address, self.run_id = host, address, run_id
+        self.generation = generation
         self._pending = None
 
     def offer(self, step: int) -> None:
@@ -207,6 +218,7 @@ class ReplicaSender:
 
     async def _send(self, step: int) -> None:
         path = self.directory / f"step-{step:010d}{SUFFIX}"
+        generation = self.generation
         f = await asyncio.to_thread(open, path, "rb")  # (kept open: the file may be replaced)
         try:
             size = os.fstat(f.fileno()).st_size
@@ -217,7 +229,8 @@ class ReplicaSender:
                     data = await asyncio.to_thread(f.read, CHUNK_BYTES)
                     if not data and not first:
                         return
-                    yield (pb.ReplicaChunk(run_id=self.run_id, step=step, size=size, data=data)
+                    yield (pb.ReplicaChunk(run_id=self.run_id, generation=generation, step=step,
+                                           size=size, data=data)
                            if first else pb.ReplicaChunk(data=data))
                     first = False
 

@@ -367,16 +367,18 @@ class LogChunk(_message.Message):
     def __init__(self, source: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaChunk(_message.Message):
-    __slots__ = ("run_id", "step", "size", "data")
+    __slots__ = ("run_id", "step", "size", "data", "generation")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     size: int
     data: bytes
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("size",)
