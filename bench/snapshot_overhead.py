@@ -28,14 +28,14 @@ from elastic.local import start_slice, stop_slice
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run(every: int, hosts: int, steps: int, replicas: bool = True
-        ) -> tuple[list[float], list[float]]:
+def run(every: int, hosts: int, steps: int, replicas: bool = True,
+        mesh: str = "data=-1,model=2") -> tuple[list[float], list[float]]:
     """One job with `--snapshot-every every` (and `replicas`: each sent to a
     buddy host); the median step times and snapshot times (s, over the last
     50 steps) process 0 reported with its saves after step 50."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-snapbench-"))
     spec_path = lm_job(work, "snapbench", hosts, worker_args=("--snapshot-every", str(every)),
-                       extra=f"replicate_snapshots = {str(replicas).lower()}")
+                       extra=f"replicate_snapshots = {str(replicas).lower()}", mesh=mesh)
     state = work / "state"
     local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
     try:
@@ -58,6 +58,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--every", type=int, nargs="+", default=[1, 10],
                         help="snapshot intervals (steps) to compare with none")
+    parser.add_argument("--mesh", default="data=-1,model=2",
+                        help="the job's mesh, axes in order (model=4,data=-1: 'model' across "
+                             "hosts, so each host's snapshot is replicated to its buddy; under "
+                             "the default every host holds the whole state and none is)")
     parser.add_argument("--replicas-off-too", action="store_true",
                         help="run every interval also with restart.replicate_snapshots = false")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "snapshot_overhead.json"))
@@ -73,7 +77,7 @@ def main() -> int:
     blocking: dict[str, list[float]] = {label: [] for label, _, _ in settings}
     for r in range(args.rounds):
         for label, every, replicas in settings:
-            steps, snaps = run(every, args.hosts, args.steps, replicas)
+            steps, snaps = run(every, args.hosts, args.steps, replicas, args.mesh)
             times[label] += steps
             blocking[label] += snaps
             print(f"round {r + 1}: snapshot {label}: median step "
@@ -81,7 +85,8 @@ def main() -> int:
                   + (f", a snapshot blocks {1000 * statistics.median(snaps):.1f} ms"
                      if snaps else ""), flush=True)
     base = statistics.median(times["none"])
-    print(f"\n{args.hosts} hosts x 2 CPU devices, {args.rounds} rounds, {machine()}")
+    print(f"\n{args.hosts} hosts x 2 CPU devices, mesh {args.mesh}, {args.rounds} rounds, "
+          f"{machine()}")
     print(f"median step time without snapshots: {base:.4f} s")
     rows = {}
     for label, every, replicas in settings[1:]:
@@ -94,7 +99,7 @@ def main() -> int:
               f"{1000 * (block or 0):.1f} ms ({100 * (block or 0) / (every * base):.2f} % of "
               f"{every} steps)")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
-                            "hosts": args.hosts, "rounds": args.rounds,
+                            "hosts": args.hosts, "rounds": args.rounds, "mesh": args.mesh,
                             "median_step_s_without": base, "settings": rows})
     return 0
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from elastic.checkpoint.snapshot import (SnapshotError, Snapshot, choose_restore, covers,
+                                         held_only_here,
                                          parse_replica_name, plan_assembly, read, region_of,
                                          replica_name, write)
 
@@ -173,3 +174,16 @@ def test_snapshots_outlive_donated_buffers_and_keep_the_last_two(tmp_path):
     assert int(restored["n"]) == 7
     assert not list(tmp_path.glob(".*tmp"))
     assert snaps.steps() == [6]  # snapshots of other steps go at a restore
+
+
+@pytest.mark.parametrize("regions, expected", [
+    ({0: {"w": {FULL}}, 1: {"w": {FULL}}}, False),              # data parallel: both whole
+    ({0: {"w": {TOP, BOTTOM}}, 1: {"w": {FULL}}}, False),        # tiles of what 1 holds whole
+    ({0: {"w": {TOP}}, 1: {"w": {BOTTOM}}}, True),               # sharded across the two
+    ({0: {"w": {TOP}}, 1: {"w": {BOTTOM}}, 2: {"w": {TOP}}}, False),  # 2 holds 0's rows too
+    ({0: {"w": {FULL}}, 1: {"w": {TOP}}}, True),                 # 1 lacks the bottom rows
+    ({0: {"w": {FULL}, "b": {((0, 3),)}}, 1: {"w": {FULL}}}, True),  # a leaf only 0 holds
+    ({0: {"w": {FULL}}}, True),                                  # a slice of one
+])
+def test_held_only_here_decides_whether_a_replica_adds_anything(regions, expected):
+    assert held_only_here(regions, 0) is expected

@@ -115,6 +115,32 @@ def host_shards(state: Any) -> Leaves:
     return leaves
 
 
+def held_only_here(regions: dict[int, dict[str, set[Region]]], me: int) -> bool:
+    """Whether process `me` holds a region of some leaf that no other process
+    holds (inside one of theirs). Pure. regions: per process, per leaf, the
+    regions its devices hold. False under pure data parallelism across
+    hosts (every process holds every leaf whole); True when a mesh axis
+    spanning hosts shards the state."""
+    others = [leaves for process, leaves in regions.items() if process != me]
+    return any(not any(inside(region, held) for leaves in others
+                       for held in leaves.get(name, ()))
+               for name, mine in regions.get(me, {}).items() for region in mine)
+
+
+def state_regions(state: Any) -> dict[int, dict[str, set[Region]]]:
+    """Per process, per leaf (tree path) of `state` (jax.Arrays), the regions
+    its devices hold: from the shardings, the same on every process."""
+    import jax
+
+    out: dict[int, dict[str, set[Region]]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = jax.tree_util.keystr(path)
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            out.setdefault(device.process_index, {}).setdefault(name, set()).add(
+                region_of(index, leaf.shape))
+    return out
+
+
 def write(path: pathlib.Path, step: int, saved_at: float, run_id: str, meta: dict,
           leaves: Leaves) -> int:
     """Write one snapshot file atomically (a temporary name, then rename).
@@ -323,9 +349,12 @@ class LocalSnapshots:
     run_id: the controller run they belong to; others are never restored.
     agree(own_vote) -> every process's vote (see `choose_restore`): defaults
       to the coordination service; tests pass their own.
-    on_written(step): called after each snapshot file is in place (the
-      worker runtime tells its agent, which sends a replica to the host's
-      buddy: elastic.agent.replicas). Replicas that peers' agents sent to
+    on_written(step): called after each snapshot file is in place when
+      this process holds a part of the state that no other process holds
+      (`held_only_here`: a state sharded across hosts; a replica of a part
+      other hosts hold anyway would cost and add nothing); the worker
+      runtime then tells its agent, which sends a replica to the host's
+      buddy (elastic.agent.replicas). Replicas that peers' agents sent to
       this host's agent lie in the same directory (`replica_name`) and are
       offered at every restore beside the process's own snapshots.
     """
@@ -341,6 +370,7 @@ class LocalSnapshots:
         self.agree = agree or coordination_service_agree("restore")
         self.clock = clock
         self.on_written = on_written
+        self._only_here: bool | None = None  # (held_only_here, from the first save's state)
         self._last_saved: int | None = None
         # seconds each of the recent snapshots blocked the training loop, and
         # the sum since the last drain_blocked_s
@@ -399,7 +429,12 @@ class LocalSnapshots:
         self.seconds.append(blocked)
         self._blocked_s += blocked
         if self.on_written is not None:
-            self.on_written(step)
+            if self._only_here is None:
+                import jax
+
+                self._only_here = held_only_here(state_regions(state), jax.process_index())
+            if self._only_here:
+                self.on_written(step)
         return True
 
     def drain_blocked_s(self) -> float:
