@@ -628,3 +628,30 @@ def test_each_host_is_told_its_buddy(replicate, expected):
                       spec(max_hosts=3, restart={"replicate_snapshots": replicate}))
     assert [(a.host, a.replica_host, a.replica_address) for a in decision.actions
             if isinstance(a, d.StartWorker)] == expected
+
+
+@pytest.mark.parametrize("replicate, restarted_on", [
+    (True, ["h1", "h3"]),   # h2's part lives on in h3 (its buddy), h0's in h1
+    (False, ["h0", "h1"]),  # the planner's own order
+])
+def test_a_smaller_slice_keeps_the_lost_hosts_buddy(replicate, restarted_on):
+    """Mesh model=4 on hosts of 2 devices: 3 survivors of a 4-host slice
+    make room for 2. Buddies went round the ring h0 -> h1 -> h2 -> h3 -> h0;
+    with h2 lost, only h1 and h3 hold every part of the last snapshot."""
+    view = ClusterView()
+    for h in ("h0", "h1", "h2", "h3"):
+        register(view, h)
+        view.hosts[h].service_port = 7000 + int(h[-1])
+    s = spec(max_hosts=4, mesh=MeshSpec((("model", 4), ("data", -1))),
+             restart={"replicate_snapshots": replicate})
+    state = running_slice(view, ["h0", "h1", "h2", "h3"])
+    for h in ("h0", "h1", "h3"):  # h2 silent for longer than the heartbeat timeout
+        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + 5.1)
+    settled = stop_and_settle(state, view, T0 + 5.1, s)
+    assert settled.state.lost == {"h2"}
+    for h in ("h0", "h1", "h3"):
+        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + 7)
+    restart = decide(settled.state, view, T0 + 7, s)
+    assert [a.host for a in restart.actions if isinstance(a, d.StartWorker)] == restarted_on
+    started = next(a for a in restart.actions if getattr(a, "kind", "") == "generation_started")
+    assert ("every host's last snapshot" in started.reason) is replicate

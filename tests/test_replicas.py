@@ -13,7 +13,7 @@ from elastic import transport
 from elastic.agent.replicas import ReplicaSender, ReplicaStore
 from elastic.agent.service import AgentService
 from elastic.checkpoint.snapshot import replica_name
-from elastic.policy.buddies import buddies
+from elastic.policy.buddies import buddies, keep_replicas_within
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
 from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples
@@ -145,3 +145,19 @@ def test_a_lost_host_of_a_sharded_state_costs_no_step_beyond_the_last_snapshot(
     assert restored["replicas_of"] == "host-1" and restored["sent_by"] == [0], restored
     assert not [e for e in journal if e["kind"] == "message_refused"]
     assert_matches_reference(lm_samples(tmp_path / "sharded-samples.jsonl"), lm_reference)
+
+
+RING = {"h0": "h1", "h1": "h2", "h2": "h3", "h3": "h0"}
+
+
+@pytest.mark.parametrize("pool, size, gone, expected", [
+    # the mesh takes 2 of the 3 survivors of h2: only h1 + h3 hold all four parts
+    (["h0", "h1", "h3"], 2, ["h2"], ("h1", "h3")),
+    (["h0", "h2", "h3"], 2, ["h1"], ("h0", "h2")),            # the first choice already does
+    (["h0", "h1", "h2", "h3"], 4, [], ("h0", "h1", "h2", "h3")),
+    (["h0", "h3"], 2, ["h1", "h2"], None),                    # h1's only replica died with h2
+    (["h0", "h1", "h3"], 3, ["h2"], ("h0", "h1", "h3")),      # room for everyone
+    (["h0", "h1"], 3, ["h2"], None),
+])
+def test_keep_replicas_within(pool, size, gone, expected):
+    assert keep_replicas_within(pool, size, gone, RING) == expected

@@ -33,3 +33,39 @@ def buddies(hosts: Sequence[str], domains: Mapping[str, str],
         if chosen is not None:
             out[host] = chosen
     return out
+
+
+#: Sets of hosts to leave out that `keep_replicas_within` tries at most.
+MAX_TRIES = 10_000
+
+
+def keep_replicas_within(pool: Sequence[str], size: int, gone: Sequence[str],
+                         buddy_of: Mapping[str, str]) -> tuple[str, ...] | None:
+    """`size` hosts of `pool` (in preference order, kept in it) such that
+    every host of the last generation that the new one will not have —
+    `gone` (lost, or otherwise unusable) and the pool's hosts left out —
+    has its buddy (`buddy_of`, the last generation's) among them: then the
+    new slice holds every host's last snapshot, its own or a replica, and
+    a state sharded across hosts resumes from the newest snapshot step
+    instead of the checkpoint. Pure.
+
+    Returns the first such choice (leaving out the least preferred hosts
+    that can be), the pool's first `size` hosts if they do already, or None
+    when no choice does within MAX_TRIES (a host and its buddy both gone:
+    the caller keeps its own plan)."""
+    import itertools
+
+    pool = list(pool)
+    if size > len(pool):
+        return None
+    needed = {buddy_of[h] for h in gone if h in buddy_of}
+    if not needed <= set(pool):
+        return None
+    for tries, out in enumerate(itertools.combinations(reversed(pool), len(pool) - size)):
+        if tries >= MAX_TRIES:
+            return None
+        left = set(out)
+        if not needed & left and all(buddy_of.get(h) in pool and buddy_of[h] not in left
+                                     for h in left if h in buddy_of):
+            return tuple(h for h in pool if h not in left)
+    return None

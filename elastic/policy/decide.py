@@ -23,7 +23,7 @@ from elastic.policy import adopt, grow, quarantine, silence
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
-from elastic.policy.buddies import buddies
+from elastic.policy.buddies import buddies, keep_replicas_within
 from elastic.policy.hang import check_hang
 from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
@@ -265,6 +265,7 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     survivors = _survivors_plan(state, spec, candidates, plan.hosts)
     if survivors is not None:
         plan = survivors  # newcomers join at the next grow; no settling for them
+    plan = _plan_keeping_replicas(state, view, spec, candidates, plan)
     settle_left = view.last_registration_at + spec.health.rendezvous_settle_s - now
     if survivors is None and len(plan.hosts) < spec.max_hosts and settle_left > 0:
         return dataclasses.replace(
@@ -321,6 +322,36 @@ def _survivors_plan(state: SliceState, spec: JobSpec, candidates: list[Candidate
         return None
     plan = plan_mesh(spec, [c for c in candidates if c.host_id in previous])
     return plan if plan.hosts and len(plan.hosts) >= len(full) - newcomers else None
+
+
+def _plan_keeping_replicas(state: SliceState, view: ClusterView, spec: JobSpec,
+                           candidates: list[Candidate], plan: MeshPlan) -> MeshPlan:
+    """`plan`, or one of as many hosts and devices whose hosts hold, between
+    them, the last snapshot of every host of the last generation (their own
+    or a buddy's replica: elastic.policy.buddies.keep_replicas_within), when
+    the mesh leaves usable hosts out and `plan` would leave out a lost
+    host's buddy."""
+    if not spec.restart.replicate_snapshots or not state.members:
+        return plan
+    chosen = set(plan.hosts)
+    pool = [c for c in candidates if c.host_id in chosen] + \
+        [c for c in candidates if c.host_id not in chosen]
+    if len(pool) == len(plan.hosts):
+        return plan
+    records = {h: view.get(h) for h in state.members}
+    buddy_of = buddies(state.members,
+                       {h: r.failure_domain if r else h for h, r in records.items()},
+                       {h: bool(r and r.service_port) for h, r in records.items()})
+    usable = {c.host_id for c in pool}
+    keep = keep_replicas_within([c.host_id for c in pool], len(plan.hosts),
+                                [h for h in state.members if h not in usable], buddy_of)
+    if keep is None or set(keep) == chosen:
+        return plan
+    better = plan_mesh(spec, [c for c in pool if c.host_id in keep])
+    if len(better.hosts) != len(plan.hosts) or better.devices_per_host != plan.devices_per_host:
+        return plan
+    return dataclasses.replace(better, reason=better.reason + " (hosts chosen so that the "
+                               "slice holds every host's last snapshot, own or replica)")
 
 
 def _member_failure(state: SliceState, view: ClusterView, host: str,
