@@ -190,9 +190,9 @@ def main() -> int:
         results["kill-controller"] = kills
     saves = [e for e in journal if e["kind"] == "checkpoint_saved" and e.get("step_time_s")
              and not e.get("preemption")]
-    blocking = [e["blocking_s"] for e in saves[1:]]
-    step_time = statistics.median(e["step_time_s"] for e in saves)
-    share = statistics.median(blocking) / (INTERVAL * step_time)
+    blocking = [e["blocking_s"] for e in saves[1:]]  # (the first save also compiles)
+    step_time = statistics.median(e["step_time_s"] for e in saves) if saves else None
+    share = statistics.median(blocking) / (INTERVAL * step_time) if blocking else None
     print(f"\n{'fault':18} {'n':>3} {'detect p50':>10} {'p95':>7} {'first step p50':>14} "
           f"{'p95':>7}  stop -> first step p50: " + ", ".join(PHASES))
     for kind, r in results.items():
@@ -225,8 +225,11 @@ def main() -> int:
           f"{len(restores)} restores, {len(from_snapshots)} from local snapshots "
           f"({len(with_replicas)} using replicas), {len(restores) - len(from_snapshots)} "
           f"from checkpoints")
-    print(f"\ncheckpoint saves: median blocking {statistics.median(blocking):.3f} s per save "
-          f"every {INTERVAL} steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
+    if share is None:  # every save but the first was a grow's or a preemption's
+        print("\ncheckpoint saves: no regular save after the first to time")
+    else:
+        print(f"\ncheckpoint saves: median blocking {statistics.median(blocking):.3f} s per save "
+              f"every {INTERVAL} steps of {step_time:.3f} s -> {100 * share:.2f} % of step time")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "hosts": args.hosts, "trials": args.trials, "faults": results,
                             "mesh": args.mesh, "replicas": not args.no_replicas,
@@ -235,7 +238,8 @@ def main() -> int:
                                          "using_replicas": len(with_replicas)},
                             "isolated": args.isolate, "standby": args.standby,
                             "gcs_emulator": args.isolate or args.gcs_emulator,
-                            "checkpoint": {"median_blocking_s": statistics.median(blocking),
+                            "checkpoint": {"median_blocking_s":
+                                           statistics.median(blocking) if blocking else None,
                                            "median_step_time_s": step_time,
                                            "interval_steps": INTERVAL, "blocking_share": share}})
     return 0
