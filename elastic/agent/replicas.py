@@ -35,6 +35,7 @@ import asyncio
 import logging
 import os
 import pathlib
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -91,26 +92,49 @@ class ReplicaStore:
             return f"{size} bytes do not fit in {self.directory} ({free} bytes free)"
         return None
 
-    def keep_file(self, host: str, step: int, chunks: list[bytes]) -> int:
-        """Write `chunks` as `host`'s replica of `step` (atomically) and drop
-        that host's older ones beyond `keep`. Returns the bytes written;
-        raises OSError."""
-        path = self.directory / replica_name(host, step)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open_private(tmp, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-            os.replace(tmp, path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+    def begin(self, host: str, step: int) -> "ReplicaFile":
+        """A file to write `host`'s replica of `step` into, under a temporary
+        name of its own (0600; no other write can interleave). Raises OSError."""
+        return ReplicaFile(self, host, step)
+
+    def kept(self, host: str, step: int) -> None:
+        """`host`'s replica of `step` is in place: drop its older ones beyond `keep`."""
         mine = sorted((parsed[1], p) for p in self.directory.glob(f"{REPLICA_PREFIX}*{SUFFIX}")
                       if (parsed := parse_replica_name(p.name)) and parsed[0] == host)
         for _, old in mine[:-self.keep]:
             old.unlink(missing_ok=True)
         self.received += 1
-        return sum(map(len, chunks))
+
+
+class ReplicaFile:
+    """One replica being received: `write(data)` as chunks come, then
+    `commit()` (renamed into place) or `discard()`. Raises OSError."""
+
+    def __init__(self, store: ReplicaStore, host: str, step: int) -> None:
+        self.store, self.host, self.step = store, host, step
+        self.path = store.directory / replica_name(host, step)
+        self.tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.tmp")
+        self.size = 0
+        self._file = open_private(self.tmp, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+        self.size += len(data)
+
+    def commit(self) -> int:
+        """Put the replica in place (atomically); returns its bytes."""
+        try:
+            self._file.close()
+            os.replace(self.tmp, self.path)
+        except OSError:
+            self.discard()
+            raise
+        self.store.kept(self.host, self.step)
+        return self.size
+
+    def discard(self) -> None:
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 class ReplicaReceiver(pb_grpc.AgentServicer):
@@ -135,26 +159,29 @@ class ReplicaReceiver(pb_grpc.AgentServicer):
         if store is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this agent keeps no snapshots")
-        chunks: list[bytes] = []
-        head = None
-        async for chunk in request_iterator:
-            if head is None:
-                head = chunk
-                problem = store.refusal(who.name, chunk.run_id, chunk.generation, chunk.step,
-                                        chunk.size)
-                if problem:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-            chunks.append(chunk.data)
-            if sum(map(len, chunks)) > head.size:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"more than the {head.size} bytes announced")
-        if head is None or sum(map(len, chunks)) != head.size:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the replica ended before the bytes announced")
+        head, replica = None, None
         try:
-            size = await asyncio.to_thread(store.keep_file, who.name, head.step, chunks)
+            async for chunk in request_iterator:
+                if head is None:
+                    head = chunk
+                    problem = store.refusal(who.name, chunk.run_id, chunk.generation,
+                                            chunk.step, chunk.size)
+                    if problem:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+                    replica = store.begin(who.name, chunk.step)
+                replica.write(chunk.data)
+                if replica.size > head.size:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"more than the {head.size} bytes announced")
+            if head is None or replica.size != head.size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "the replica ended before the bytes announced")
+            size, replica = replica.commit(), None
         except OSError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not kept: {e}")
+        finally:
+            if replica is not None:  # refused, cut short, cancelled
+                replica.discard()
         return pb.ReplicaAck(size=size)
 
 
