@@ -167,7 +167,8 @@ class Chaos(threading.Thread):
     ones when their triggers come.
 
     restart_agent(host_id): start that host's agent again (the caller owns
-    the process). keep_running: keep serving the come-back actions of faults
+    the process); returning False means not yet (the old process is still
+    being torn down), and it is asked again every 0.5 s. keep_running: keep serving the come-back actions of faults
     injected from outside (inject()) until stop(). heartbeat_timeout_s: how long a host must stay away to be
     declared lost (stopped agents resume, killed hosts come back after it + 2 s).
     storage: the proxy between the slice and its checkpoint bucket
@@ -349,7 +350,7 @@ class Chaos(threading.Thread):
             signal_pid(agent, signal.SIGKILL)
             signal_group(worker, signal.SIGKILL)
             self._record(kind, host, status, [agent, worker])
-            self._later(self.host_down_s, lambda: self.restart_agent(h))
+            self._later(self.host_down_s, lambda: self._restart_agent(h))
         elif kind == "stop-agent":
             signal_pid(agent, signal.SIGSTOP)
             self._record(kind, host, status, [agent])
@@ -475,7 +476,15 @@ class Chaos(threading.Thread):
         if alive(pid) and not self._halt.is_set():
             self._later(0.5, lambda: self._come_back_after_exit(host_id, pid))
         elif self.agent_pid(host_id) == pid:
-            self.restart_agent(host_id)
+            self._restart_agent(host_id)
+
+    def _restart_agent(self, host_id: str) -> None:
+        """Start `host_id`'s agent again, asking again every 0.5 s while its
+        old process is not gone yet (a zombie main thread is not a process
+        that can be reaped: /proc shows Z while the kernel still ends the
+        other threads, which once took over 6 s and lost a host for good)."""
+        if self.restart_agent(host_id) is False and not self._halt.is_set():
+            self._later(0.5, lambda: self._restart_agent(host_id))
 
     def _wait_for_save(self, since: float, timeout_s: float) -> dict | None:
         tail = JournalTail(self.state_dir)

@@ -6,6 +6,7 @@ injected fault, with no process left behind."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -173,3 +174,37 @@ def test_a_planned_storage_fault_needs_the_emulator(tmp_path, proc_env):
     assert out.returncode == 2
     assert out.stderr.strip() == ("elasticd: error: --fault storage-outage needs --gcs-emulator "
                                   "(the fault acts on the emulator's bucket through a proxy)")
+
+
+def test_a_host_comes_back_even_when_its_old_agent_is_slow_to_be_reaped(tmp_path):
+    """preempt: SIGTERM to the agent; once it is gone, the host comes back.
+    The launcher may not reap the old process at the first try (its main
+    thread shows Z while the kernel still ends the others): restart_agent
+    then answers False, and is asked again until it starts the agent."""
+    import threading
+
+    from elastic.chaos import Chaos
+
+    agent = subprocess.Popen(["sleep", "60"])
+    answers, calls, done = [False, False, True], [], threading.Event()
+
+    def restart(host_id: str) -> bool:
+        calls.append(host_id)
+        if len(calls) == len(answers):
+            done.set()
+        return answers[len(calls) - 1]
+
+    chaos = Chaos(None, "127.0.0.1:1", None, tmp_path, restart, lambda h: agent.pid, 1.0,
+                  keep_running=True)
+    chaos.start()
+    try:
+        chaos.inject("preempt", pb.HostStatus(host_id="host-1", agent_pid=agent.pid),
+                     pb.JobStatus(generation=1))
+        assert agent.wait(10) == -signal.SIGTERM
+        assert done.wait(15), calls
+    finally:
+        chaos.stop()
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert calls == ["host-1"] * 3

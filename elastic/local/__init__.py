@@ -315,11 +315,14 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
     leftovers.remove_snapshot_dirs(local.state_dir)
 
 
-def restart_agent(local: LocalSlice, host_id: str) -> None:
-    """Start `host_id`'s agent again (a host that comes back), same command line."""
+def restart_agent(local: LocalSlice, host_id: str) -> bool:
+    """Start `host_id`'s agent again (a host that comes back), same command
+    line; False (nothing done) while the old agent process cannot be reaped
+    yet: still running, or still being torn down (its main thread already a
+    zombie in /proc while the kernel ends its other threads)."""
     old = local.agents.get(host_id)
     if old is not None and old.poll() is None:
-        return
+        return False
     if old is not None:
         old.wait()
     out = open_private(local.state_dir / "hosts" / f"{host_id}.log", "ab")
@@ -328,6 +331,7 @@ def restart_agent(local: LocalSlice, host_id: str) -> None:
                                         env={**child_env(), **local.extra_env})
     out.close()
     write_local_file(local)
+    return True
 
 
 def run_chaos(state_dir: str, chaos: ChaosSpec, duration_s: float | None,
