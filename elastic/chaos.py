@@ -168,9 +168,11 @@ class Chaos(threading.Thread):
 
     restart_agent(host_id): start that host's agent again (the caller owns
     the process); returning False means not yet (the old process is still
-    being torn down), and it is asked again every 0.5 s. keep_running: keep serving the come-back actions of faults
-    injected from outside (inject()) until stop(). heartbeat_timeout_s: how long a host must stay away to be
-    declared lost (stopped agents resume, killed hosts come back after it + 2 s).
+    being torn down), and it is asked again every 0.5 s.
+    keep_running: keep serving the come-back actions of faults injected
+    from outside (inject()) until stop().
+    heartbeat_timeout_s: how long a host must stay away to be declared lost
+    (stopped agents resume, killed hosts come back after it + 2 s).
     storage: the proxy between the slice and its checkpoint bucket
     (elastic.checkpoint.faulty_storage.FaultProxy) for the storage kinds.
     network: the isolated hosts' network (elastic.local.network.NetworkPlan)

@@ -118,6 +118,7 @@ class ReplicaFile:
         self._file = open_private(self.tmp, "wb")
 
     def write(self, data: bytes) -> None:
+        """Append a chunk (bytes) to the temporary file. Raises OSError."""
         self._file.write(data)
         self.size += len(data)
 
@@ -133,6 +134,7 @@ class ReplicaFile:
         return self.size
 
     def discard(self) -> None:
+        """Close and remove the temporary file (nothing is kept)."""
         self._file.close()
         self.tmp.unlink(missing_ok=True)
 
@@ -275,6 +277,7 @@ class ReplicaSender:
             self.failed = 0
 
     async def close(self) -> None:
+        """Stop sending (a replica in flight is abandoned) and close the channel."""
         if self._task is not None:
             self._task.cancel()
         if self._channel is not None:

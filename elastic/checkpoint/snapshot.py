@@ -231,19 +231,12 @@ def covers(snapshot: Snapshot, needed: dict) -> bool:
     return True
 
 
-def held_regions(snapshot: Snapshot, needed: dict) -> dict[str, list[Region]] | None:
-    """Per leaf, the regions `snapshot` holds, when its leaves are those of
-    `needed` (from `needed_regions`: the same paths, shapes and dtypes);
-    None when it is a snapshot of another state."""
-    if set(snapshot.leaves) != set(needed):
-        return None
-    held = {}
-    for name, (shape, dtype, _) in needed.items():
-        held_shape, held_dtype, shards = snapshot.leaves[name]
-        if tuple(held_shape) != tuple(shape) or held_dtype != dtype:
-            return None
-        held[name] = [region for region, _ in shards]
-    return held
+def same_state(snapshot: Snapshot, needed: dict) -> bool:
+    """Whether `snapshot`'s leaves are those of `needed` (from
+    `needed_regions`): the same paths, shapes and dtypes."""
+    return set(snapshot.leaves) == set(needed) and all(
+        tuple(snapshot.leaves[name][0]) == tuple(shape) and snapshot.leaves[name][1] == dtype
+        for name, (shape, dtype, _) in needed.items())
 
 
 def _volume(region: Region) -> int:
@@ -462,7 +455,7 @@ class LocalSnapshots:
         except SnapshotError as e:
             log.warning("local snapshot ignored: %s", e)
             return None
-        if snap.run_id != self.run_id or snap.step != step or held_regions(snap, needed) is None:
+        if snap.run_id != self.run_id or snap.step != step or not same_state(snap, needed):
             return None
         return snap
 

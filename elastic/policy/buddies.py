@@ -13,6 +13,7 @@ equal size every host also receives about one replica.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 
@@ -53,8 +54,6 @@ def keep_replicas_within(pool: Sequence[str], size: int, gone: Sequence[str],
     that can be), the pool's first `size` hosts if they do already, or None
     when no choice does within MAX_TRIES (a host and its buddy both gone:
     the caller keeps its own plan)."""
-    import itertools
-
     pool = list(pool)
     if size > len(pool):
         return None

@@ -289,9 +289,7 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         "coordinator": address, "restarts": state.restarts,
         "incarnations": [view.hosts[h].incarnation for h in plan.hosts]}))
     state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
-    buddy = buddies(plan.hosts, {h: view.hosts[h].failure_domain for h in plan.hosts},
-                    {h: view.hosts[h].service_port > 0 for h in plan.hosts}) \
-        if spec.restart.replicate_snapshots else {}
+    buddy = _buddies(view, plan.hosts) if spec.restart.replicate_snapshots else {}
     for rank, host in enumerate(plan.hosts):
         to = buddy.get(host, "")
         actions.append(StartWorker(
@@ -324,6 +322,15 @@ def _survivors_plan(state: SliceState, spec: JobSpec, candidates: list[Candidate
     return plan if plan.hosts and len(plan.hosts) >= len(full) - newcomers else None
 
 
+def _buddies(view: ClusterView, hosts: tuple[str, ...]) -> dict[str, str]:
+    """elastic.policy.buddies.buddies for `hosts` (rank order) as `view`
+    knows them; a host it no longer knows is a domain of its own, unable
+    to receive."""
+    records = {h: view.get(h) for h in hosts}
+    return buddies(hosts, {h: r.failure_domain if r else h for h, r in records.items()},
+                   {h: bool(r and r.service_port) for h, r in records.items()})
+
+
 def _plan_keeping_replicas(state: SliceState, view: ClusterView, spec: JobSpec,
                            candidates: list[Candidate], plan: MeshPlan) -> MeshPlan:
     """`plan`, or one of as many hosts and devices whose hosts hold, between
@@ -338,10 +345,7 @@ def _plan_keeping_replicas(state: SliceState, view: ClusterView, spec: JobSpec,
         [c for c in candidates if c.host_id not in chosen]
     if len(pool) == len(plan.hosts):
         return plan
-    records = {h: view.get(h) for h in state.members}
-    buddy_of = buddies(state.members,
-                       {h: r.failure_domain if r else h for h, r in records.items()},
-                       {h: bool(r and r.service_port) for h, r in records.items()})
+    buddy_of = _buddies(view, state.members)  # (the last generation's, derived again)
     usable = {c.host_id for c in pool}
     keep = keep_replicas_within([c.host_id for c in pool], len(plan.hosts),
                                 [h for h in state.members if h not in usable], buddy_of)
