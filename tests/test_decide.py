@@ -326,10 +326,14 @@ def test_restart_budget(earlier, max_restarts, fails):
     # the last step is taken and its checkpoint commits: nothing to grow for
     ("after_checkpoint", True, True, False),
     ("immediately", False, True, False),
+    # a member's worker already exited 0 (one that reports no worker_finishing)
+    ("immediately", False, "exited", False),
 ])
 def test_grow_policy(policy, commit_after_join, finishing, grows):
     state, view = slice_with_a_waiting_host()
-    if finishing:
+    if finishing == "exited":
+        worker(view, "h1", T0 + 0.5, state.generation, WorkerState.EXITED, step=149)
+    elif finishing:
         view.hosts["h0"].finishing_generation = state.generation
     s = spec(restart={"grow": policy})
     first = decide(state, view, T0 + 1, s)

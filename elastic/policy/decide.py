@@ -452,12 +452,18 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     return _consider_grow(state, view, now, spec, actions)
 
 
+def _done(record: HostRecord, state: SliceState) -> bool:
+    """Whether `record`'s worker of the current generation exited 0."""
+    return record.worker.generation == state.generation and record.worker.succeeded
+
+
 def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                    actions: list[Action]) -> SliceState:
     """Whether a plan with the hosts there are now puts more devices in the
     mesh than the running slice (another host, or hosts with more devices:
     a repaired chip); if so, stop for a grow when `restart.grow` says, unless
-    a worker said training is done (`worker_finishing`). Notes
+    training is done: a worker said so (`worker_finishing`) or a member's
+    worker of this generation exited 0. Notes
     the hosts such a plan leaves out. Planning is skipped (O(members), or
     O(hosts) without a sort) while nothing could make a bigger slice."""
     if state.phase is not Phase.RUNNING:
@@ -476,7 +482,7 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     policy = spec.restart.grow
     if policy == "never" or plan.devices <= len(state.members) * state.devices_per_host:
         return _no_grow(state)
-    if any(view.hosts[h].finishing_generation == state.generation
+    if any(view.hosts[h].finishing_generation == state.generation or _done(view.hosts[h], state)
            for h in members if h in view.hosts):
         # training is done (its last checkpoint may be what commits now): a
         # grow would only restart a slice to restore and exit at once
