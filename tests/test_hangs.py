@@ -20,7 +20,10 @@ def with_sections(spec, text: str):
 def test_sigstop_worker_is_a_hang(tmp_path, local_job):
     job = local_job(with_sections(tiny_spec(tmp_path), HANG))
     job.wait_for("first_progress", generation=1)
-    victim = job.host("host-2")
+    # (the first step may be reported before host-2's heartbeat names its
+    # worker: a pid of 0 would SIGSTOP this test's own process group)
+    victim = wait_until(lambda: (h := job.host("host-2")).get("workerPid") and h, 10,
+                        "host-2 to report its worker's pid")
     stopped_at = time.time()
     os.kill(victim["workerPid"], signal.SIGSTOP)
     hang = job.wait_for("hang_detected", generation=1, timeout_s=30)
