@@ -105,6 +105,8 @@ def test_agent_bad_inputs(tmp_path, proc_env, pki):
          "--stop-grace-s must be from 0 to 3600"),
         (["--host-id", "../h0", *allow, "--insecure"], "--host-id '../h0' is not valid"),
         (["--host-id", "h0", "--insecure"], "no --allow-worker"),
+        (["--host-id", "h0", "--shared-compile-cache", "cache", *allow, "--insecure"],
+         "--shared-compile-cache 'cache' is neither a gs://bucket[/prefix] URL nor an absolute"),
         (["--host-id", "h1", "--tls-dir", h0, *allow], "is for host h0; --host-id is h1"),
         (["--host-id", "h0", "--tls-dir", str(tmp_path / "none"), *allow], "no TLS directory"),
     ]

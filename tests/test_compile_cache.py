@@ -99,3 +99,66 @@ def test_processes_that_share_no_directory_each_compile(tmp_path):
     records = _slice_compiles(tmp_path, cache, "own", "--own-dir")
     assert [r["hit"] for r in records] == [False, False]
     assert len(list(cache.glob("h*/f-*.xla"))) == 2
+
+
+def _bucket_entries(gcs_emulator, bucket_url: str, prefix: str) -> list[str]:
+    return sorted(b.name for b in gcs_emulator.client().list_blobs(bucket_url[5:], prefix=prefix))
+
+
+def test_a_bucket_tier_is_written_read_back_into_the_host_and_mended(
+        tmp_path, gcs_emulator, gcs_bucket, monkeypatch):
+    for name, value in gcs_emulator.env.items():
+        monkeypatch.setenv(name, value)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    shared = f"{gcs_bucket}/cache"
+    compiled, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "a"), "f", shared)
+    assert not hit
+    [entry] = _bucket_entries(gcs_emulator, gcs_bucket, "cache/")
+    assert entry.startswith("cache/f-") and entry.endswith(".xla")
+    # another host (an empty directory of its own) loads it from the bucket
+    # and keeps a copy
+    loaded, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "b"), "f", shared)
+    assert hit
+    np.testing.assert_array_equal(loaded(x), compiled(x))
+    assert [p.name for p in (tmp_path / "b").glob("f-*.xla")] == [entry[len("cache/"):]]
+    # a damaged object is compiled again and replaced, never an error
+    blob = gcs_emulator.client().bucket(gcs_bucket[5:]).blob(entry)
+    blob.upload_from_string(b"not an executable")
+    again, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "c"), "f", shared)
+    assert not hit
+    np.testing.assert_array_equal(again(x), compiled(x))
+    assert blob.download_as_bytes() != b"not an executable"
+    assert compile_cached(_lowered(2.0), str(tmp_path / "d"), "f", shared)[1]
+
+
+def test_an_unreachable_bucket_only_means_compiling(tmp_path, monkeypatch, caplog):
+    from elastic.checkpoint.emulator import endpoint_env, free_port
+    from elastic.worker import compile_cache
+
+    for name, value in endpoint_env(f"http://127.0.0.1:{free_port()}").items():
+        monkeypatch.setenv(name, value)  # nothing listens there
+    monkeypatch.setattr(compile_cache, "BUCKET_RETRY_S", 0.5)
+    compiled, hit, _ = compile_cached(_lowered(2.0), str(tmp_path), "f", "gs://nowhere/cache")
+    assert not hit
+    x = np.ones((4, 3), np.float32)
+    np.testing.assert_allclose(compiled(x), np.tanh(x) * 2.0, rtol=1e-6)
+    assert "executable cache gs://nowhere/cache: cannot" in caplog.text
+    # the host's own tier still got the entry
+    assert compile_cached(_lowered(2.0), str(tmp_path), "f", "gs://nowhere/cache")[1]
+
+
+def test_hosts_that_share_only_a_bucket_compile_once_per_slice(tmp_path, gcs_emulator,
+                                                               gcs_bucket, monkeypatch):
+    for name, value in gcs_emulator.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ELASTIC_SHARED_CACHE", f"{gcs_bucket}/cache")
+    first = _slice_compiles(tmp_path, tmp_path / "disks1", "first", "--own-dir")
+    # process 0 compiled into its disk and the bucket; process 1 found its
+    # claim in the bucket, waited for the entry and loaded it
+    assert [r["hit"] for r in first] == [False, True]
+    [entry] = _bucket_entries(gcs_emulator, gcs_bucket, "cache/")  # no claim left
+    assert sorted(p.parent.name for p in (tmp_path / "disks1").glob("h*/f-*.xla")) == ["h0", "h1"]
+    # a new job on new disks starts warm from the bucket
+    again = _slice_compiles(tmp_path, tmp_path / "disks2", "again", "--own-dir")
+    assert [r["hit"] for r in again] == [True, True]
+    assert _bucket_entries(gcs_emulator, gcs_bucket, "cache/") == [entry]

@@ -161,6 +161,9 @@ def test_isolated_hosts_survive_partitions_without_split_brain(tmp_path, local_j
     assert "host-2" in {e["host"] for e in fenced}, fenced  # back within the run
     assert_no_split_brain(journal, seen)
     assert any("/commit_success.txt" in n for n in seen), sorted(seen)[:20]
+    # hosts that share no disk share compiled executables through the bucket
+    assert any(n.startswith("compile-cache/train_step-") and n.endswith(".xla")
+               for n in seen), sorted(seen)[:20]
     steps = [e for e in journal if e["kind"] == "checkpoint_committed"]
     assert steps and max(e["step"] for e in steps) >= 90
     # the network and the namespaces are gone with the run

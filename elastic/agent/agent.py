@@ -66,7 +66,10 @@ class AgentSettings:
     agent starts, emptied when a new controller run starts a worker here
     and removed when the agent stops; compile_cache_dir: the worker's executable cache
     (elastic.worker.compile_cache; default STATE_DIR/compile-cache), which
-    hosts of one machine type may share; listen: "HOST:PORT" of the agent's
+    hosts of one machine type may share; shared_compile_cache: a second
+    executable cache the hosts share (gs://bucket/prefix or a directory),
+    looked in after this host's and written to by every compile (None:
+    none); listen: "HOST:PORT" of the agent's
     own gRPC port (health, reflection: elastic.agent.service; None: none);
     metrics_port: its Prometheus metrics (elastic.agent.metrics) on the
     listen host, or `address` (None: none)."""
@@ -86,6 +89,7 @@ class AgentSettings:
     preemption_grace_s: float = 25.0
     snapshot_dir: str | None = None
     compile_cache_dir: str | None = None
+    shared_compile_cache: str | None = None
     device_kind: str = "cpu"
     device_dir: str | None = None
     listen: str | None = None
@@ -297,6 +301,7 @@ class Agent(ControllerSession):
                 config.ENV_PROGRESS_SOCKET: self.progress_address,
                 config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
                 config.ENV_CACHE_DIR: self._cache_dir(),
+                config.ENV_SHARED_CACHE: self.settings.shared_compile_cache or "",
                 "PYTHONUNBUFFERED": "1"}
 
     def _vet(self, launch: pb.StartWorker) -> list[str] | str:

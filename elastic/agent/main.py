@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import sys
 
 from elastic.agent.agent import Agent, AgentSettings
@@ -21,7 +22,8 @@ DEFAULT_TLS_DIR = "/etc/elastic/host"
 def parse_args(argv: list[str] | None = None) -> AgentSettings:
     """The agent's settings from its command line. Exits 2 with one line
     on a bad one (argparse's usage error): an invalid host id or address,
-    a negative or infinite grace, no allow-list, TLS files that cannot be
+    a negative or infinite grace, a shared compile cache that is
+    neither gs:// nor an absolute path, no allow-list, TLS files that cannot be
     used or whose certificate is not this host's."""
     from elastic.security.allow import AllowList
     from elastic.security.identity import Role, check_id
@@ -72,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
                              "of one machine type (same CPU, same software) may share one "
                              "directory, and only ones that trust each other: loading an "
                              "entry runs its code (default: STATE_DIR/compile-cache)")
+    parser.add_argument("--shared-compile-cache", default=None, metavar="URL",
+                        help="an executable cache the job's hosts share, looked in after "
+                             "--compile-cache-dir: gs://bucket/prefix (e.g. beside the "
+                             "checkpoints) or a directory on a common filesystem; a slice "
+                             "shape is then compiled once for all hosts, and a new job of the "
+                             "same program starts warm. Only where whoever can write there is "
+                             "trusted to run code on this host (default: none)")
     parser.add_argument("--job-id", default="", help="refuse a controller of another job")
     parser.add_argument("--stop-grace-s", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL of the worker when the "
@@ -126,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
     if not (math.isfinite(args.preemption_grace_s) and 0 < args.preemption_grace_s <= 3600):
         parser.error(f"--preemption-grace-s must be from 0 to 3600 seconds, got "
                      f"{args.preemption_grace_s}")
+    shared = args.shared_compile_cache
+    if shared is not None and not (shared.startswith("gs://") and len(shared) > 5 or
+                                   os.path.isabs(shared)):
+        parser.error(f"--shared-compile-cache {shared[:200]!r} is neither a gs://bucket[/prefix] "
+                     f"URL nor an absolute directory")
     if not allow.workers and not allow.any_worker:
         parser.error("no --allow-worker: this agent would refuse every worker; name what it "
                      "may run (--allow-worker '/opt/venv/bin/python /srv/job/train.py') or pass "
@@ -150,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         allow=allow, job_id=args.job_id, stop_grace_s=args.stop_grace_s,
         metadata_url=args.gce_metadata, preemption_grace_s=args.preemption_grace_s,
         snapshot_dir=args.snapshot_dir, compile_cache_dir=args.compile_cache_dir,
+        shared_compile_cache=args.shared_compile_cache,
         listen=args.listen, metrics_port=args.metrics_port)
 
 

@@ -100,14 +100,17 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
                state_dir: pathlib.Path, spec: JobSpec, insecure: bool = False,
                metadata_url: str | None = None,
                compile_cache_dir: pathlib.Path | None = None,
-               net: network.NetworkPlan | None = None, metrics: bool = False) -> list[str]:
+               net: network.NetworkPlan | None = None, metrics: bool = False,
+               shared_cache: str | None = None) -> list[str]:
     """The command line of one simulated host's agent: its device nodes in
     STATE_DIR/hosts/HOST/dev (elastic.simdevices; counted like a real
     host's, kind "cpu"), its own certificate bundle under STATE_DIR/tls
     (or --insecure) and an allow-list of exactly the job's command
     (`allow_args`). `metadata_url` may hold "{host}", replaced by the host
     id (one fake metadata path per host). The executable cache is
-    `compile_cache_dir`, default STATE_DIR/compile-cache. With `net`, the
+    `compile_cache_dir`, default STATE_DIR/compile-cache, and the hosts
+    also share `shared_cache` (a gs:// URL: the emulator's bucket) if given.
+    With `net`, the
     agent runs in the host's namespaces (`isolated_argv`), at its address,
     with its state and its executable cache on its own disk. Every agent
     serves health and reflection on a port of its own (`--listen ADDR:0`);
@@ -135,6 +138,7 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
             # cache, as the hosts of a cluster may share one on a common
             # filesystem; isolated: each host has its own
             "--compile-cache-dir", str(cache),
+            *(["--shared-compile-cache", shared_cache] if shared_cache else []),
             *allow_args(spec, child_env()["PATH"])]
     tls_dir = certs.bundle_dir(state_dir / TLS_DIR, Role.HOST, host_id)
     argv += ["--insecure"] if insecure else ["--tls-dir", str(tls_dir)]
@@ -184,7 +188,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 extra_env: dict[str, str] | None = None,
                 compile_cache_dir: pathlib.Path | None = None,
                 net: network.NetworkPlan | None = None, standby: bool = False,
-                metrics_port: int | None = None) -> LocalSlice:
+                metrics_port: int | None = None, shared_cache: str | None = None
+                ) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
@@ -198,7 +203,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     second controller waits as a standby on another loopback port
     (elastic.controller.leadership) and agents are given both addresses.
     `metrics_port`: where the controller (the one leading) serves its
-    Prometheus metrics (elastic.controller.metrics).
+    Prometheus metrics (elastic.controller.metrics). `shared_cache`: an
+    executable cache every host shares besides its own (agent_argv).
     Every process started dies with this one (spawn_bound).
 
     Raises RuntimeError when the controller exits or does not listen within
@@ -255,7 +261,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         simdevices.set_devices(simdevices.device_dir(state_dir, host_id), counts[i])
         argv = agent_argv(addresses, host_id, f"domain-{i // per_domain}",
                           state_dir, spec, insecure, metadata_url, compile_cache_dir, net,
-                          metrics=metrics_port is not None)
+                          metrics=metrics_port is not None, shared_cache=shared_cache)
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = spawn_bound(argv, stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=env)
@@ -386,11 +392,14 @@ def wants_storage_faults(faults: list[Fault] | None, chaos: ChaosSpec | None) ->
 class Surroundings:
     """What a local slice runs in (see `surroundings`): the isolated network
     (None: the root namespace), the checkpoint directory replacing the
-    spec's (None: the spec's), the variables every process gets (the
+    spec's (None: the spec's), the executable cache the hosts share
+    besides their own (the bucket's `compile-cache/`; None: none), the
+    variables every process gets (the
     emulator's), and the storage fault proxy (None: no storage faults)."""
 
     net: network.NetworkPlan | None = None
     checkpoint_dir: str | None = None
+    shared_cache: str | None = None
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     proxy: Any = None
 
@@ -428,7 +437,10 @@ def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
             log = open_private(state / "gcs-emulator.log", "ab")
             emulator = GCSEmulator(made.net.gateway if made.net else "127.0.0.1").start(log=log)
             log.close()
-            made.checkpoint_dir = emulator.create_bucket("elastic-local") + "/" + job_id
+            bucket = emulator.create_bucket("elastic-local")
+            made.checkpoint_dir = f"{bucket}/{job_id}"
+            # hosts that share nothing else share executables through it
+            made.shared_cache = f"{bucket}/compile-cache"
             made.extra_env = emulator.env
             say(f"elasticd local: GCS emulator at {emulator.url}, checkpoints in "
                 f"{made.checkpoint_dir}")
@@ -505,7 +517,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
                             insecure, around.checkpoint_dir, around.extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
                             if compile_cache_dir else None, around.net, standby,
-                            metrics_port)
+                            metrics_port, around.shared_cache)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")

@@ -158,13 +158,14 @@ class WorkerContext:
 
     def compile(self, lowered, name: str):
         """Compile a lowered function (`jax.jit(f).lower(*abstract_args)`),
-        reusing this host's executable from an earlier generation of the same
-        slice shape (see elastic.worker.compile_cache). Returns (compiled,
-        loaded_from_cache, seconds)."""
+        reusing an executable of the same slice shape from an earlier
+        generation, this host's or one in the hosts' shared cache (see
+        elastic.worker.compile_cache). Returns (compiled, loaded_from_cache,
+        seconds)."""
         from elastic.worker.compile_cache import compile_cached
 
         self._phase("setup")
-        result = compile_cached(lowered, self.env.cache_dir, name)
+        result = compile_cached(lowered, self.env.cache_dir, name, self.env.shared_cache)
         self._phase("compile")
         return result
 
