@@ -135,7 +135,8 @@ def main() -> int:
                                               gcs_emulator=args.gcs_emulator))
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                        net=around.net, standby=args.standby)
+                        net=around.net, standby=args.standby,
+                        shared_cache=around.shared_cache)
     chaos = Chaos(None, local.addresses, local.tls, state, lambda h: restart_agent(local, h),
                   lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
                   keep_running=True, network=around.net,
