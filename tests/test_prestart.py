@@ -12,8 +12,7 @@ import pytest
 
 from elastic import config
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
-from elastic.worker.prestart import (RUNTIME_PRELOAD, preload_names, program_imports,
-                                     storage_preload)
+from elastic.worker.prestart import RUNTIME_PRELOAD, preload_names, program_imports
 
 PY = sys.executable
 
@@ -88,12 +87,6 @@ def test_jax_runtime_preloaded_only_for_programs_that_import_jax(tmp_path):
     assert preload_names(str(jax_program)) == [*RUNTIME_PRELOAD, "jax", "optax"]
     assert preload_names(str(plain)) == ["json", "elastic.worker"]
     assert preload_names("") == list(RUNTIME_PRELOAD)  # python -m module
-    # a job on a bucket also gets its storage clients ahead
-    assert storage_preload("/ckpt", "") == [] and storage_preload("/ckpt", "/shared") == []
-    on_gcs = storage_preload("gs://b/job", "gs://b/compile-cache")
-    assert on_gcs == ["gcsfs", "google.cloud.storage"]
-    assert preload_names(str(jax_program), on_gcs) == [*RUNTIME_PRELOAD, *on_gcs, "jax", "optax"]
-    assert preload_names(str(plain), on_gcs) == ["json", "elastic.worker"]
 
 
 class _Exits:

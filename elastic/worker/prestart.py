@@ -91,24 +91,13 @@ def program_imports(script: str) -> list[str]:
     return names
 
 
-def storage_preload(checkpoint_dir: str, shared_cache: str) -> list[str]:
-    """The storage clients the runtime will import for these settings
-    (ELASTIC_CHECKPOINT_DIR, ELASTIC_SHARED_CACHE): gcsfs for Orbax on a
-    gs:// checkpoint directory, google-cloud-storage for a gs:// executable
-    cache; ~0.3 and ~0.1 s of imports that would otherwise fall inside the
-    startup's `checkpoint_setup` and `compile` phases."""
-    return ([*(["gcsfs"] if checkpoint_dir.startswith("gs://") else []),
-             *(["google.cloud.storage"] if shared_cache.startswith("gs://") else [])])
-
-
-def preload_names(script: str, storage: list[str] = ()) -> list[str]:
+def preload_names(script: str) -> list[str]:
     """What to import ahead for `script` ("" for `-m module`): its own
-    top-level imports, after RUNTIME_PRELOAD and `storage` (see
-    storage_preload) if it imports JAX (or is a module, whose imports are
-    not read)."""
+    top-level imports, after RUNTIME_PRELOAD if it imports JAX (or is a
+    module, whose imports are not read)."""
     names = program_imports(script) if script else []
     if not script or any(n.split(".")[0] == "jax" for n in names):
-        names = [*RUNTIME_PRELOAD, *storage, *names]
+        names = [*RUNTIME_PRELOAD, *names]
     return names
 
 
@@ -172,10 +161,7 @@ def main() -> None:
     # Only as root, where normal priority can surely be restored: the agent
     # (same user) restores it before it sends the launch, and so do we.
     idle = os.geteuid() == 0 and set_policy("self", os.SCHED_IDLE)
-    from elastic.config import ENV_CHECKPOINT_DIR, ENV_SHARED_CACHE
-
-    preload(preload_names(script, storage_preload(os.environ.get(ENV_CHECKPOINT_DIR, ""),
-                                                  os.environ.get(ENV_SHARED_CACHE, ""))))
+    preload(preload_names(script))
     sys.stderr.buffer.write(READY_LINE + b"\n")
     sys.stderr.flush()
     line = sys.stdin.readline()
