@@ -6,6 +6,7 @@ bucket, ending where an undisturbed run ends."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -126,3 +127,18 @@ def test_a_bucket_url_without_the_gcs_packages_says_what_to_install(monkeypatch)
     monkeypatch.setitem(sys.modules, "google.cloud", None)
     with pytest.raises(StorageError, match=r"pip install 'elastic\[gcs\]'"):
         gcs.client()
+
+
+def test_the_emulator_environment_turns_off_google_auths_gce_probe():
+    """google-auth probes the GCE metadata server before it gives up on
+    credentials (~3 s where nothing answers: an isolated host's namespace)
+    unless NO_GCE_CHECK is exactly "true"; the emulator's variables must
+    say it in the form the installed google-auth reads."""
+    from elastic.checkpoint.emulator import endpoint_env
+
+    env = {**os.environ, **endpoint_env("http://127.0.0.1:9")}
+    out = subprocess.run(
+        [sys.executable, "-c", "from google.auth.compute_engine import _metadata; "
+         "print(_metadata._NO_GCE_CHECK, _metadata.is_on_gce(request=None))"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

@@ -45,7 +45,7 @@ def endpoint_env(url: str) -> dict[str, str]:
             # address does not answer, as in an isolated host's namespace),
             # and gcsfs's bucket-type probe (hierarchical namespaces, which
             # the emulator lacks) would do so and warn at every open.
-            "NO_GCE_CHECK": "True", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+            "NO_GCE_CHECK": "true", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
