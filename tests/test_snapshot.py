@@ -113,6 +113,7 @@ def test_write_read_round_trip_and_torn_files(tmp_path):
     path = tmp_path / "step-0000000007.snap"
     size = write(path, 7, 123.5, "run", {"data_position": 8}, leaves)
     assert path.stat().st_size == size and not list(tmp_path.glob(".*tmp"))
+    assert path.stat().st_mode & 0o777 == 0o600  # the model's state: its owner's only
     snap = read(path)
     assert (snap.step, snap.saved_at, snap.run_id, snap.meta) == (7, 123.5, "run",
                                                                    {"data_position": 8})

@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from elastic.security.files import open_private
+
 log = logging.getLogger("elastic.checkpoint")
 
 MAGIC = b"ELSNAP1\n"
@@ -162,7 +164,7 @@ def write(path: pathlib.Path, step: int, saved_at: float, run_id: str, meta: dic
     header["data_bytes"] = offset
     head = json.dumps(header).encode()
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with open_private(tmp, "wb") as f:  # the model's state: its owner's only, as replicas are
         f.write(MAGIC + struct.pack("<Q", len(head)) + head)
         for data in arrays:
             f.write(memoryview(data.reshape(-1)).cast("B"))
