@@ -50,7 +50,8 @@ def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
     state = run_dir / "state"
     local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state,
                         checkpoint_dir=f"{made.checkpoint_dir.rsplit('/', 1)[0]}/{job_id}",
-                        extra_env=made.extra_env, net=made.net, shared_cache=made.shared_cache)
+                        extra_env=made.extra_env, net=made.net, shared_cache=made.shared_cache,
+                        shared_cache_key=made.shared_cache_key)
     try:
         deadline = time.monotonic() + timeout_s
         while not any(e["kind"] in ("job_succeeded", "job_failed") for e in read_journal(state)):

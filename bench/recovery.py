@@ -136,7 +136,8 @@ def main() -> int:
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
                         net=around.net, standby=args.standby,
-                        shared_cache=around.shared_cache)
+                        shared_cache=around.shared_cache,
+                        shared_cache_key=around.shared_cache_key)
     chaos = Chaos(None, local.addresses, local.tls, state, lambda h: restart_agent(local, h),
                   lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
                   keep_running=True, network=around.net,

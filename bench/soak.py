@@ -67,7 +67,8 @@ def main() -> int:
                                               gcs_emulator=False))
     local = start_slice(str(spec_path), spec, args.hosts, 2, state,
                         checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                        net=around.net, shared_cache=around.shared_cache)
+                        net=around.net, shared_cache=around.shared_cache,
+                        shared_cache_key=around.shared_cache_key)
     chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+")),
                                 host_down_s=args.host_down_s), local.address,
                   local.tls, state, lambda h: restart_agent(local, h), lambda h: local.agents[h].pid,

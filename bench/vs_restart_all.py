@@ -249,7 +249,8 @@ def run_elastic(args, spec: ChaosSpec, spec_path: pathlib.Path) -> dict:
     with surroundings(state, job.job_id, args.hosts, False, gcs_emulator=False) as around:
         local = start_slice(str(spec_path), job, args.hosts, 2, state,
                             checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                            shared_cache=around.shared_cache)
+                            shared_cache=around.shared_cache,
+                            shared_cache_key=around.shared_cache_key)
         chaos = Chaos(spec, local.address, local.tls, state, lambda h: restart_agent(local, h),
                       lambda h: local.agents[h].pid, job.health.heartbeat_timeout_s)
         t0 = time.time()

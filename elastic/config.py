@@ -542,6 +542,8 @@ ENV_CACHE_DIR = "ELASTIC_CACHE_DIR"
 # An executable cache the hosts share (gs://bucket/prefix or a common
 # directory), looked in after this host's (elastic.worker.compile_cache).
 ENV_SHARED_CACHE = "ELASTIC_SHARED_CACHE"
+# The file holding the key that signs the shared cache's entries.
+ENV_SHARED_CACHE_KEY_FILE = "ELASTIC_SHARED_CACHE_KEY_FILE"
 ENV_JAX_HEARTBEAT_TIMEOUT_S = "ELASTIC_JAX_HEARTBEAT_TIMEOUT_S"
 ENV_BATCH_MODE = "ELASTIC_BATCH_MODE"
 ENV_LR_SCALING = "ELASTIC_LR_SCALING"
@@ -584,6 +586,7 @@ class WorkerEnv:
     batch: BatchSpec = BatchSpec()
     cache_dir: str | None = None
     shared_cache: str | None = None
+    shared_cache_key_file: str | None = None
     jax_heartbeat_timeout_s: int = 100
     run_id: str | None = None
     snapshot_dir: str | None = None
@@ -618,6 +621,7 @@ class WorkerEnv:
             batch=BatchSpec(env.get(ENV_BATCH_MODE, "global"), env.get(ENV_LR_SCALING, "linear")),
             cache_dir=env.get(ENV_CACHE_DIR) or None,
             shared_cache=env.get(ENV_SHARED_CACHE) or None,
+            shared_cache_key_file=env.get(ENV_SHARED_CACHE_KEY_FILE) or None,
             jax_heartbeat_timeout_s=int(env.get(ENV_JAX_HEARTBEAT_TIMEOUT_S, "100")),
             run_id=env.get(ENV_RUN_ID) or None,
             snapshot_dir=env.get(ENV_SNAPSHOT_DIR) or None,

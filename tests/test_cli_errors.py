@@ -107,6 +107,12 @@ def test_agent_bad_inputs(tmp_path, proc_env, pki):
         (["--host-id", "h0", "--insecure"], "no --allow-worker"),
         (["--host-id", "h0", "--shared-compile-cache", "cache", *allow, "--insecure"],
          "--shared-compile-cache 'cache' is neither a gs://bucket[/prefix] URL nor an absolute"),
+        (["--host-id", "h0", "--shared-compile-cache", "gs:///x", *allow, "--insecure"],
+         "--shared-compile-cache 'gs:///x' names no bucket"),
+        (["--host-id", "h0", "--shared-compile-cache", "gs://b/c", *allow, "--insecure"],
+         "--shared-compile-cache needs --shared-compile-cache-key FILE"),
+        (["--host-id", "h0", "--shared-compile-cache", "gs://b/c", "--shared-compile-cache-key",
+          str(tmp_path / "no-key"), *allow, "--insecure"], "no-key: No such file"),
         (["--host-id", "h1", "--tls-dir", h0, *allow], "is for host h0; --host-id is h1"),
         (["--host-id", "h0", "--tls-dir", str(tmp_path / "none"), *allow], "no TLS directory"),
     ]

@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from elastic.worker.compile_cache import compile_cached
 from tests.conftest import REPO, write_spec
@@ -101,6 +102,12 @@ def test_processes_that_share_no_directory_each_compile(tmp_path):
     assert len(list(cache.glob("h*/f-*.xla"))) == 2
 
 
+def _key_file(path: pathlib.Path, key: bytes = b"k" * 32) -> str:
+    path.write_bytes(key)
+    path.chmod(0o600)
+    return str(path)
+
+
 def _bucket_entries(gcs_emulator, bucket_url: str, prefix: str) -> list[str]:
     return sorted(b.name for b in gcs_emulator.client().list_blobs(bucket_url[5:], prefix=prefix))
 
@@ -110,25 +117,57 @@ def test_a_bucket_tier_is_written_read_back_into_the_host_and_mended(
     for name, value in gcs_emulator.env.items():
         monkeypatch.setenv(name, value)
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
-    shared = f"{gcs_bucket}/cache"
-    compiled, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "a"), "f", shared)
+    shared, key = f"{gcs_bucket}/cache", _key_file(tmp_path / "key")
+    compiled, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "a"), "f", shared, key)
     assert not hit
     [entry] = _bucket_entries(gcs_emulator, gcs_bucket, "cache/")
     assert entry.startswith("cache/f-") and entry.endswith(".xla")
     # another host (an empty directory of its own) loads it from the bucket
     # and keeps a copy
-    loaded, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "b"), "f", shared)
+    loaded, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "b"), "f", shared, key)
     assert hit
     np.testing.assert_array_equal(loaded(x), compiled(x))
     assert [p.name for p in (tmp_path / "b").glob("f-*.xla")] == [entry[len("cache/"):]]
-    # a damaged object is compiled again and replaced, never an error
+    # an object not signed with the job's key (planted by whoever else can
+    # write the bucket, or damaged) is never loaded: compiled again and replaced
     blob = gcs_emulator.client().bucket(gcs_bucket[5:]).blob(entry)
-    blob.upload_from_string(b"not an executable")
-    again, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "c"), "f", shared)
-    assert not hit
-    np.testing.assert_array_equal(again(x), compiled(x))
-    assert blob.download_as_bytes() != b"not an executable"
-    assert compile_cached(_lowered(2.0), str(tmp_path / "d"), "f", shared)[1]
+    genuine = blob.download_as_bytes()
+    for planted in (b"not an executable", genuine[32:],
+                    _with_other_key(genuine, entry, tmp_path)):
+        blob.upload_from_string(planted)
+        again, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "c"), "f", shared, key)
+        assert not hit
+        np.testing.assert_array_equal(again(x), compiled(x))
+        assert blob.download_as_bytes() != planted
+        (tmp_path / "c" / entry[len("cache/"):]).unlink()
+    assert compile_cached(_lowered(2.0), str(tmp_path / "d"), "f", shared, key)[1]
+    # without a usable key the shared tier is not used at all
+    bare = tmp_path / "bare-key"
+    assert not compile_cached(_lowered(2.0), str(tmp_path / "e"), "f", shared, None)[1]
+    assert not compile_cached(_lowered(2.0), str(tmp_path / "g"), "f", shared,
+                              _key_file(bare, b"short"))[1]
+
+
+def _with_other_key(genuine: bytes, entry: str, tmp_path) -> bytes:
+    """The same executable signed with another key."""
+    import hashlib
+    import hmac
+
+    name, payload = entry[len("cache/"):], genuine[32:]
+    return hmac.new(b"x" * 32, name.encode() + b"\0" + payload, hashlib.sha256).digest() + payload
+
+
+def test_signing_keys_that_cannot_be_used_are_named(tmp_path):
+    from elastic.worker.compile_cache import CacheKeyError, read_signing_key
+
+    assert read_signing_key(_key_file(tmp_path / "good", b"s" * 40)) == b"s" * 40
+    (tmp_path / "open").write_bytes(b"s" * 40)
+    (tmp_path / "open").chmod(0o644)
+    for path, text in ((_key_file(tmp_path / "short", b"s" * 31), "31 bytes; at least 32"),
+                       (str(tmp_path / "open"), "mode 0644; only its owner may read it"),
+                       (str(tmp_path / "missing"), "No such file")):
+        with pytest.raises(CacheKeyError, match=text):
+            read_signing_key(path)
 
 
 def test_an_unreachable_bucket_only_means_compiling(tmp_path, monkeypatch, caplog):
@@ -138,13 +177,15 @@ def test_an_unreachable_bucket_only_means_compiling(tmp_path, monkeypatch, caplo
     for name, value in endpoint_env(f"http://127.0.0.1:{free_port()}").items():
         monkeypatch.setenv(name, value)  # nothing listens there
     monkeypatch.setattr(compile_cache, "BUCKET_RETRY_S", 0.5)
-    compiled, hit, _ = compile_cached(_lowered(2.0), str(tmp_path), "f", "gs://nowhere/cache")
+    key = _key_file(tmp_path / "key")
+    compiled, hit, _ = compile_cached(_lowered(2.0), str(tmp_path / "c"), "f", "gs://nowhere/cache",
+                                      key)
     assert not hit
     x = np.ones((4, 3), np.float32)
     np.testing.assert_allclose(compiled(x), np.tanh(x) * 2.0, rtol=1e-6)
     assert "executable cache gs://nowhere/cache: cannot" in caplog.text
     # the host's own tier still got the entry
-    assert compile_cached(_lowered(2.0), str(tmp_path), "f", "gs://nowhere/cache")[1]
+    assert compile_cached(_lowered(2.0), str(tmp_path / "c"), "f", "gs://nowhere/cache", key)[1]
 
 
 def test_hosts_that_share_only_a_bucket_compile_once_per_slice(tmp_path, gcs_emulator,
@@ -152,6 +193,7 @@ def test_hosts_that_share_only_a_bucket_compile_once_per_slice(tmp_path, gcs_emu
     for name, value in gcs_emulator.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("ELASTIC_SHARED_CACHE", f"{gcs_bucket}/cache")
+    monkeypatch.setenv("ELASTIC_SHARED_CACHE_KEY_FILE", _key_file(tmp_path / "key"))
     first = _slice_compiles(tmp_path, tmp_path / "disks1", "first", "--own-dir")
     # process 0 compiled into its disk and the bucket; process 1 found its
     # claim in the bucket, waited for the entry and loaded it

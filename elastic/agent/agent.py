@@ -69,7 +69,8 @@ class AgentSettings:
     hosts of one machine type may share; shared_compile_cache: a second
     executable cache the hosts share (gs://bucket/prefix or a directory),
     looked in after this host's and written to by every compile (None:
-    none); listen: "HOST:PORT" of the agent's
+    none), its entries signed with the key in the file
+    shared_compile_cache_key; listen: "HOST:PORT" of the agent's
     own gRPC port (health, reflection: elastic.agent.service; None: none);
     metrics_port: its Prometheus metrics (elastic.agent.metrics) on the
     listen host, or `address` (None: none)."""
@@ -90,6 +91,7 @@ class AgentSettings:
     snapshot_dir: str | None = None
     compile_cache_dir: str | None = None
     shared_compile_cache: str | None = None
+    shared_compile_cache_key: str | None = None
     device_kind: str = "cpu"
     device_dir: str | None = None
     listen: str | None = None
@@ -302,6 +304,7 @@ class Agent(ControllerSession):
                 config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
                 config.ENV_CACHE_DIR: self._cache_dir(),
                 config.ENV_SHARED_CACHE: self.settings.shared_compile_cache or "",
+                config.ENV_SHARED_CACHE_KEY_FILE: self.settings.shared_compile_cache_key or "",
                 "PYTHONUNBUFFERED": "1"}
 
     def _vet(self, launch: pb.StartWorker) -> list[str] | str:

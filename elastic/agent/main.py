@@ -19,11 +19,38 @@ from elastic.config import DEVICE_KIND, MAX_DEVICES_PER_HOST, MAX_STOP_GRACE_S
 DEFAULT_TLS_DIR = "/etc/elastic/host"
 
 
+def _check_shared_cache(parser: argparse.ArgumentParser, shared: str, key: str | None) -> None:
+    """Exit 2 (parser.error) unless `shared` is gs://bucket[/prefix] or an
+    absolute directory and `key` a usable signing key file."""
+    from elastic.checkpoint.storage import StorageError
+    from elastic.worker.compile_cache import CacheKeyError, read_signing_key
+
+    if shared.startswith("gs://"):
+        from elastic.checkpoint import gcs
+
+        try:
+            gcs.split(shared)
+        except StorageError:
+            parser.error(f"--shared-compile-cache {shared[:200]!r} names no bucket "
+                         f"(gs://bucket[/prefix])")
+    elif not os.path.isabs(shared):
+        parser.error(f"--shared-compile-cache {shared[:200]!r} is neither a gs://bucket[/prefix] "
+                     f"URL nor an absolute directory")
+    if not key:
+        parser.error("--shared-compile-cache needs --shared-compile-cache-key FILE: the secret "
+                     "that signs its entries (e.g. head -c 32 /dev/urandom > FILE; chmod 600)")
+    try:
+        read_signing_key(key)
+    except CacheKeyError as e:
+        parser.error(str(e))
+
+
 def parse_args(argv: list[str] | None = None) -> AgentSettings:
     """The agent's settings from its command line. Exits 2 with one line
     on a bad one (argparse's usage error): an invalid host id or address,
     a negative or infinite grace, a shared compile cache that is
-    neither gs:// nor an absolute path, no allow-list, TLS files that cannot be
+    neither gs://bucket nor an absolute path or has no usable signing key,
+    no allow-list, TLS files that cannot be
     used or whose certificate is not this host's."""
     from elastic.security.allow import AllowList
     from elastic.security.identity import Role, check_id
@@ -81,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
                              "shape is then compiled once for all hosts, and a new job of the "
                              "same program starts warm. Only where whoever can write there is "
                              "trusted to run code on this host (default: none)")
+    parser.add_argument("--shared-compile-cache-key", default=None, metavar="FILE",
+                        help="the secret (a file of at least 32 bytes, mode 0600, the same on "
+                             "every host of the job) that signs the shared cache's entries: "
+                             "one written by anyone without it is never loaded; required with "
+                             "--shared-compile-cache")
     parser.add_argument("--job-id", default="", help="refuse a controller of another job")
     parser.add_argument("--stop-grace-s", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL of the worker when the "
@@ -136,10 +168,8 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         parser.error(f"--preemption-grace-s must be from 0 to 3600 seconds, got "
                      f"{args.preemption_grace_s}")
     shared = args.shared_compile_cache
-    if shared is not None and not (shared.startswith("gs://") and len(shared) > 5 or
-                                   os.path.isabs(shared)):
-        parser.error(f"--shared-compile-cache {shared[:200]!r} is neither a gs://bucket[/prefix] "
-                     f"URL nor an absolute directory")
+    if shared is not None:
+        _check_shared_cache(parser, shared, args.shared_compile_cache_key)
     if not allow.workers and not allow.any_worker:
         parser.error("no --allow-worker: this agent would refuse every worker; name what it "
                      "may run (--allow-worker '/opt/venv/bin/python /srv/job/train.py') or pass "
@@ -165,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
         metadata_url=args.gce_metadata, preemption_grace_s=args.preemption_grace_s,
         snapshot_dir=args.snapshot_dir, compile_cache_dir=args.compile_cache_dir,
         shared_compile_cache=args.shared_compile_cache,
+        shared_compile_cache_key=args.shared_compile_cache_key and
+        os.path.abspath(args.shared_compile_cache_key),
         listen=args.listen, metrics_port=args.metrics_port)
 
 

@@ -101,7 +101,8 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
                metadata_url: str | None = None,
                compile_cache_dir: pathlib.Path | None = None,
                net: network.NetworkPlan | None = None, metrics: bool = False,
-               shared_cache: str | None = None) -> list[str]:
+               shared_cache: str | None = None,
+               shared_cache_key: pathlib.Path | None = None) -> list[str]:
     """The command line of one simulated host's agent: its device nodes in
     STATE_DIR/hosts/HOST/dev (elastic.simdevices; counted like a real
     host's, kind "cpu"), its own certificate bundle under STATE_DIR/tls
@@ -109,7 +110,8 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
     (`allow_args`). `metadata_url` may hold "{host}", replaced by the host
     id (one fake metadata path per host). The executable cache is
     `compile_cache_dir`, default STATE_DIR/compile-cache, and the hosts
-    also share `shared_cache` (a gs:// URL: the emulator's bucket) if given.
+    also share `shared_cache` (a gs:// URL: the emulator's bucket) if given,
+    its entries signed with the key in the file `shared_cache_key`.
     With `net`, the
     agent runs in the host's namespaces (`isolated_argv`), at its address,
     with its state and its executable cache on its own disk. Every agent
@@ -138,7 +140,8 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
             # cache, as the hosts of a cluster may share one on a common
             # filesystem; isolated: each host has its own
             "--compile-cache-dir", str(cache),
-            *(["--shared-compile-cache", shared_cache] if shared_cache else []),
+            *(["--shared-compile-cache", shared_cache,
+               "--shared-compile-cache-key", str(shared_cache_key)] if shared_cache else []),
             *allow_args(spec, child_env()["PATH"])]
     tls_dir = certs.bundle_dir(state_dir / TLS_DIR, Role.HOST, host_id)
     argv += ["--insecure"] if insecure else ["--tls-dir", str(tls_dir)]
@@ -188,8 +191,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 extra_env: dict[str, str] | None = None,
                 compile_cache_dir: pathlib.Path | None = None,
                 net: network.NetworkPlan | None = None, standby: bool = False,
-                metrics_port: int | None = None, shared_cache: str | None = None
-                ) -> LocalSlice:
+                metrics_port: int | None = None, shared_cache: str | None = None,
+                shared_cache_key: pathlib.Path | None = None) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
@@ -204,7 +207,9 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     (elastic.controller.leadership) and agents are given both addresses.
     `metrics_port`: where the controller (the one leading) serves its
     Prometheus metrics (elastic.controller.metrics). `shared_cache`: an
-    executable cache every host shares besides its own (agent_argv).
+    executable cache every host shares besides its own (agent_argv), signed
+    with the key in the file `shared_cache_key` (each host gets a copy on
+    its own disk; required with `shared_cache`).
     Every process started dies with this one (spawn_bound).
 
     Raises RuntimeError when the controller exits or does not listen within
@@ -256,12 +261,20 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         standby_proc = spawn_standby(standby_argv, state_dir, env)
         addresses = f"{address},{other}"
     per_domain = spec.hosts_per_failure_domain
+    host_key: dict[str, pathlib.Path] = {}
+    if shared_cache:  # each host's copy on its own disk (all an isolated host sees)
+        if shared_cache_key is None:
+            raise ValueError("a shared executable cache needs its signing key file")
+        for host_id in host_ids:
+            host_key[host_id] = private_dir(host_dir(state_dir, host_id)) / "compile-cache.key"
+            write_private(host_key[host_id], shared_cache_key.read_bytes())
     agents, argvs = {}, {}
     for i, host_id in enumerate(host_ids):
         simdevices.set_devices(simdevices.device_dir(state_dir, host_id), counts[i])
         argv = agent_argv(addresses, host_id, f"domain-{i // per_domain}",
                           state_dir, spec, insecure, metadata_url, compile_cache_dir, net,
-                          metrics=metrics_port is not None, shared_cache=shared_cache)
+                          metrics=metrics_port is not None, shared_cache=shared_cache,
+                          shared_cache_key=host_key.get(host_id))
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = spawn_bound(argv, stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=env)
@@ -393,13 +406,15 @@ class Surroundings:
     """What a local slice runs in (see `surroundings`): the isolated network
     (None: the root namespace), the checkpoint directory replacing the
     spec's (None: the spec's), the executable cache the hosts share
-    besides their own (the bucket's `compile-cache/`; None: none), the
+    besides their own (the bucket's `compile-cache/`; None: none) and the
+    file of the key that signs its entries (made with the bucket), the
     variables every process gets (the
     emulator's), and the storage fault proxy (None: no storage faults)."""
 
     net: network.NetworkPlan | None = None
     checkpoint_dir: str | None = None
     shared_cache: str | None = None
+    shared_cache_key: pathlib.Path | None = None
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     proxy: Any = None
 
@@ -441,6 +456,8 @@ def surroundings(state: pathlib.Path, job_id: str, hosts: int, isolate: bool,
             made.checkpoint_dir = f"{bucket}/{job_id}"
             # hosts that share nothing else share executables through it
             made.shared_cache = f"{bucket}/compile-cache"
+            made.shared_cache_key = state / "compile-cache.key"
+            write_private(made.shared_cache_key, os.urandom(32))
             made.extra_env = emulator.env
             say(f"elasticd local: GCS emulator at {emulator.url}, checkpoints in "
                 f"{made.checkpoint_dir}")
@@ -517,7 +534,7 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
                             insecure, around.checkpoint_dir, around.extra_env,
                             pathlib.Path(compile_cache_dir).resolve()
                             if compile_cache_dir else None, around.net, standby,
-                            metrics_port, around.shared_cache)
+                            metrics_port, around.shared_cache, around.shared_cache_key)
         counts = host_devices(hosts, devices_per_host)
         devices = (f"{counts[0]} devices" if len(set(counts)) == 1
                    else f"{'/'.join(map(str, counts))} devices")

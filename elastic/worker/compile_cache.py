@@ -26,7 +26,10 @@ but a bucket, and a new job of the same program starts warm. Whether a tier
 is shared is found out on each miss: process 0 leaves a claim (a file or
 object with a fresh token) in each of its tiers and posts the token; a
 process that reads the same token from one of its tiers shares that tier,
-one that does not compiles for itself at once.
+one that does not compiles for itself at once. Everything in the shared
+tier is signed (HMAC-SHA256) with a key the job's hosts hold in a file
+(`elastic-agent --shared-compile-cache-key`): writing to the bucket is not
+enough to have a host run an executable.
 
 Entries are written atomically (a directory: temporary file, then rename; a
 bucket: an object appears whole). Share a tier only between hosts of one
@@ -40,9 +43,12 @@ skipped, never an error.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import pathlib
+import re
+import tempfile
 import time
 import uuid
 
@@ -51,19 +57,43 @@ log = logging.getLogger("elastic.compile_cache")
 # how long a process waits for process 0 to compile a shared entry (seconds):
 # longer than any compile, bounded so that a lost process 0 cannot hang it
 SHARED_WAIT_S = 600.0
-# how long one bucket call retries transient errors (seconds)
+# how long one bucket call retries transient errors (seconds), and each
+# request's (connect, read) timeouts (seconds; the library's default is 60)
 BUCKET_RETRY_S = 10.0
+BUCKET_TIMEOUT = (5.0, 30.0)
+
+
+def machine_type() -> str:
+    """What an executable is compiled for beyond the program: the device
+    kind and the backend's platform version, and on CPU this CPU's feature
+    flags (an executable compiled where AVX-512 exists dies of SIGILL
+    elsewhere, which no exception handler catches). The same on every
+    host of one machine type."""
+    import jax
+
+    device = jax.devices()[0]
+    parts = [device.platform, device.device_kind,
+             getattr(device.client, "platform_version", "")]
+    if device.platform == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "")
+        except OSError:
+            flags = ""
+        parts.append(hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest())
+    return "|".join(parts)
 
 
 def cache_key(lowered, process_count: int, device_ids: list[int]) -> str:
     """Hex digest identifying `lowered` compiled for a slice of
     `process_count` processes over `device_ids` (all of the slice's, in
-    order); the same on every process of the slice."""
+    order) on this machine type (`machine_type`); the same on every process
+    of the slice."""
     import jax
     import jaxlib
 
     h = hashlib.sha256()
-    for part in (jax.__version__, jaxlib.__version__, str(process_count),
+    for part in (jax.__version__, jaxlib.__version__, machine_type(), str(process_count),
                  ",".join(map(str, device_ids)), lowered.as_text()):
         h.update(part.encode())
         h.update(b"\0")
@@ -71,7 +101,8 @@ def cache_key(lowered, process_count: int, device_ids: list[int]) -> str:
 
 
 class DirectoryTier:
-    """Entries as files in a directory (made private on the first write)."""
+    """Entries as files in a directory (created 0700 if it does not exist;
+    an existing one is used as it is)."""
 
     def __init__(self, path: str) -> None:
         self.path = pathlib.Path(path)
@@ -89,9 +120,16 @@ class DirectoryTier:
     def write(self, name: str, data: bytes) -> None:
         """Write `name` atomically. Raises OSError."""
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path / f"{name}.tmp{os.getpid()}"
-        tmp.write_bytes(data)
-        tmp.replace(self.path / name)
+        # a fresh name (O_EXCL): hosts sharing the directory never write
+        # into one temporary file, and nothing planted there is followed
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path / name)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
 
     def remove(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
@@ -124,27 +162,97 @@ class BucketTier:
         from google.api_core import exceptions
 
         try:
-            return self._retrying(lambda: self._blob(name).download_as_bytes(retry=None))
+            return self._retrying(lambda: self._blob(name).download_as_bytes(
+                retry=None, timeout=BUCKET_TIMEOUT))
         except exceptions.NotFound:
             return None
 
     def write(self, name: str, data: bytes) -> None:
-        self._retrying(lambda: self._blob(name).upload_from_string(data, retry=None))
+        self._retrying(lambda: self._blob(name).upload_from_string(data, retry=None,
+                                                                   timeout=BUCKET_TIMEOUT))
 
     def remove(self, name: str) -> None:
         from google.api_core import exceptions
 
         try:
-            self._retrying(lambda: self._blob(name).delete(retry=None))
+            self._retrying(lambda: self._blob(name).delete(retry=None, timeout=BUCKET_TIMEOUT))
         except exceptions.NotFound:
             pass
 
 
+class CacheKeyError(ValueError):
+    """A shared-cache signing key that cannot be used; the message says why."""
+
+
+#: The shortest signing key accepted (bytes).
+MIN_KEY_BYTES = 32
+
+
+def read_signing_key(path: str) -> bytes:
+    """The secret in the file `path` (its bytes as they are). Raises
+    CacheKeyError when it cannot be read, holds fewer than MIN_KEY_BYTES
+    bytes, or others than its owner may read or write it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            key = f.read(4096)
+    except OSError as e:
+        raise CacheKeyError(f"shared compile cache key {path}: {e.strerror or e}") from None
+    if mode & 0o077:
+        raise CacheKeyError(f"shared compile cache key {path}: mode {mode & 0o777:04o}; "
+                            f"only its owner may read it (chmod 600)")
+    if len(key) < MIN_KEY_BYTES:
+        raise CacheKeyError(f"shared compile cache key {path}: {len(key)} bytes; at least "
+                            f"{MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom > {path})")
+    return key
+
+
+class SignedTier:
+    """A tier whose objects carry an HMAC-SHA256 of their name and bytes
+    under a key the job's hosts hold (32 bytes, then the payload): an object
+    written by anyone without the key — whoever else can write the bucket
+    or the directory — reads as absent, is never deserialised, and is
+    overwritten by the next compile."""
+
+    def __init__(self, inner, key: bytes) -> None:
+        self.inner, self._key = inner, key
+
+    def __str__(self) -> str:
+        return str(self.inner)
+
+    def _mac(self, name: str, data: bytes) -> bytes:
+        return hmac.new(self._key, name.encode() + b"\0" + data, hashlib.sha256).digest()
+
+    def read(self, name: str) -> bytes | None:
+        signed = self.inner.read(name)
+        if signed is None:
+            return None
+        mac, data = signed[:32], signed[32:]
+        if len(signed) < 32 or not hmac.compare_digest(mac, self._mac(name, data)):
+            log.warning("executable cache %s: %s is not signed with this job's key; ignored",
+                        self, name)
+            return None
+        return data
+
+    def write(self, name: str, data: bytes) -> None:
+        self.inner.write(name, self._mac(name, data) + data)
+
+    def remove(self, name: str) -> None:
+        self.inner.remove(name)
+
+
 def tier(where: str | None):
-    """The tier for a directory or gs:// URL; None for None or ""."""
+    """The tier for a directory or gs:// URL; None for None or "", or (with
+    a warning) for a URL that names no bucket."""
     if not where:
         return None
-    return BucketTier(where) if where.startswith("gs://") else DirectoryTier(where)
+    return _try("use it", where, lambda: BucketTier(where) if where.startswith("gs://")
+                else DirectoryTier(where))
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def _try(what: str, t, call, default=None):
@@ -201,12 +309,11 @@ def _compile_as_process_0(client, key: str, tiers: list, entry: str, lowered):
     claim, token = f"{entry}.claim", uuid.uuid4().hex
     claimed = [t for t in tiers
                if _try(f"write {claim}", t, lambda: t.write(claim, token.encode()) or True)]
-    client.key_value_set(_kv(key, "claim"), token if claimed else "unshared",
-                         allow_overwrite=True)
+    _post(client, key, "claim", token if claimed else "unshared")
     try:
         return _compile_and_store(tiers, entry, lowered)
     finally:
-        client.key_value_set(_kv(key, "done"), "1", allow_overwrite=True)
+        _post(client, key, "done", "1")
         for t in claimed:
             _try(f"remove {claim}", t, lambda: t.remove(claim))
 
@@ -215,18 +322,43 @@ def _wait_for_process_0(client, key: str, tiers: list, entry: str, lowered):
     """Another process's miss: process 0's entry once it is done, from the
     first tier of this process where its claim is (a tier they share); None
     if there is none, or the entry does not load."""
-    token = client.blocking_key_value_get(_kv(key, "claim"), int(SHARED_WAIT_S * 1000))
+    token = _wait(client, key, "claim")
+    if token is None:
+        return None
     if token in ("loaded", "unshared"):
         return _load(tiers, entry, lowered)  # process 0 had it: this tier may too, now
     shared = [t for t in tiers
               if _try(f"read {entry}.claim", t, lambda: t.read(f"{entry}.claim")) ==
               token.encode()]
     if shared:
-        client.blocking_key_value_get(_kv(key, "done"), int(SHARED_WAIT_S * 1000))
+        if _wait(client, key, "done") is None:
+            return None
         # (from the shared tier, copied into those before it)
         return _load(tiers[:tiers.index(shared[0]) + 1], entry, lowered)
     # no claim seen: no tier shared, or process 0 done already and removed it
     return _load(tiers, entry, lowered)
+
+
+def _wait(client, key: str, what: str) -> str | None:
+    """Process 0's `what` for `key`, waited for up to SHARED_WAIT_S; None
+    (with a warning: this process then compiles for itself) when it does
+    not come or the coordination service fails."""
+    try:
+        return client.blocking_key_value_get(_kv(key, what), int(SHARED_WAIT_S * 1000))
+    except Exception as e:  # noqa: BLE001 - a timeout, a lost coordinator
+        log.warning("no %s from process 0 for executable %s within %.0f s (%s); compiling",
+                    what, key, SHARED_WAIT_S, f"{type(e).__name__}: {e}".splitlines()[0][:200])
+        return None
+
+
+def _post(client, key: str, what: str, value: str) -> None:
+    """Post `value` as this process's `what` for `key`; a failure is warned
+    about (the others then time out and compile for themselves)."""
+    try:
+        client.key_value_set(_kv(key, what), value, allow_overwrite=True)
+    except Exception as e:  # noqa: BLE001
+        log.warning("cannot post %s for executable %s: %s", what, key,
+                    f"{type(e).__name__}: {e}".splitlines()[0][:200])
 
 
 def _coordination_client():
@@ -236,11 +368,13 @@ def _coordination_client():
 
 
 def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
-                   shared: str | None = None):
+                   shared: str | None = None, shared_key: str | None = None):
     """`lowered.compile()`, or its executable loaded from a cache when a
     process compiled the same program for the same slice shape before:
     this host's `cache_dir`, then the `shared` tier (a gs:// URL or a
-    directory other hosts also use). On a miss in a slice of several
+    directory other hosts also use), whose objects are signed with the key
+    in the file `shared_key` (SignedTier; without one the shared tier is
+    not used, with a warning). On a miss in a slice of several
     processes, process 0 compiles and the processes that share a tier with
     it load its entry.
 
@@ -250,11 +384,22 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     a tier that cannot be read or written is skipped with a warning (never
     an error). Every process of the slice must call it for the same
     programs in the same order (as for any collective); a process other
-    than 0 waits up to SHARED_WAIT_S seconds for process 0."""
+    than 0 waits up to SHARED_WAIT_S seconds for process 0, then compiles
+    for itself. Raises ValueError for a `name` that is not 1 to 100 of
+    [A-Za-z0-9_.-] (it names files and objects)."""
     import jax
 
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", name):
+        raise ValueError(f"executable name {name[:100]!r}: use 1 to 100 letters, digits, "
+                         f"'_', '.' or '-'")
     t0 = time.perf_counter()
-    tiers = [t for t in (tier(cache_dir), tier(shared)) if t is not None]
+    shared_tier = tier(shared)
+    if shared_tier is not None:
+        key = _try("read its signing key", shared_tier,
+                   lambda: read_signing_key(shared_key or "") if shared_key else
+                   _raise(CacheKeyError("no signing key (ELASTIC_SHARED_CACHE_KEY_FILE)")))
+        shared_tier = SignedTier(shared_tier, key) if key is not None else None
+    tiers = [t for t in (tier(cache_dir), shared_tier) if t is not None]
     if not tiers:
         return lowered.compile(), False, time.perf_counter() - t0
     key = cache_key(lowered, jax.process_count(), [d.id for d in jax.devices()])
@@ -265,7 +410,7 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
         if compiled is None:
             return _compile_as_process_0(client, key, tiers, entry, lowered), False, \
                 time.perf_counter() - t0
-        client.key_value_set(_kv(key, "claim"), "loaded", allow_overwrite=True)
+        _post(client, key, "claim", "loaded")
     elif client is not None and compiled is None:
         compiled = _wait_for_process_0(client, key, tiers, entry, lowered)
     if compiled is not None:

@@ -165,7 +165,8 @@ class WorkerContext:
         from elastic.worker.compile_cache import compile_cached
 
         self._phase("setup")
-        result = compile_cached(lowered, self.env.cache_dir, name, self.env.shared_cache)
+        result = compile_cached(lowered, self.env.cache_dir, name, self.env.shared_cache,
+                                self.env.shared_cache_key_file)
         self._phase("compile")
         return result
 
