@@ -11,8 +11,8 @@ from elastic.config import HangSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, decide
 from elastic.policy.hang import hang_timeout
-from elastic.policy.view import (ClusterView, HeartbeatReceived, ProgressReported, WorkerObs,
-                                 WorkerReported, WorkerState, observe)
+from elastic.policy.view import (ClusterView, HeartbeatReceived, ProgressReported, Registered,
+                                 WorkerObs, WorkerReported, WorkerState, observe)
 from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
                                  worker)
 
@@ -97,6 +97,44 @@ def test_a_carried_member_is_heard_again_once_its_reports_catch_up():
     assert heard.actions[0].fields["silent_s"] == pytest.approx(13.6)
     assert heard.state.phase is Phase.RUNNING
     assert kinds(decide(heard.state, view, T0 + 13.7, s)) == []
+
+
+@pytest.mark.parametrize("decide_at,hung", [
+    (13.6, False),  # at once: it stepped with the slice all along
+    (22.9, False),  # no step anywhere since T0 + 13, within the 10 s timeout
+    (23.1, True),   # and then the slice is hung, as ever
+])
+def test_a_member_that_registers_again_keeps_its_step_clock(decide_at, hung):
+    """A member cut off from the controller (carried: its worker trains on)
+    whose stream broke registers again with the same incarnation, reporting
+    the step its worker reached. Its step clock goes on from there, not
+    from the generation's start: found in an isolated soak, where each such
+    reconnect was declared a hang at once and restarted a healthy slice."""
+    carried, view, s = carried_member(13)
+    obs = dataclasses.replace(view.hosts["h1"].worker, step=23)
+    observe(view, Registered("h1", "inc-h1", 2, "10.0.0.1", "h1", 100, 5001, obs, "cpu"),
+            T0 + 13.5)
+    heartbeat_all(view, T0 + decide_at)
+    decision = decide(carried, view, T0 + decide_at, s)
+    assert ("hang_detected" in kinds(decision)) is hung, decision.reason
+
+
+def test_a_registration_carries_the_step_clock_of_the_same_incarnation():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    running_slice(view, ["h0", "h1"])
+    worker(view, "h1", T0 + 20, 1, WorkerState.RUNNING, step=30)
+    obs = dataclasses.replace(view.hosts["h1"].worker, step=31)
+    observe(view, Registered("h1", "inc-h1", 2, "10.0.0.1", "h1", 100, 5001, obs, "cpu"),
+            T0 + 25)
+    assert view.hosts["h1"].step_at == T0 + 25  # it advanced: now
+    observe(view, Registered("h1", "inc-h1", 2, "10.0.0.1", "h1", 100, 5001, obs, "cpu"),
+            T0 + 28)
+    assert view.hosts["h1"].step_at == T0 + 25  # no further step: the clock stands
+    observe(view, Registered("h1", "new-inc", 2, "10.0.0.1", "h1", 100, 5001, WorkerObs(),
+                             "cpu"), T0 + 29)
+    assert view.hosts["h1"].step_at == 0.0  # another agent process: a new record
 
 
 def test_a_carried_member_is_lost_when_the_slice_stops_stepping():

@@ -365,6 +365,13 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         if old is not None and old.incarnation == event.incarnation:
             record.exited_at, record.first_step_at = old.exited_at, old.first_step_at
             record.devices_changed_at = old.devices_changed_at
+            # its worker's step clock goes on from the old record (a fresh
+            # one, step_at 0, read as "no step since the generation's first"
+            # and made a broken stream a hang at once), advanced by what
+            # the registration reports
+            record.worker, record.step_at = old.worker, old.step_at
+            record.step_jump, record.suspended_at = old.step_jump, old.suspended_at
+            _merge_worker(record, event.worker, now)
             # a reconnect of the same agent process, which may have counted
             # its devices again meanwhile
             return True, fenced + _devices_changed(record, old.devices, old.device_kind, now)
