@@ -138,7 +138,9 @@ def test_the_emulator_environment_turns_off_google_auths_gce_probe():
 
     env = {**os.environ, **endpoint_env("http://127.0.0.1:9")}
     out = subprocess.run(
+        # (without the variable honoured, is_on_gce pings the metadata server
+        # with the request given, and None fails)
         [sys.executable, "-c", "from google.auth.compute_engine import _metadata; "
-         "print(_metadata._NO_GCE_CHECK, _metadata.is_on_gce(request=None))"],
+         "print(_metadata.is_on_gce(request=None))"],
         env=env, capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+    assert out.stdout.split() == ["False"], out.stdout + out.stderr
