@@ -30,6 +30,30 @@ def wait_entry(state_dir, kind, timeout_s=60.0, after_ts=0.0, **match) -> dict:
     raise TimeoutError(f"no {kind} {match} within {timeout_s} s")
 
 
+def run_in_one_generation(local, timeout_s: float) -> list[dict]:
+    """Wait for the job of `local` (a LocalSlice) to end, stop the slice
+    (always), and return its journal. Raises RuntimeError when it does not
+    end within `timeout_s` seconds, does not succeed, or restarted (more
+    than one generation)."""
+    from elastic.controller.journal import read_journal
+    from elastic.local import stop_slice
+
+    state = local.state_dir
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not any(e["kind"] in ("job_succeeded", "job_failed") for e in read_journal(state)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the job did not end within {timeout_s} s: {state}")
+            time.sleep(0.5)
+    finally:
+        stop_slice(local)
+    journal = list(read_journal(state))
+    kinds = [e["kind"] for e in journal]
+    if "job_succeeded" not in kinds or kinds.count("generation_started") != 1:
+        raise RuntimeError(f"the run failed or restarted: {state}")
+    return journal
+
+
 def reported_host(local, host_id: str, timeout_s: float = 30.0):
     """`host_id`'s entry in the status of the controller of `local` (a
     LocalSlice; elastic.v1 HostStatus)

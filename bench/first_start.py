@@ -29,11 +29,10 @@ import sys
 import tempfile
 import time
 
-from common import lm_job, machine, write_result
+from common import lm_job, machine, run_in_one_generation, write_result
 
 from elastic.config import load_spec
-from elastic.controller.journal import read_journal
-from elastic.local import start_slice, stop_slice, surroundings
+from elastic.local import start_slice, surroundings
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -52,18 +51,7 @@ def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
                         checkpoint_dir=f"{made.checkpoint_dir.rsplit('/', 1)[0]}/{job_id}",
                         extra_env=made.extra_env, net=made.net, shared_cache=made.shared_cache,
                         shared_cache_key=made.shared_cache_key)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not any(e["kind"] in ("job_succeeded", "job_failed") for e in read_journal(state)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the job did not end within {timeout_s} s: {state}")
-            time.sleep(0.5)
-    finally:
-        stop_slice(local)
-    journal = list(read_journal(state))
-    kinds = [e["kind"] for e in journal]
-    if "job_succeeded" not in kinds or kinds.count("generation_started") != 1:
-        raise RuntimeError(f"the run failed or restarted: {state}")
+    journal = run_in_one_generation(local, timeout_s)
     started = next(e for e in journal if e["kind"] == "generation_started")
     first = next(e for e in journal if e["kind"] == "first_progress")
     phases = next(e for e in journal if e["kind"] == "worker_phases")

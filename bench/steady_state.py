@@ -27,12 +27,11 @@ import sys
 import tempfile
 import time
 
-from common import lm_job, machine, write_result
+from common import lm_job, machine, run_in_one_generation, write_result
 
 from elastic.checkpoint.emulator import free_port
 from elastic.config import load_spec
-from elastic.controller.journal import read_journal
-from elastic.local import start_slice, stop_slice
+from elastic.local import start_slice
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -81,17 +80,7 @@ def run_elastic(work: pathlib.Path, hosts: int, steps: int, timeout_s: float) ->
         "--steps", str(steps), "--eval-every", "50", "--step-times", str(times)))
     state = work / "state"
     local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not any(e["kind"] in ("job_succeeded", "job_failed") for e in read_journal(state)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the job did not end within {timeout_s} s")
-            time.sleep(0.5)
-    finally:
-        stop_slice(local)
-    kinds = [e["kind"] for e in read_journal(state)]
-    if "job_succeeded" not in kinds or kinds.count("generation_started") != 1:
-        raise RuntimeError(f"the elastic run failed or restarted: {state}")
+    run_in_one_generation(local, timeout_s)
     return times
 
 

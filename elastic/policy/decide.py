@@ -23,9 +23,9 @@ from elastic.policy import adopt, grow, quarantine, silence
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
-from elastic.policy.buddies import buddies, keep_replicas_within
 from elastic.policy.hang import check_hang
 from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
+from elastic.policy.slice_plan import buddy_map, plan_keeping_replicas, survivors_plan
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
 
@@ -262,10 +262,10 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             return dataclasses.replace(state, reason=plan.reason, waiting_journaled_at=now)
         return dataclasses.replace(state, reason=plan.reason) \
             if plan.reason != state.reason else state
-    survivors = _survivors_plan(state, spec, candidates, plan.hosts)
+    survivors = survivors_plan(state, spec, candidates, plan.hosts)
     if survivors is not None:
         plan = survivors  # newcomers join at the next grow; no settling for them
-    plan = _plan_keeping_replicas(state, view, spec, candidates, plan)
+    plan = plan_keeping_replicas(state, view, spec, candidates, plan)
     settle_left = view.last_registration_at + spec.health.rendezvous_settle_s - now
     if survivors is None and len(plan.hosts) < spec.max_hosts and settle_left > 0:
         return dataclasses.replace(
@@ -289,7 +289,7 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         "coordinator": address, "restarts": state.restarts,
         "incarnations": [view.hosts[h].incarnation for h in plan.hosts]}))
     state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
-    buddy = _buddies(view, plan.hosts) if spec.restart.replicate_snapshots else {}
+    buddy = buddy_map(view, plan.hosts) if spec.restart.replicate_snapshots else {}
     for rank, host in enumerate(plan.hosts):
         to = buddy.get(host, "")
         actions.append(StartWorker(
@@ -301,61 +301,6 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                   progressed=False, grow_ready_since=None,
                   devices_per_host=plan.devices_per_host, device_kind=plan.kind,
                   waiting_journaled_at=float("-inf"))
-
-
-def _survivors_plan(state: SliceState, spec: JobSpec, candidates: list[Candidate],
-                    full: tuple[str, ...]) -> MeshPlan | None:
-    """The restart after a failure under restart.grow = "after_checkpoint":
-    the failed generation's usable members only, if leaving the newcomers
-    out costs no member (a mesh that only fits fewer hosts). A newcomer holds
-    no local snapshot, so restarting with it would roll everyone back to the
-    persistent checkpoint, which the grow policy promised not to do; it joins
-    at the next grow, after the next commit. None: plan with everyone."""
-    if spec.restart.grow != "after_checkpoint" or state.stop_kind != "failure" or \
-            not state.members:
-        return None
-    previous = set(state.members)
-    newcomers = sum(h not in previous for h in full)
-    if not newcomers:
-        return None
-    plan = plan_mesh(spec, [c for c in candidates if c.host_id in previous])
-    return plan if plan.hosts and len(plan.hosts) >= len(full) - newcomers else None
-
-
-def _buddies(view: ClusterView, hosts: tuple[str, ...]) -> dict[str, str]:
-    """elastic.policy.buddies.buddies for `hosts` (rank order) as `view`
-    knows them; a host it no longer knows is a domain of its own, unable
-    to receive."""
-    records = {h: view.get(h) for h in hosts}
-    return buddies(hosts, {h: r.failure_domain if r else h for h, r in records.items()},
-                   {h: bool(r and r.service_port) for h, r in records.items()})
-
-
-def _plan_keeping_replicas(state: SliceState, view: ClusterView, spec: JobSpec,
-                           candidates: list[Candidate], plan: MeshPlan) -> MeshPlan:
-    """`plan`, or one of as many hosts and devices whose hosts hold, between
-    them, the last snapshot of every host of the last generation (their own
-    or a buddy's replica: elastic.policy.buddies.keep_replicas_within), when
-    the mesh leaves usable hosts out and `plan` would leave out a lost
-    host's buddy."""
-    if not spec.restart.replicate_snapshots or not state.members:
-        return plan
-    chosen = set(plan.hosts)
-    pool = [c for c in candidates if c.host_id in chosen] + \
-        [c for c in candidates if c.host_id not in chosen]
-    if len(pool) == len(plan.hosts):
-        return plan
-    buddy_of = _buddies(view, state.members)  # (the last generation's, derived again)
-    usable = {c.host_id for c in pool}
-    keep = keep_replicas_within([c.host_id for c in pool], len(plan.hosts),
-                                [h for h in state.members if h not in usable], buddy_of)
-    if keep is None or set(keep) == chosen:
-        return plan
-    better = plan_mesh(spec, [c for c in pool if c.host_id in keep])
-    if len(better.hosts) != len(plan.hosts) or better.devices_per_host != plan.devices_per_host:
-        return plan
-    return dataclasses.replace(better, reason=better.reason + " (hosts chosen so that the "
-                               "slice holds every host's last snapshot, own or replica)")
 
 
 def _member_failure(state: SliceState, view: ClusterView, host: str,

@@ -132,6 +132,7 @@ class DirectoryTier:
             raise
 
     def remove(self, name: str) -> None:
+        """Remove `name` if it is there. Raises OSError."""
         (self.path / name).unlink(missing_ok=True)
 
 
@@ -159,6 +160,9 @@ class BucketTier:
         return self._bucket.blob(self._prefix + name)
 
     def read(self, name: str) -> bytes | None:
+        """The object `name`'s bytes, None if absent. Raises what
+        google-cloud-storage raises once transient errors have been retried
+        for BUCKET_RETRY_S seconds."""
         from google.api_core import exceptions
 
         try:
@@ -168,10 +172,12 @@ class BucketTier:
             return None
 
     def write(self, name: str, data: bytes) -> None:
+        """Upload `name` (an object appears whole). Raises as `read`."""
         self._retrying(lambda: self._blob(name).upload_from_string(data, retry=None,
                                                                    timeout=BUCKET_TIMEOUT))
 
     def remove(self, name: str) -> None:
+        """Delete `name` if it is there. Raises as `read`."""
         from google.api_core import exceptions
 
         try:
@@ -225,6 +231,8 @@ class SignedTier:
         return hmac.new(self._key, name.encode() + b"\0" + data, hashlib.sha256).digest()
 
     def read(self, name: str) -> bytes | None:
+        """`name`'s payload if its signature holds; None if absent or not
+        signed with this key (warned). Raises what the inner tier raises."""
         signed = self.inner.read(name)
         if signed is None:
             return None
@@ -236,9 +244,11 @@ class SignedTier:
         return data
 
     def write(self, name: str, data: bytes) -> None:
+        """Write `data` signed (32 bytes of HMAC first). Raises as the inner tier."""
         self.inner.write(name, self._mac(name, data) + data)
 
     def remove(self, name: str) -> None:
+        """Remove `name`. Raises as the inner tier."""
         self.inner.remove(name)
 
 
@@ -251,8 +261,18 @@ def tier(where: str | None):
                 else DirectoryTier(where))
 
 
-def _raise(error: Exception):
-    raise error
+def _signed_tier(shared: str | None, key_file: str | None):
+    """The shared tier at `shared`, signed with the key in `key_file`
+    (SignedTier); None for no `shared`, and (warned) for no usable key."""
+    shared_tier = tier(shared)
+    if shared_tier is None:
+        return None
+    if not key_file:
+        log.warning("executable cache %s: no signing key (ELASTIC_SHARED_CACHE_KEY_FILE); "
+                    "not used", shared_tier)
+        return None
+    key = _try("read its signing key", shared_tier, lambda: read_signing_key(key_file))
+    return None if key is None else SignedTier(shared_tier, key)
 
 
 def _try(what: str, t, call, default=None):
@@ -393,13 +413,7 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
         raise ValueError(f"executable name {name[:100]!r}: use 1 to 100 letters, digits, "
                          f"'_', '.' or '-'")
     t0 = time.perf_counter()
-    shared_tier = tier(shared)
-    if shared_tier is not None:
-        key = _try("read its signing key", shared_tier,
-                   lambda: read_signing_key(shared_key or "") if shared_key else
-                   _raise(CacheKeyError("no signing key (ELASTIC_SHARED_CACHE_KEY_FILE)")))
-        shared_tier = SignedTier(shared_tier, key) if key is not None else None
-    tiers = [t for t in (tier(cache_dir), shared_tier) if t is not None]
+    tiers = [t for t in (tier(cache_dir), _signed_tier(shared, shared_key)) if t is not None]
     if not tiers:
         return lowered.compile(), False, time.perf_counter() - t0
     key = cache_key(lowered, jax.process_count(), [d.id for d in jax.devices()])
