@@ -123,7 +123,7 @@ def test_unreadable_latest_falls_back_and_is_reported(tmp_path, proc_env):
 @pytest.fixture(scope="module")
 def trained_by_three(tmp_path_factory):
     """3 processes ran steps 0..9, committing every 4th step (0, 4, 8) and
-    snapshotting every step (the last two, 8 and 9, kept)."""
+    snapshotting every step (the last three, 7, 8 and 9, kept)."""
     root = tmp_path_factory.mktemp("snap")
     ckpt, snaps = root / "ckpt", root / "snapshots"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -149,14 +149,14 @@ def test_the_same_slice_resumes_from_its_local_snapshots(trained_by_three, tmp_p
     _, snaps, trained = trained_by_three
     assert trained["committed"] == [0, 4, 8]
     assert sorted(p.name for p in (snaps / "h0").iterdir()) == \
-        ["step-0000000008.snap", "step-0000000009.snap"]
+        ["step-0000000007.snap", "step-0000000008.snap", "step-0000000009.snap"]
     restored, left = restore_with(tmp_path, proc_env, trained_by_three)
     assert restored["step"] == 9 and restored["meta"] == {"data_position": 10}
     assert restored["checksums"] == trained["checksums"]  # the state after step 9, bit for bit
     [event] = restored["events"]
     assert event["kind"] == "checkpoint_restored" and event["source"] == "snapshot"
     assert event["step"] == 9 and event["saved_at"] > 0
-    # the other snapshot (step 8) is gone: it is not the line training resumes
+    # the other snapshots (steps 7, 8) are gone: not the line training resumes
     assert sorted(p.name for p in (left / "h2").iterdir()) == ["step-0000000009.snap"]
 
 

@@ -162,7 +162,8 @@ def test_snapshots_outlive_donated_buffers_and_keep_the_last_two(tmp_path):
         state = step_fn(state)  # after step k, w == n == k + 1
         assert snaps.save(step, state, {"data_position": step + 1}) is (step % 2 == 0)
     assert not snaps.save(6, state)  # the same step twice: once
-    assert snaps.steps() == [4, 6]  # keep=2
+    snaps.flush()  # (files are written in the background, from copies taken in save)
+    assert snaps.steps() == [2, 4, 6]  # keep=3
     assert len(snaps.seconds) == 4 and snaps.drain_blocked_s() >= sum(snaps.seconds) > 0
     assert snaps.drain_blocked_s() == 0.0
     (tmp_path / ".step-0000000008.snap.tmp").write_bytes(b"a killed writer's")
@@ -188,3 +189,51 @@ def test_snapshots_outlive_donated_buffers_and_keep_the_last_two(tmp_path):
 ])
 def test_held_only_here_decides_whether_a_replica_adds_anything(regions, expected):
     assert held_only_here(regions, 0) is expected
+
+
+def test_a_snapshot_written_after_the_next_steps_holds_its_own_step(tmp_path, monkeypatch):
+    """The file is written in the background, after later steps have
+    donated (and overwritten) the buffers the snapshot was taken from: it
+    must hold the snapshot step's values, from the copy `save` took."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from elastic.checkpoint import snapshot
+
+    release = threading.Event()
+    real_write = snapshot.write
+    written_from: list[int] = []
+
+    def late_write(path, step, saved_at, run_id, meta, leaves):
+        assert release.wait(60)
+        written_from.extend(data.__array_interface__["data"][0]
+                            for _, _, shards in leaves.values() for _, data in shards)
+        return real_write(path, step, saved_at, run_id, meta, leaves)
+
+    monkeypatch.setattr(snapshot, "write", late_write)
+    snaps = snapshot.LocalSnapshots(str(tmp_path), "run-1", every_steps=1,
+                                    agree=lambda own: [own])
+    step_fn = jax.jit(lambda s: {"w": s["w"] + 1.0}, donate_argnums=0)
+    state = step_fn({"w": jnp.zeros((256, 64), jnp.float32)})  # after step 0: w == 1
+    device_buffer = state["w"].addressable_shards[0].data.unsafe_buffer_pointer()
+    meta = {"data_position": 1}
+    try:
+        assert snaps.save(0, state, meta)
+        meta["data_position"] = 4  # a caller reusing its dict: the snapshot keeps 1
+        for _ in range(3):
+            state = step_fn(state)  # may reuse the buffers snapshot 0 was taken from
+        jax.block_until_ready(state)
+        assert snaps.steps() == []  # still being written
+    finally:
+        release.set()
+    snaps.flush()
+    assert written_from and device_buffer not in written_from  # a copy, not a view
+    assert snaps.steps() == [0]
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            state)
+    snap = snaps.restore(abstract, committed_step=None)
+    assert snap.step == 0 and snap.meta == {"data_position": 1}
+    np.testing.assert_array_equal(snapshot.to_state(snap, abstract)["w"],
+                                  np.full((256, 64), 1.0, np.float32))

@@ -54,7 +54,7 @@ from elastic.v1 import control_pb2_grpc as pb_grpc
 log = logging.getLogger("elastic-agent")
 
 #: Replicas kept per peer host (as many as a host keeps of its own snapshots).
-KEEP = 2
+KEEP = 3
 #: Bytes per chunk of a replica on the wire (under the servers' 1 MiB message limit).
 CHUNK_BYTES = 1 << 19
 #: Free bytes a replica must leave in the directory.

@@ -33,6 +33,7 @@ was really restarted (or simulated as such) has none.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -94,12 +95,13 @@ def inside(inner: Region, outer: Region) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))
 
 
-def host_shards(state: Any) -> Leaves:
+def host_shards(state: Any, copy: bool = False) -> Leaves:
     """This process's shards of every leaf of `state` (a pytree of jax.Array),
     each distinct region once, as host arrays: views of the device buffers
     where the platform allows it (CPU), so use them before the next step
-    may donate those buffers. Raises TypeError for a leaf that is not a
-    jax.Array."""
+    may donate those buffers — or, with `copy`, arrays of their own (on
+    CPU a copy of the view; elsewhere the transfer to the host is one
+    already). Raises TypeError for a leaf that is not a jax.Array."""
     import jax
 
     leaves = {}
@@ -111,7 +113,9 @@ def host_shards(state: Any) -> Leaves:
         for shard in leaf.addressable_shards:
             region = region_of(shard.index, leaf.shape)
             if region not in shards:
-                shards[region] = np.asarray(shard.data)
+                own = copy and shard.device.platform == "cpu"
+                shards[region] = np.array(shard.data, order="C") if own else \
+                    np.asarray(shard.data)
         leaves[jax.tree_util.keystr(path)] = (tuple(leaf.shape), str(leaf.dtype),
                                               list(shards.items()))
     return leaves
@@ -333,18 +337,23 @@ class LocalSnapshots:
     none, but still votes, so that the slice agrees).
 
     every_steps: snapshot every this many steps (the same on every process).
-      A snapshot is written in the training loop, before the next step can
-      donate the buffers: ~2 ms for a 7 MB state to tmpfs on this project's
-      machine in isolation (~6 ms to a disk-backed directory, which is why
-      agents default to /dev/shm), ~11 ms with 4 processes sharing its 2
-      cores; `seconds` keeps the recent ones, `drain_blocked_s` sums them.
+      The training loop is blocked only while this process's shards are
+      copied into host memory of its own (the next step may donate the
+      device buffers): ~2.6 ms for a 7 MB state on this project's machine
+      in isolation, where writing the file as well took ~7 ms (and ~35 ms
+      with 4 processes sharing its 2 cores); the file is written by a
+      background thread, which the next snapshot waits for if it is still
+      writing. `seconds` keeps the recent blocking times, `drain_blocked_s`
+      sums them; `flush()` waits for the write in flight.
       bench/snapshot_overhead.py measures what it costs a step.
-    keep: snapshots kept (>= 2, so that processes one snapshot apart on a
-      crash still share one).
+    keep: snapshots kept (>= 2; 3 by default, so that processes still share
+      one after a crash even when one of them was still writing its newest
+      while its peers had written the next: two intervals apart).
     run_id: the controller run they belong to; others are never restored.
     agree(own_vote) -> every process's vote (see `choose_restore`): defaults
       to the coordination service; tests pass their own.
-    on_written(step): called after each snapshot file is in place when
+    on_written(step): called (on the writer's thread) after each snapshot
+      file is in place when
       this process holds a part of the state that no other process holds
       (`held_only_here`: a state sharded across hosts; a replica of a part
       other hosts hold anyway would cost and add nothing); the worker
@@ -354,7 +363,7 @@ class LocalSnapshots:
       offered at every restore beside the process's own snapshots.
     """
 
-    def __init__(self, directory: str | None, run_id: str, every_steps: int = 10, keep: int = 2,
+    def __init__(self, directory: str | None, run_id: str, every_steps: int = 10, keep: int = 3,
                  agree: Callable[[dict], list[dict]] | None = None,
                  clock: Callable[[], float] = time.time,
                  on_written: Callable[[int], None] | None = None) -> None:
@@ -373,6 +382,8 @@ class LocalSnapshots:
         self._blocked_s = 0.0
         self._disabled = self.directory is None
         self._warned_room = False
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -386,21 +397,49 @@ class LocalSnapshots:
         return sorted(int(p.name[5:-len(SUFFIX)]) for p in self.directory.glob(f"step-*{SUFFIX}"))
 
     def save(self, step: int, state: Any, meta: dict | None = None) -> bool:
-        """Snapshot `state` after `step` if the interval says so; returns
-        whether one was written. Never raises for the snapshot's sake: a
-        write error or a directory without room for it (a small tmpfs) skips
-        it with a warning; a state that is not all jax.Arrays turns snapshots
-        off (logged)."""
+        """Snapshot `state` after `step` if the interval says so: copy this
+        process's shards (blocking) and hand them to the background writer.
+        Returns whether one was taken; its file appears when the writer is
+        done (`flush()` waits for it). Never raises for the snapshot's sake:
+        a write error or a directory without room for it (a small tmpfs)
+        skips it with a warning; a state that is not all jax.Arrays turns
+        snapshots off (logged)."""
         if self._disabled or step % self.every_steps or \
                 (self._last_saved is not None and step <= self._last_saved):
             return False
         t0 = time.perf_counter()
+        meta = json.loads(json.dumps(meta or {}))  # (as it is now; raises TypeError here)
+        self.flush()  # (one copy of the state waiting at a time; long written by now)
         try:
-            leaves = host_shards(state)
+            copies = host_shards(state, copy=True)
         except TypeError as e:
             log.warning("%s; local snapshots off", e)
             self._disabled = True
             return False
+        if self.on_written is not None and self._only_here is None:
+            import jax
+
+            self._only_here = held_only_here(state_regions(state), jax.process_index())
+        self._last_saved = step
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="elastic-snapshot")
+        self._pending = self._writer.submit(self._write, step, self.clock(), meta, copies)
+        blocked = time.perf_counter() - t0
+        self.seconds.append(blocked)
+        self._blocked_s += blocked
+        return True
+
+    def flush(self) -> None:
+        """Wait until the snapshot being written, if any, is in place (or was
+        given up with a warning)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # (_write raises nothing)
+
+    def _write(self, step: int, saved_at: float, meta: dict, leaves: Leaves) -> None:
+        """The background writer: one snapshot file, then the older ones
+        beyond `keep` removed and `on_written` called. Logs, never raises."""
         path = self._path(step)
         try:
             room = shutil.disk_usage(self.directory).free
@@ -411,26 +450,22 @@ class LocalSnapshots:
                                 "per step): skipping them", self.directory, room >> 20,
                                 need >> 20)
                     self._warned_room = True
-                return False
-            write(path, step, self.clock(), self.run_id, meta or {}, leaves)
-        except OSError as e:
-            log.warning("local snapshot of step %d not written: %s", step, e)
+                return
+            write(path, step, saved_at, self.run_id, meta, leaves)
+        except Exception as e:  # noqa: BLE001 - a snapshot never ends training
+            log.warning("local snapshot of step %d not written: %s: %s", step, type(e).__name__, e)
             path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
-            return False
-        self._last_saved = step
-        for old in self.steps()[:-self.keep]:
-            self._path(old).unlink(missing_ok=True)
-        blocked = time.perf_counter() - t0
-        self.seconds.append(blocked)
-        self._blocked_s += blocked
-        if self.on_written is not None:
-            if self._only_here is None:
-                import jax
-
-                self._only_here = held_only_here(state_regions(state), jax.process_index())
-            if self._only_here:
+            return
+        try:
+            for old in self.steps()[:-self.keep]:
+                self._path(old).unlink(missing_ok=True)
+        except OSError as e:  # (the new one is in place: still announce it)
+            log.warning("older local snapshots not removed: %s", e)
+        if self.on_written is not None and self._only_here:
+            try:
                 self.on_written(step)
-        return True
+            except Exception:  # noqa: BLE001 - a reporting hook must not end the writer
+                log.exception("snapshot_written hook failed for step %d", step)
 
     def drain_blocked_s(self) -> float:
         """Seconds the snapshots taken since the last call blocked the
@@ -472,6 +507,7 @@ class LocalSnapshots:
         Snapshots and replicas of other steps are deleted either way: they
         belong to a line of training that the slice is not resuming. Raises
         what the transfer's collective raises."""
+        self.flush()  # (a snapshot this process is still writing)
         own: dict[int, Snapshot] = {}
         held: dict[int, list[Snapshot]] = {}  # own and replicas, by step
         needed = needed_regions(abstract_state)

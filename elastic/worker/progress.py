@@ -87,10 +87,11 @@ class ProgressReporter:
             self._sock.setblocking(False)
 
     def _send(self, payload: bytes) -> None:
-        if self._sock is None:
+        sock = self._sock  # (once: the snapshot writer's thread sends too, and close() clears it)
+        if sock is None:
             return
         try:
-            self._sock.sendto(payload, self._address)
+            sock.sendto(payload, self._address)
         except OSError:  # buffer full, agent gone: never block training
             self.dropped += 1
 
