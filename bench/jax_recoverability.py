@@ -23,13 +23,14 @@ import os
 import pathlib
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from common import machine, write_result
+
+from elastic.checkpoint.emulator import free_port
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -67,10 +68,11 @@ def child(process_id: int, processes: int, port: int, kill_at: int, recoverable:
         time.sleep(0.01)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _read_events(stdout, events: queue.Queue) -> None:
+    """Put each JSON line a child prints into `events`, until it ends."""
+    for line in stdout:
+        if line.startswith("{"):
+            events.put(json.loads(line))
 
 
 def probe(processes: int, kill_at: int, wait_s: float, recoverable: bool) -> dict:
@@ -86,8 +88,7 @@ def probe(processes: int, kill_at: int, wait_s: float, recoverable: bool) -> dic
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
         procs.append(p)
-        threading.Thread(target=lambda p=p: [events.put(json.loads(line)) for line in p.stdout
-                                             if line.startswith("{")], daemon=True).start()
+        threading.Thread(target=_read_events, args=(p.stdout, events), daemon=True).start()
     try:
         killed_at, survivors = None, {i: {"state": "blocked"} for i in range(processes - 1)}
         deadline = time.monotonic() + 120

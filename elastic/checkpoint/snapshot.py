@@ -339,9 +339,10 @@ class LocalSnapshots:
     every_steps: snapshot every this many steps (the same on every process).
       The training loop is blocked only while this process's shards are
       copied into host memory of its own (the next step may donate the
-      device buffers): ~2.6 ms for a 7 MB state on this project's machine
-      in isolation, where writing the file as well took ~7 ms (and ~35 ms
-      with 4 processes sharing its 2 cores); the file is written by a
+      device buffers): for a 7 MB state on this project's machine ~2.6 ms
+      in isolation and ~10 ms with 4 processes sharing its 2 cores, where
+      writing the file in the loop took ~7 ms and ~18 ms
+      (bench/snapshot_overhead.py); the file is written by a
       background thread, which the next snapshot waits for if it is still
       writing. `seconds` keeps the recent blocking times, `drain_blocked_s`
       sums them; `flush()` waits for the write in flight.

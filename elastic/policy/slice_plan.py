@@ -18,7 +18,7 @@ from elastic.policy.view import ClusterView
 
 
 def survivors_plan(state: SliceState, spec: JobSpec, candidates: list[Candidate],
-                    full: tuple[str, ...]) -> MeshPlan | None:
+                   full: tuple[str, ...]) -> MeshPlan | None:
     """The restart after a failure under restart.grow = "after_checkpoint":
     the failed generation's usable members only, if leaving the newcomers
     out costs no member (a mesh that only fits fewer hosts). A newcomer holds
@@ -46,7 +46,7 @@ def buddy_map(view: ClusterView, hosts: tuple[str, ...]) -> dict[str, str]:
 
 
 def plan_keeping_replicas(state: SliceState, view: ClusterView, spec: JobSpec,
-                           candidates: list[Candidate], plan: MeshPlan) -> MeshPlan:
+                          candidates: list[Candidate], plan: MeshPlan) -> MeshPlan:
     """`plan`, or one of as many hosts and devices whose hosts hold, between
     them, the last snapshot of every host of the last generation (their own
     or a buddy's replica: elastic.policy.buddies.keep_replicas_within), when
