@@ -16,7 +16,8 @@ mutual TLS costs. For each size:
 - fan-out: `generation_started` -> the last agent received its start, and
   `slice_stopping` -> the last agent received its stop;
 - overload: seconds from the controller's start to the generation's start
-  (every agent registered), registrations deferred by admission control,
+  (every agent registered and its stream open; how many streams had sent
+  their first message by then), registrations deferred by admission control,
   and hosts declared lost that were never silent (the silenced one aside:
   should be 0; elastic.controller.lag).
 
@@ -99,6 +100,7 @@ async def session(stub, pb, header, status, host_id: str, received: dict,
             await call.write(message)
 
     await write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=status)))
+    received.setdefault("stream_opened", {})[host_id] = time.time()
 
     async def beat():
         await asyncio.sleep(random.random())  # spread the heartbeats over the second
@@ -307,6 +309,10 @@ startup_timeout_s = 600.0
         "stop_fanout_s": round(max(stops.values()) - stopping["ts"], 3) if stops else None,
         "stops_received": len(stops),
         "all_registered_s": round(started["ts"] - first_ts, 3),
+        # agents whose stream had sent its first message when the generation
+        # started (a start for any other waits in its outbox)
+        "streams_open_at_start": sum(t <= started["ts"]
+                                     for t in received.get("stream_opened", {}).values()),
         "registrations_deferred": sum(received.get("deferred", {}).values()),
         "sessions_ended": _by_code(received.get("session_ended", {})),
         "session_end_details": received.get("first_details", {}),

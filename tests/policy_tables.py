@@ -21,11 +21,17 @@ def spec(**kw) -> JobSpec:
 
 
 def register(view: ClusterView, host: str, now: float = T0, domain: str | None = None,
-             devices: int = 2, incarnation: str | None = None, kind: str = "cpu") -> list:
-    """Register `host` (its journal facts returned)."""
-    return observe(view, Registered(host, incarnation or f"inc-{host}", devices, "10.0.0.1",
-                                    domain or host, 100, 5000 + int(host[-1]), WorkerObs(),
-                                    kind), now)[1]
+             devices: int = 2, incarnation: str | None = None, kind: str = "cpu",
+             stream: bool = True) -> list:
+    """Register `host` (its journal facts returned) and, with `stream`, its
+    stream's first message (a heartbeat at the same instant, of the worker
+    the record holds), as an agent does."""
+    inc = incarnation or f"inc-{host}"
+    facts = observe(view, Registered(host, inc, devices, "10.0.0.1", domain or host, 100,
+                                     5000 + int(host[-1]), WorkerObs(), kind), now)[1]
+    if stream:
+        observe(view, HeartbeatReceived(host, inc, view.hosts[host].worker, 0), now)
+    return facts
 
 
 def worker(view: ClusterView, host: str, now: float, generation: int, state: WorkerState,

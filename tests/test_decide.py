@@ -44,6 +44,27 @@ def test_waiting_table(registered, min_hosts, max_hosts, dt, started):
         assert kinds(decision) == ["generation_started"]
 
 
+@pytest.mark.parametrize("streams,disconnected,started", [
+    (("h0", "h1", "h2"), (), 3),
+    (("h0", "h1"), (), None),      # h2 only registered: a start would wait in its outbox
+    (("h0", "h1", "h2"), ("h2",), None),  # h2's stream closed (within reconnect_grace_s)
+])
+def test_only_hosts_with_an_open_stream_start(streams, disconnected, started):
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h, stream=h in streams)
+    for h in disconnected:
+        observe(view, Disconnected(h, f"inc-{h}"), T0 + 0.1)
+    decision = decide(SliceState(phase_since=T0), view, T0 + 0.2, spec(min_hosts=3, max_hosts=3))
+    starts = [a.host for a in decision.actions if isinstance(a, d.StartWorker)]
+    if started is None:
+        assert decision.state.phase is Phase.WAITING and not starts
+        if len(streams) < 3:
+            assert "1 registered host has not opened a stream yet" in decision.reason
+    else:
+        assert sorted(starts) == ["h0", "h1", "h2"]
+
+
 def test_below_min_hosts_journaled_once():
     view = ClusterView()
     register(view, "h0")
@@ -138,9 +159,7 @@ def test_lost_host_after_heartbeat_timeout(silent_s, controller_lag_s, lost):
     (False, silence.STREAM_OPEN_S + 0.1, True)])
 def test_a_registered_host_has_time_to_open_its_stream(streamed, after_s, lost):
     view = ClusterView()
-    register(view, "h0")
-    if streamed:
-        heartbeat_all(view, T0)
+    register(view, "h0", stream=streamed)
     decision = decide(SliceState(phase_since=T0), view, T0 + after_s, spec(min_hosts=2))
     assert ("host_lost" in kinds(decision)) is lost
 
