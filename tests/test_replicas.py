@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import random
 
 import grpc
 import pytest
@@ -34,6 +35,28 @@ YES = {h: True for h in ("a", "b", "c", "d")}
 ])
 def test_buddies(hosts, domains, can_receive, expected):
     assert buddies(hosts, domains, can_receive) == expected
+
+
+def scan_of_successors(hosts, domains, can_receive) -> dict[str, str]:
+    """The rule of elastic.policy.buddies, written as its plain O(hosts^2) scan."""
+    out = {}
+    for i, host in enumerate(hosts):
+        after = [hosts[(i + k) % len(hosts)] for k in range(1, len(hosts))]
+        receivers = [h for h in after if can_receive.get(h, False)]
+        elsewhere = [h for h in receivers if domains.get(h) != domains.get(host)]
+        if receivers:
+            out[host] = (elsewhere or receivers)[0]
+    return out
+
+
+def test_buddies_follow_the_plain_scan_on_random_slices():
+    rng = random.Random(7)
+    for _ in range(500):
+        hosts = [f"h{i}" for i in range(rng.randint(1, 12))]
+        domains = {h: f"d{rng.randrange(rng.randint(1, 4))}" for h in hosts}
+        can_receive = {h: rng.random() < 0.7 for h in hosts}
+        assert buddies(hosts, domains, can_receive) == \
+            scan_of_successors(hosts, domains, can_receive), (hosts, domains, can_receive)
 
 
 def snapshot_file(directory: pathlib.Path, step: int, size: int = 3_000_000) -> bytes:
