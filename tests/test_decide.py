@@ -65,6 +65,14 @@ def test_only_hosts_with_an_open_stream_start(streams, disconnected, started):
         assert sorted(starts) == ["h0", "h1", "h2"]
 
 
+def test_a_streams_first_message_wakes_the_decisions_and_a_plain_heartbeat_does_not():
+    view = ClusterView()
+    register(view, "h0", stream=False)
+    beat = HeartbeatReceived("h0", "inc-h0", view.hosts["h0"].worker, 0)
+    assert observe(view, beat, T0 + 0.1) == (True, [])   # h0 can be started now
+    assert observe(view, beat, T0 + 1.1) == (False, [])  # nothing a decision reads changed
+
+
 def test_below_min_hosts_journaled_once():
     view = ClusterView()
     register(view, "h0")

@@ -65,6 +65,15 @@ def register_request(host="h0", incarnation="inc1", **worker) -> pb.RegisterRequ
 IDLE = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
 
 
+async def first_start(call) -> pb.ControllerMessage:
+    """The first start read from a stream (heartbeat acks may come first)."""
+    while True:
+        message = await call.read()
+        assert message is not grpc.aio.EOF, "the stream ended before a start"
+        if message.HasField("start"):
+            return message
+
+
 def journal(tmp_path) -> list[dict]:
     entries, skipped = load_journal(tmp_path / "state")
     assert skipped == 0
@@ -233,7 +242,7 @@ def test_only_rank_0_reports_commits_and_a_stream_needs_its_registration_certifi
                     calls[host] = stub.Connect()
                     await calls[host].write(pb.AgentMessage(header=header(host),
                                                             heartbeat=pb.Heartbeat(worker=IDLE)))
-                starts = {h: await call.read() for h, call in calls.items()}
+                starts = {h: await first_start(call) for h, call in calls.items()}
                 rank0 = next(h for h, m in starts.items() if m.start.process_id == 0)
                 other = "h1" if rank0 == "h0" else "h0"
                 stub = pb_grpc.ControllerStub(op)

@@ -280,9 +280,13 @@ class ClusterView:
                 return
             yield record
 
-    def _touch(self, record: HostRecord, now: float) -> None:
+    def _touch(self, record: HostRecord, now: float) -> bool:
+        """A message came from `record`'s host on its stream at `now`; True
+        if it is the stream's first (the host can now be sent a start)."""
+        opened = not record.streamed
         record.last_heartbeat_at, record.streamed = now, True
         self.hosts.move_to_end(record.host_id)
+        return opened
 
 
 def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
@@ -387,7 +391,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
     if record is None or record.incarnation != event.incarnation:
         return False, []
     if isinstance(event, HeartbeatReceived):
-        view._touch(record, now)
+        opened = view._touch(record, now)
         record.free_port = event.free_port or record.free_port
         facts = _note_commit(view, record, event.worker.generation,
                              event.worker.committed_step, now)
@@ -401,7 +405,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             record.preemption, record.preempted_at = event.preemption, now
             facts.append(Fact("preemption_notice", event.host_id, event.worker.generation,
                               f"host is being taken away: {event.preemption}"))
-        return changed or bool(facts), facts
+        return opened or changed or bool(facts), facts
     if isinstance(event, Disconnected):
         view.disconnected[event.host_id] = now
         return True, []
