@@ -100,7 +100,7 @@ async def session(stub, pb, header, status, host_id: str, received: dict,
             await call.write(message)
 
     await write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(worker=status)))
-    received.setdefault("stream_opened", {})[host_id] = time.time()
+    received.setdefault("stream_opened", {}).setdefault(host_id, time.time())  # the first
 
     async def beat():
         await asyncio.sleep(random.random())  # spread the heartbeats over the second
@@ -309,8 +309,9 @@ startup_timeout_s = 600.0
         "stop_fanout_s": round(max(stops.values()) - stopping["ts"], 3) if stops else None,
         "stops_received": len(stops),
         "all_registered_s": round(started["ts"] - first_ts, 3),
-        # agents whose stream had sent its first message when the generation
-        # started (a start for any other waits in its outbox)
+        # agents whose first stream had sent its first message when the
+        # generation started, by the clients' clocks (a start for any other
+        # would wait in its outbox)
         "streams_open_at_start": sum(t <= started["ts"]
                                      for t in received.get("stream_opened", {}).values()),
         "registrations_deferred": sum(received.get("deferred", {}).values()),

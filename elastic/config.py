@@ -124,7 +124,9 @@ class HealthSpec:
     stop_timeout_s: how long the controller waits for stop acknowledgements
       before dropping a host that does not answer (> stop_grace_s).
     rendezvous_settle_s: once `min_hosts` are ready but fewer than
-      `max_hosts`, wait this long after the last registration for more.
+      `max_hosts`, wait this long after the last registration or stream
+      opening for more (and while a registered host's stream is still
+      opening, at most elastic.policy.silence.STREAM_OPEN_S).
     carry_silent_hosts: a member of the running slice whose agent has been
       silent for heartbeat_timeout_s stays in the slice while the other
       members' steps prove its worker still takes part (see

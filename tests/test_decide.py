@@ -65,12 +65,44 @@ def test_only_hosts_with_an_open_stream_start(streams, disconnected, started):
         assert sorted(starts) == ["h0", "h1", "h2"]
 
 
+@pytest.mark.parametrize("h2_streams_at,started_at,hosts", [
+    (3.0, 3.0, 3),    # its stream opened late: all three start then (max_hosts reached)
+    (None, silence.STREAM_OPEN_S + 0.1, 2),  # never: it is lost, the other two start
+])
+def test_the_first_generation_waits_for_streams_still_opening(h2_streams_at, started_at, hosts):
+    """min_hosts 2, max_hosts 3; h2 registered with the others but its stream
+    has not sent anything: the settle (1 s) ends, the slice still waits."""
+    view, s = ClusterView(), spec(min_hosts=2, max_hosts=3)
+    for h in ("h0", "h1", "h2"):
+        register(view, h, stream=h != "h2")
+    state = SliceState(phase_since=T0)
+    for at in (1.5, 2.0, started_at - 0.2, started_at):
+        for record in list(view.hosts.values()):  # the others heartbeat
+            if record.streamed:
+                observe(view, HeartbeatReceived(record.host_id, record.incarnation,
+                                                record.worker, 0), T0 + at)
+        if at == h2_streams_at:
+            observe(view, HeartbeatReceived("h2", "inc-h2", WorkerObs(), 0), T0 + at)
+        decision = decide(state, view, T0 + at, s)
+        state = decision.state
+        starts = [a.host for a in decision.actions if isinstance(a, d.StartWorker)]
+        if at < started_at:
+            assert state.phase is Phase.WAITING and not starts, at
+            assert "1 registered host has not opened a stream yet" in decision.reason, at
+        else:
+            assert len(starts) == hosts and state.phase is Phase.STARTING
+
+
 def test_a_streams_first_message_wakes_the_decisions_and_a_plain_heartbeat_does_not():
     view = ClusterView()
     register(view, "h0", stream=False)
     beat = HeartbeatReceived("h0", "inc-h0", view.hosts["h0"].worker, 0)
     assert observe(view, beat, T0 + 0.1) == (True, [])   # h0 can be started now
     assert observe(view, beat, T0 + 1.1) == (False, [])  # nothing a decision reads changed
+    register(view, "h1", stream=False)  # an agent sends what it queued before a heartbeat
+    progress = ProgressReported("h1", "inc-h1", 0, -1, -1)
+    assert observe(view, progress, T0 + 1.2) == (True, [])
+    assert observe(view, progress, T0 + 1.3) == (False, [])
 
 
 def test_below_min_hosts_journaled_once():

@@ -21,6 +21,10 @@ log = logging.getLogger("elasticd")
 #: pass's duration (at 10,000 hosts a pass takes tens of milliseconds; with
 #: a few hosts, a fraction of one).
 PASS_SPACING = 2.0
+#: A pass's duration counts at most this much (seconds) for the spacing and
+#: the ticks: one that took longer was paused or starved (SIGSTOP, a
+#: suspended VM), not slow, and must not hold back the next decisions.
+PASS_COST_CAP_S = 0.2
 
 
 class Controller:
@@ -28,7 +32,8 @@ class Controller:
 
     tick_s: the longest time between two reconcile passes (seconds) on a
       small slice; a lost host is noticed within heartbeat_timeout_s + tick_s.
-      (With thousands of hosts the gap grows to 5x the time a pass takes.)
+      (With thousands of hosts the gap grows to 7x the time a pass takes, at
+      most 1.4 s: PASS_SPACING and PASS_COST_CAP_S.)
     initial_generation: the last generation a previous controller of this
       job started (from its journal), so generations never repeat.
     known_step: the highest step the job had reached before this
@@ -150,8 +155,9 @@ class Controller:
         # (thousands of streams opening, each making its host startable) costs
         # at most a third of the loop, not a pass each. Ticks catch what no
         # event announces (timeouts); a pass over a very large slice costs
-        # milliseconds, so ticks are kept 5x that far apart (decisions on
-        # ticks then cost at most ~20 % of a core).
+        # milliseconds, so ticks are kept 5x that far apart after the spacing
+        # (decisions on ticks then cost at most ~1/8 of a core).
+        pass_s = min(pass_s, PASS_COST_CAP_S)
         if pass_s > 0:
             await asyncio.sleep(PASS_SPACING * pass_s)
         wait_s, waited_from = max(self.tick_s, 5 * pass_s), self.clock.monotonic()

@@ -136,7 +136,8 @@ class Executor:
                 self.record(action.kind, action.generation, action.reason, action.host,
                             dict(action.fields))
             elif isinstance(action, d.StartWorker):
-                launch = launch or self.launch()
+                if launch is None:
+                    launch = self.launch()
                 start = pb.StartWorker()
                 start.CopyFrom(launch)
                 start.generation, start.process_id = action.generation, action.process_id

@@ -204,6 +204,19 @@ def _usable(record: HostRecord, state: SliceState, view: ClusterView) -> bool:
             and not record.preemption and record.host_id not in view.disconnected)
 
 
+def _opening(state: SliceState, view: ClusterView, now: float) -> int:
+    """Hosts that registered and whose stream has not sent its first message
+    yet, for at most silence.STREAM_OPEN_S (+ the controller's lag): then
+    their silence counts and they are lost. O(hosts)."""
+    return sum(silence.opening(r, now, view.lag_s) and r.host_id not in state.lost
+               for r in view.hosts.values())
+
+
+def _opening_text(opening: int) -> str:
+    which = "1 registered host has" if opening == 1 else f"{opening} registered hosts have"
+    return f"{which} not opened a stream yet"
+
+
 def _candidate(record: HostRecord) -> Candidate:
     return Candidate(record.host_id, record.failure_domain, record.devices, record.device_kind)
 
@@ -259,12 +272,9 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     plan = plan_mesh(spec, candidates)
     if not plan.hosts:
         state = _note_left_out(state, plan, actions)
-        unstreamed = sum(not r.streamed for r in view.hosts.values())
-        if unstreamed:
-            which = "1 registered host has" if unstreamed == 1 else \
-                f"{unstreamed} registered hosts have"
-            plan = dataclasses.replace(plan, reason=f"{plan.reason}; {which} not opened a "
-                                                    f"stream yet")
+        opening = _opening(state, view, now)
+        if opening:
+            plan = dataclasses.replace(plan, reason=f"{plan.reason}; {_opening_text(opening)}")
         # journaled on entering the wait and then at most every 30 s (status
         # always shows the current reason): hosts arriving one by one must not
         # write a line each
@@ -277,11 +287,19 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if survivors is not None:
         plan = survivors  # newcomers join at the next grow; no settling for them
     plan = plan_keeping_replicas(state, view, spec, candidates, plan)
-    settle_left = view.last_registration_at + spec.health.rendezvous_settle_s - now
-    if survivors is None and len(plan.hosts) < spec.max_hosts and settle_left > 0:
-        return dataclasses.replace(
-            state, reason=f"{len(plan.hosts)} hosts ready, waiting {settle_left:.1f} s "
-                          f"more for up to {spec.max_hosts}")
+    if survivors is None and len(plan.hosts) < spec.max_hosts:
+        # settle: more hosts may be on their way (registering, or registered
+        # with their streams still opening: seconds, in a storm of thousands)
+        last = max(view.last_registration_at, view.last_stream_opened_at)
+        settle_left = last + spec.health.rendezvous_settle_s - now
+        if settle_left > 0:
+            return dataclasses.replace(
+                state, reason=f"{len(plan.hosts)} hosts ready, waiting {settle_left:.1f} s "
+                              f"more for up to {spec.max_hosts}")
+        opening = _opening(state, view, now)
+        if opening:
+            return dataclasses.replace(
+                state, reason=f"{len(plan.hosts)} hosts ready; {_opening_text(opening)}")
     # above every generation a worker reports too: a journal that ended
     # early (or a generation that could not be adopted) must not be reused
     generation = max(state.generation, max((r.worker.generation for r in view.hosts.values()),

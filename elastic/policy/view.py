@@ -236,6 +236,8 @@ class ClusterView:
     def __init__(self) -> None:
         self.hosts: collections.OrderedDict[str, HostRecord] = collections.OrderedDict()
         self.last_registration_at = float("-inf")
+        # When a host's stream last sent its first message (it became startable).
+        self.last_stream_opened_at = float("-inf")
         # Latest committed checkpoint step any worker reported, and when.
         self.committed_step = -1
         self.committed_at = float("-inf")
@@ -286,6 +288,8 @@ class ClusterView:
         opened = not record.streamed
         record.last_heartbeat_at, record.streamed = now, True
         self.hosts.move_to_end(record.host_id)
+        if opened:
+            self.last_stream_opened_at = now
         return opened
 
 
@@ -422,10 +426,10 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
                             "stopped_on_request": w.stopped_on_request, "step": w.step,
                             "stderr_tail": w.stderr_tail[-2000:]})]
     if isinstance(event, ProgressReported):
-        view._touch(record, now)
+        opened = view._touch(record, now)  # (an agent sends what it queued first)
         w = record.worker
         if event.generation != w.generation:
-            return False, []
+            return opened, []
         facts = _note_commit(view, record, event.generation, event.committed_step, now)
         first = w.step < 0 <= event.step
         if first:
@@ -436,7 +440,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             if event.metrics:
                 w.metrics = dict(event.metrics)
         w.step = max(w.step, event.step)
-        return first or bool(facts), facts
+        return opened or first or bool(facts), facts
     if isinstance(event, StacksReported):
         who = f"rank {event.process_id} (pid {event.pid})"
         reason = f"{who} was stuck in {event.frame}" if event.stacks else \
