@@ -30,7 +30,7 @@ from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
-from tests.conftest import TINY_WORKER, tiny_spec, wait_until
+from tests.conftest import TINY_WORKER, tiny_spec
 
 TINY_ALLOWED = AllowList.parse([f"{sys.executable} {TINY_WORKER}"])
 

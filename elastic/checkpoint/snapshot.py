@@ -401,15 +401,17 @@ class LocalSnapshots:
         """Snapshot `state` after `step` if the interval says so: copy this
         process's shards (blocking) and hand them to the background writer.
         Returns whether one was taken; its file appears when the writer is
-        done (`flush()` waits for it). Never raises for the snapshot's sake:
-        a write error or a directory without room for it (a small tmpfs)
-        skips it with a warning; a state that is not all jax.Arrays turns
-        snapshots off (logged)."""
+        done (`flush()` waits for it). `meta` is encoded as it is now (a
+        caller may reuse its dict). Raises TypeError when `meta` cannot be
+        encoded as JSON (a caller's error); otherwise never raises for the
+        snapshot's sake: a write error or a directory without room for it
+        (a small tmpfs) skips it with a warning; a state that is not all
+        jax.Arrays turns snapshots off (logged)."""
         if self._disabled or step % self.every_steps or \
                 (self._last_saved is not None and step <= self._last_saved):
             return False
         t0 = time.perf_counter()
-        meta = json.loads(json.dumps(meta or {}))  # (as it is now; raises TypeError here)
+        meta = json.loads(json.dumps(meta or {}))
         self.flush()  # (one copy of the state waiting at a time; long written by now)
         try:
             copies = host_shards(state, copy=True)
