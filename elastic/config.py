@@ -182,6 +182,13 @@ class RestartSpec:
       lost host's shards of a state sharded across hosts are restored from
       memory rather than from the last checkpoint; costs each host a second
       snapshot's memory and the network transfer.
+    compile_ahead: tell each generation's workers the slices the planner
+      would start next if one failure domain were lost
+      (elastic.policy.slice_plan.next_slices); process 0 then compiles the
+      programs it compiles with `ctx.compile(..., lower_for=...)` for them
+      in the background, after its first step, into the executable cache
+      (elastic.worker.compile_ahead), so that the first restart onto such a
+      slice loads its train step instead of compiling it.
     """
 
     max_restarts: int = 20
@@ -191,6 +198,7 @@ class RestartSpec:
     prestart_workers: bool = True
     waiting_timeout_s: float = 1800.0
     replicate_snapshots: bool = True
+    compile_ahead: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,11 +566,15 @@ ENV_SNAPSHOT_DIR = "ELASTIC_SNAPSHOT_DIR"
 # leftovers of its previous incarnation (value: the agent's state directory).
 ENV_WORKER_OWNER = "ELASTIC_WORKER_OWNER"
 ENV_INCARNATION = "ELASTIC_AGENT_INCARNATION"
+# The slices the controller would start next if a failure domain were lost,
+# "PxD,PxD" (process count x devices per host); process 0 compiles for them
+# ahead (elastic.worker.compile_ahead).
+ENV_NEXT_SLICES = "ELASTIC_NEXT_SLICES"
 # The only variables that differ between two generations' workers on a host;
 # a pre-started worker process (elastic.worker.prestart) may have been spawned
 # before their values were known, every other variable must match its launch.
 PER_GENERATION_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_NUM_PROCESSES, ENV_GENERATION,
-                      ENV_DEVICES_PER_HOST, ENV_HOST_DEVICES)
+                      ENV_DEVICES_PER_HOST, ENV_HOST_DEVICES, ENV_NEXT_SLICES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,7 +583,8 @@ class WorkerEnv:
 
     devices_per_host: devices this process puts in the mesh; host_devices:
     devices this host has (>= devices_per_host; the CPU device count of a
-    simulated host).
+    simulated host). next_slices: ((process count, devices per host), ...)
+    the controller would start next if a failure domain were lost.
     """
 
     coordinator_address: str
@@ -592,13 +605,15 @@ class WorkerEnv:
     jax_heartbeat_timeout_s: int = 100
     run_id: str | None = None
     snapshot_dir: str | None = None
+    next_slices: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
         """Read the worker variables (default: this process's environment).
 
         Raises RuntimeError naming the missing variable when the process was
-        not started by an elastic agent.
+        not started by an elastic agent, and ValueError naming the variable
+        when ELASTIC_NEXT_SLICES is not "PxD,PxD,..." (positive integers).
         """
         env = os.environ if environ is None else environ
 
@@ -627,7 +642,27 @@ class WorkerEnv:
             jax_heartbeat_timeout_s=int(env.get(ENV_JAX_HEARTBEAT_TIMEOUT_S, "100")),
             run_id=env.get(ENV_RUN_ID) or None,
             snapshot_dir=env.get(ENV_SNAPSHOT_DIR) or None,
+            next_slices=parse_next_slices(env.get(ENV_NEXT_SLICES, "")),
         )
+
+
+def format_next_slices(slices) -> str:
+    """((3, 2), (2, 2)) -> "3x2,2x2" (the value of ELASTIC_NEXT_SLICES)."""
+    return ",".join(f"{p}x{d}" for p, d in slices)
+
+
+def parse_next_slices(text: str) -> tuple[tuple[int, int], ...]:
+    """The inverse of format_next_slices ("" -> ()). Raises ValueError naming
+    ELASTIC_NEXT_SLICES and the item when an item is not PxD with positive
+    integers."""
+    slices = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"{ENV_NEXT_SLICES}: {item[:40]!r} is not PROCESSESxDEVICES "
+                             f"(e.g. 3x2)")
+        slices.append((int(parts[0]), int(parts[1])))
+    return tuple(slices)
 
 
 def environ_snapshot() -> dict[str, str]:

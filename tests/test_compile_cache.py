@@ -46,11 +46,16 @@ def test_compiled_once_then_loaded_and_a_damaged_entry_compiled_again(tmp_path):
 RECORD_ENV = """
 import json, os, pathlib
 out = pathlib.Path(os.environ["RECORD_DIR"]) / (os.environ["ELASTIC_HOST_ID"] + ".json")
-out.write_text(json.dumps({"cache_dir": os.environ["ELASTIC_CACHE_DIR"]}))
+out.write_text(json.dumps({"cache_dir": os.environ["ELASTIC_CACHE_DIR"],
+                           "next": os.environ["ELASTIC_NEXT_SLICES"]}))
 """
 
 
-def test_simulated_hosts_share_one_cache_directory(tmp_path, local_job, compile_cache):
+@pytest.mark.parametrize("compile_ahead,next_slices", [(True, "2x1"), (False, "")])
+def test_simulated_hosts_share_one_cache_directory(tmp_path, local_job, compile_cache,
+                                                   compile_ahead, next_slices):
+    """...and every worker is told the slices to compile for ahead
+    (elastic.worker.compile_ahead): here, one host fewer."""
     script = tmp_path / "record_env.py"
     script.write_text(RECORD_ENV)
     records = tmp_path / "records"
@@ -59,17 +64,22 @@ def test_simulated_hosts_share_one_cache_directory(tmp_path, local_job, compile_
         [job]
         id = "cache"
         command = {json.dumps([sys.executable, str(script)])}
-        min_hosts = 3
+        min_hosts = 2
         max_hosts = 3
         env = {{ RECORD_DIR = "{records}" }}
+        [restart]
+        compile_ahead = {str(compile_ahead).lower()}
         """)
     job = local_job(spec, hosts=3)
     assert job.wait(60) == 0, job.output()
-    seen = {p.stem: json.loads(p.read_text())["cache_dir"] for p in records.glob("*.json")}
+    seen = {p.stem: json.loads(p.read_text()) for p in records.glob("*.json")}
     assert sorted(seen) == ["host-0", "host-1", "host-2"]
     # the session's cache (tests pass --compile-cache-dir; by default one
     # under the state dir)
-    assert set(seen.values()) == {str(compile_cache)}
+    assert {r["cache_dir"] for r in seen.values()} == {str(compile_cache)}
+    assert {r["next"] for r in seen.values()} == {next_slices}
+    [started] = [e for e in job.journal() if e["kind"] == "generation_started"]
+    assert started["next_slices"] == ([[2, 1]] if compile_ahead else [])
 
 
 COMPILE_WORKER = REPO / "tests" / "helpers" / "compile_worker.py"

@@ -300,6 +300,8 @@ class Agent(ControllerSession):
                 config.ENV_HOST_ID: self.settings.host_id,
                 config.ENV_DEVICES_PER_HOST: str(start.devices_per_host or self.devices.count),
                 config.ENV_HOST_DEVICES: str(self.devices.count),
+                config.ENV_NEXT_SLICES: config.format_next_slices(
+                    (s.num_processes, s.devices_per_host) for s in start.next_slices),
                 config.ENV_PROGRESS_SOCKET: self.progress_address,
                 config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
                 config.ENV_CACHE_DIR: self._cache_dir(),

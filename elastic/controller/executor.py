@@ -146,6 +146,8 @@ class Executor:
                 start.devices_per_host = action.devices_per_host
                 start.replica_host = action.replica_host
                 start.replica_address = action.replica_address
+                for processes, per_host in action.next_slices:
+                    start.next_slices.add(num_processes=processes, devices_per_host=per_host)
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation, start=start))
             elif isinstance(action, d.StopWorker):

@@ -25,7 +25,8 @@ from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, Slic
                                   StartWorker, StopWorker)
 from elastic.policy.hang import check_hang
 from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
-from elastic.policy.slice_plan import buddy_map, plan_keeping_replicas, survivors_plan
+from elastic.policy.slice_plan import (buddy_map, next_slices, plan_keeping_replicas,
+                                       survivors_plan)
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
 
@@ -312,9 +313,11 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         return dataclasses.replace(state, reason=f"waiting for a fresh coordinator port "
                                                  f"from host {coordinator.host_id}")
     reason = f"generation {generation} on {plan.reason}, coordinator {plan.hosts[0]} at {address}"
+    ahead = next_slices(spec, candidates, plan) if spec.restart.compile_ahead else ()
     actions.append(Journal("generation_started", generation, reason, None, {
         "hosts": list(plan.hosts), "mesh_shape": list(plan.shape),
         "devices_per_host": plan.devices_per_host, "device_kind": plan.kind,
+        "next_slices": [list(s) for s in ahead],
         "coordinator": address, "restarts": state.restarts,
         "incarnations": [view.hosts[h].incarnation for h in plan.hosts]}))
     state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
@@ -323,7 +326,7 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         to = buddy.get(host, "")
         actions.append(StartWorker(
             host, generation, rank, len(plan.hosts), address, plan.devices_per_host, to,
-            f"{view.hosts[to].address}:{view.hosts[to].service_port}" if to else ""))
+            f"{view.hosts[to].address}:{view.hosts[to].service_port}" if to else "", ahead))
     return _enter(state, Phase.STARTING, now, reason,
                   coordinator=address, members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
                                                          for h in plan.hosts),

@@ -70,3 +70,47 @@ def plan_keeping_replicas(state: SliceState, view: ClusterView, spec: JobSpec,
         return plan
     return dataclasses.replace(better, reason=better.reason + " (hosts chosen so that the "
                                "slice holds every host's last snapshot, own or replica)")
+
+
+#: At most this many next slice shapes are compiled ahead per generation
+#: (each costs a compile of the program on process 0's host, in the
+#: background).
+MAX_NEXT_SLICES = 2
+#: Failure domains of at most this many distinct kinds (members' device
+#: counts and kinds) are planned without; others of the same kind give the
+#: same slice. Bounds the work at O(candidates x MAX_DOMAIN_KINDS).
+MAX_DOMAIN_KINDS = 4
+
+
+def next_slices(spec: JobSpec, candidates: list[Candidate],
+                plan: MeshPlan) -> tuple[tuple[int, int], ...]:
+    """The slices the planner would start next if one failure domain of
+    `plan` were lost and nothing else changed: ((process count, devices per
+    host), ...), at most MAX_NEXT_SLICES, the most likely first (the shape
+    more of the plan's domains lead to), without `plan`'s own shape and
+    slices that cannot start (fewer than `spec.min_hosts`). A spare among
+    `candidates` that would take the lost domain's place gives `plan`'s own
+    shape, so nothing. Process 0 of the generation compiles its program for
+    these ahead, in the background (elastic.worker.compile_ahead), so that
+    the first restart onto such a slice loads it instead of compiling.
+    O(candidates x MAX_DOMAIN_KINDS)."""
+    if not plan.hosts:
+        return ()
+    by_host = {c.host_id: c for c in candidates}
+    domains: dict[str, list[Candidate]] = {}
+    for host in plan.hosts:
+        c = by_host.get(host)
+        if c is not None:
+            domains.setdefault(c.failure_domain, []).append(c)
+    kinds: dict[tuple, list[str]] = {}  # (members' counts and kinds) -> domains
+    for name, members in domains.items():
+        kinds.setdefault(tuple(sorted((c.devices, c.kind) for c in members)), []).append(name)
+    votes: dict[tuple[int, int], int] = {}
+    for names in list(kinds.values())[:MAX_DOMAIN_KINDS]:
+        lost = names[0]
+        alt = plan_mesh(spec, [c for c in candidates if c.failure_domain != lost])
+        shape = (len(alt.hosts), alt.devices_per_host)
+        if alt.hosts and shape != (len(plan.hosts), plan.devices_per_host):
+            votes[shape] = votes.get(shape, 0) + len(names)
+    ranked = sorted(votes, key=lambda s: (-votes[s], -s[0] * s[1], -s[1]))
+    return tuple(ranked[:MAX_NEXT_SLICES])

@@ -44,7 +44,9 @@ class StartWorker:
     """Tell `host` to start its worker as `process_id` of `num_processes`,
     putting `devices_per_host` of its devices in the mesh (0: all), and
     sending replicas of its snapshots to `replica_host`'s agent at
-    `replica_address` (host:port; "": none; elastic.policy.buddies)."""
+    `replica_address` (host:port; "": none; elastic.policy.buddies);
+    `next_slices`: ((process count, devices per host), ...) the program is
+    compiled for ahead (elastic.policy.slice_plan.next_slices)."""
 
     host: str
     generation: int
@@ -54,6 +56,7 @@ class StartWorker:
     devices_per_host: int = 0
     replica_host: str = ""
     replica_address: str = ""
+    next_slices: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

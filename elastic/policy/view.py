@@ -174,7 +174,7 @@ WORKER_EVENT_KINDS = frozenset({"worker_phases", "checkpoint_restored",
                                 "checkpoint_restore_failed", "checkpoint_saved",
                                 "checkpoint_save_failed", "checkpoint_save_skipped",
                                 "checkpoint_save_delayed", "checkpoint_delete_failed",
-                                "worker_finishing"})
+                                "worker_finishing", "compiled_ahead"})
 
 
 @dataclasses.dataclass(frozen=True)

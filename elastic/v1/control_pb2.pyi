@@ -189,7 +189,7 @@ class AgentMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., worker_event: _Optional[_Union[WorkerEvent, _Mapping]] = ..., stacks: _Optional[_Union[WorkerStacks, _Mapping]] = ...) -> None: ...
 
 class StartWorker(_message.Message):
-    __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir", "prestart_next", "devices_per_host", "replica_host", "replica_address")
+    __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir", "prestart_next", "devices_per_host", "replica_host", "replica_address", "next_slices")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class StartWorker(_message.Message):
     DEVICES_PER_HOST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_HOST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SLICES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     process_id: int
     num_processes: int
@@ -219,7 +220,16 @@ class StartWorker(_message.Message):
     devices_per_host: int
     replica_host: str
     replica_address: str
-    def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., prestart_next: _Optional[bool] = ..., devices_per_host: _Optional[int] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ...) -> None: ...
+    next_slices: _containers.RepeatedCompositeFieldContainer[SliceShape]
+    def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., prestart_next: _Optional[bool] = ..., devices_per_host: _Optional[int] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ..., next_slices: _Optional[_Iterable[_Union[SliceShape, _Mapping]]] = ...) -> None: ...
+
+class SliceShape(_message.Message):
+    __slots__ = ("num_processes", "devices_per_host")
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_PER_HOST_FIELD_NUMBER: _ClassVar[int]
+    num_processes: int
+    devices_per_host: int
+    def __init__(self, num_processes: _Optional[int] = ..., devices_per_host: _Optional[int] = ...) -> None: ...
 
 class StopWorker(_message.Message):
     __slots__ = ("generation", "grace_s", "reason", "dump_stacks")

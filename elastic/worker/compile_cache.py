@@ -430,3 +430,26 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     if compiled is not None:
         return compiled, True, time.perf_counter() - t0
     return _compile_and_store(tiers, entry, lowered), False, time.perf_counter() - t0
+
+
+def store_ahead(lowered, process_count: int, device_ids: list[int], cache_dir: str | None,
+                name: str, shared: str | None = None, shared_key: str | None = None) -> str:
+    """Compile `lowered` (lowered for a mesh of another slice: one of
+    `process_count` processes whose devices, all of them, are `device_ids`)
+    and store it where `compile_cached` in that slice will look, under the
+    key it will compute there; no coordination with other processes. Used
+    to compile a program ahead, in the background, for the slice a restart
+    would start next (elastic.worker.compile_ahead).
+
+    Returns "present" when a tier holds the entry already, "stored" after
+    compiling and writing it, "no cache" without tiers. Raises what
+    `lowered.compile()` raises; tiers that cannot be used are warned about,
+    as in compile_cached."""
+    tiers = [t for t in (tier(cache_dir), _signed_tier(shared, shared_key)) if t is not None]
+    if not tiers:
+        return "no cache"
+    entry = f"{name}-{cache_key(lowered, process_count, device_ids)}.xla"
+    if any(_try(f"read {entry}", t, lambda: t.read(entry)) is not None for t in tiers):
+        return "present"
+    _compile_and_store(tiers, entry, lowered)
+    return "stored"

@@ -25,7 +25,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from elastic.config import SpecError, WorkerEnv
 from elastic.worker.progress import ProgressReporter
@@ -46,6 +46,10 @@ def _process_start_time() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration):
         return time.time()
+
+
+#: The longest `finish()` waits for a compile ahead still running (seconds).
+AHEAD_JOIN_S = 120.0
 
 
 @dataclasses.dataclass
@@ -85,6 +89,8 @@ class WorkerContext:
     _last_step_at: float = 0.0
     _step_times: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=50))
+    _ahead: list = dataclasses.field(default_factory=list)  # (lower_for, name)
+    ahead_thread: Any = None  # (the thread compiling ahead, on process 0)
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
                     snapshot_every: int = 10, save_timeout_s: float = 600.0):
@@ -156,19 +162,56 @@ class WorkerContext:
             time.sleep(0.5)
         os._exit(75)
 
-    def compile(self, lowered, name: str):
+    def compile(self, lowered, name: str, lower_for: Callable[[Any], Any] | None = None):
         """Compile a lowered function (`jax.jit(f).lower(*abstract_args)`),
         reusing an executable of the same slice shape from an earlier
         generation, this host's or one in the hosts' shared cache (see
         elastic.worker.compile_cache). Returns (compiled, loaded_from_cache,
-        seconds)."""
+        seconds).
+
+        lower_for: mesh -> the same program lowered for that mesh (same
+        axis names, another size: whatever the program derives from the
+        mesh, such as its batch, derived again). With it, after the first
+        step, process 0 compiles the program in the background for the
+        slices the controller would start next if a failure domain were
+        lost (elastic.worker.compile_ahead; `[restart] compile_ahead`), so
+        that such a restart loads it. Called from that background thread;
+        its errors are journaled in `compiled_ahead`, never raised."""
         from elastic.worker.compile_cache import compile_cached
 
         self._phase("setup")
         result = compile_cached(lowered, self.env.cache_dir, name, self.env.shared_cache,
                                 self.env.shared_cache_key_file)
         self._phase("compile")
+        if lower_for is not None:
+            self._ahead.append((lower_for, name))
         return result
+
+    def _compile_ahead(self) -> None:
+        """Start compiling the programs given `lower_for` for the next
+        slices, on process 0, once (after the first step)."""
+        import jax
+
+        from elastic.worker import compile_ahead
+
+        programs, self._ahead = self._ahead, []
+        if self.process_index != 0 or not programs or not self.env.next_slices:
+            return
+
+        def report(records: list[dict]) -> None:
+            done = [r for r in records if not r["outcome"].startswith("failed")]
+            failed = [r for r in records if r["outcome"].startswith("failed")]
+            self.progress.event(
+                "compiled_ahead", "for the next slices: " + "; ".join(
+                    f"{r['name']} for {r['slice']} {r['outcome']} ({r['seconds']:.2f} s)"
+                    for r in records),
+                slices=",".join(sorted({r["slice"] for r in records})),
+                stored=sum(r["outcome"] == "stored" for r in done),
+                present=sum(r["outcome"] == "present" for r in done), failed=len(failed),
+                seconds=round(sum(r["seconds"] for r in records), 3))
+
+        self.ahead_thread = compile_ahead.start(self.env.next_slices, programs, self.env,
+                                                jax.devices(), report)
 
     def step_done(self, step: int, **metrics: float) -> None:
         """Call after every training step (`step` counts from 0). Reports it,
@@ -181,6 +224,7 @@ class WorkerContext:
         if not self._first_step_done:
             self._phase("first_step")
             self._first_step_done = True
+            self._compile_ahead()
             if self.process_index == 0:
                 total = round(sum(self.timings.values()), 3)
                 self.progress.event("worker_phases", "startup phases of process 0: " + ", ".join(
@@ -194,9 +238,11 @@ class WorkerContext:
             self._checkpoints.poll()
 
     def finish(self) -> None:
-        """Wait for the save in flight, then leave the distributed runtime
-        together with every other process (so none exits while a peer still
-        needs it). Call once at the end of training."""
+        """Wait for the save in flight (and, on process 0, for a compile
+        ahead still running: at most AHEAD_JOIN_S), then leave the
+        distributed runtime together with every other process (so none
+        exits while a peer still needs it). Call once at the end of
+        training."""
         import jax
 
         from elastic.worker.coordination import barrier
@@ -206,6 +252,10 @@ class WorkerContext:
                                 "checkpoint save, leaving the distributed runtime)")
         if self._checkpoints is not None:
             self._checkpoints.close()
+        if self.ahead_thread is not None:
+            # (a compile still running when the interpreter exits can crash
+            # it; at the end of training the CPU is free for it)
+            self.ahead_thread.join(AHEAD_JOIN_S)
         barrier("elastic-finish", timeout_s=300.0)
         jax.distributed.shutdown()
         self.progress.close()
@@ -248,6 +298,33 @@ def mesh_devices(devices: list, per_process: int) -> list:
                             f"{per_process} per host")
         chosen += sorted(own, key=lambda d: d.id)[:per_process]
     return chosen
+
+
+def build_mesh(devices: list, per_process: int, spec):
+    """The mesh of a slice whose devices (every process's, all of them) are
+    `devices`: `per_process` of each process's (mesh_devices), axes as
+    `spec` (an elastic.config.MeshSpec) says for their number. One function
+    for this generation's mesh and for the meshes a program is compiled for
+    ahead (elastic.worker.compile_ahead): the two must agree device for
+    device. Raises SpecError when a process has too few devices or the
+    spec does not fit them."""
+    import jax
+
+    from elastic.policy.mesh import mesh_shape
+
+    chosen = mesh_devices(devices, per_process)
+    shape = mesh_shape(spec, len(chosen))
+    if shape is None:
+        raise SpecError(f"mesh {spec.to_text()} does not fit {len(chosen)} devices")
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    if len(chosen) == len(devices):
+        return jax.make_mesh(shape, spec.names, axis_types=axis_types, devices=chosen)
+    # Some of each host's devices: jax.make_mesh would lay the axes out by
+    # the physical topology of all of them (on TPU it may refuse a partial
+    # set). Take them host-major, in id order, as mesh_devices chose them:
+    # the last axes run within a host.
+    import numpy as np
+    return jax.sharding.Mesh(np.array(chosen).reshape(shape), spec.names, axis_types=axis_types)
 
 
 def allow_stack_dumps() -> None:
@@ -295,23 +372,7 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     timings["distributed_init"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
 
-    from elastic.policy.mesh import mesh_shape
-
-    devices = mesh_devices(jax.devices(), env.devices_per_host)
-    shape = mesh_shape(env.mesh, len(devices))
-    if shape is None:
-        raise SpecError(f"mesh {env.mesh.to_text()} does not fit {len(devices)} devices")
-    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
-    if len(devices) == len(jax.devices()):
-        mesh = jax.make_mesh(shape, env.mesh.names, axis_types=axis_types, devices=devices)
-    else:
-        # Some of each host's devices: jax.make_mesh would lay the axes out
-        # by the physical topology of all of them (on TPU it may refuse a
-        # partial set). Take them host-major, in id order, as mesh_devices
-        # chose them: the last axes run within a host.
-        import numpy as np
-        mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), env.mesh.names,
-                                 axis_types=axis_types)
+    mesh = build_mesh(jax.devices(), env.devices_per_host, env.mesh)
     log = logging.getLogger(f"elastic.worker.{env.process_id}")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stdout)

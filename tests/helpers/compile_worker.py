@@ -2,10 +2,13 @@
 tests/test_compile_cache.py): compiles a sharded function with collectives
 through `WorkerContext.compile` and runs it.
 
-    compile_worker.py OUT_PREFIX [--own-dir]   (writes OUT_PREFIX.<process index>.json)
+    compile_worker.py OUT_PREFIX [--own-dir] [--ahead]
+    (writes OUT_PREFIX.<process index>.json)
 
 With --own-dir each process caches in ELASTIC_CACHE_DIR/<host id>: hosts that
-share no directory.
+share no directory. With --ahead the function is compiled with `lower_for`,
+and after its first step process 0 waits for the compile ahead for
+ELASTIC_NEXT_SLICES (elastic.worker.compile_ahead) and records its outcome.
 
 The environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS,
 ELASTIC_CACHE_DIR).
@@ -37,17 +40,28 @@ def main() -> int:
     def f(x, w):  # a contraction over the model axis and a sum over everything: collectives
         return jnp.tanh(x @ w).sum()
 
-    lowered = jax.jit(f, out_shardings=NamedSharding(mesh, P())).lower(
-        jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=x_sharding),
-        jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=w_sharding))
-    compiled, hit, _ = ctx.compile(lowered, "f")
-    xg = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+    def lower_for(m):
+        return jax.jit(f, out_shardings=NamedSharding(m, P())).lower(
+            jax.ShapeDtypeStruct((12, 8), jnp.float32, sharding=NamedSharding(m, P("data", "model"))),
+            jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(m, P("model"))))
+
+    ahead = "--ahead" in sys.argv
+    compiled, hit, _ = ctx.compile(lower_for(mesh), "f", lower_for=lower_for if ahead else None)
+    xg = np.arange(96, dtype=np.float32).reshape(12, 8) / 96
     wg = np.eye(8, dtype=np.float32) * 0.5 + 0.01
-    x = jax.make_array_from_callback((8, 8), x_sharding, lambda i: xg[i])
+    x = jax.make_array_from_callback((12, 8), x_sharding, lambda i: xg[i])
     w = jax.make_array_from_callback((8, 8), w_sharding, lambda i: wg[i])
     result = float(compiled(x, w))
+    ahead_records = []
+    if ahead:
+        ctx.progress.event = lambda kind, reason, **fields: ahead_records.append(
+            {"kind": kind, "reason": reason, **fields})
+    ctx.step_done(0)
+    if ctx.ahead_thread is not None:
+        ctx.ahead_thread.join(120)
     with open(f"{sys.argv[1]}.{ctx.process_index}.json", "w") as out:
-        json.dump({"hit": hit, "result": result, "expected": float(np.tanh(xg @ wg).sum())}, out)
+        json.dump({"hit": hit, "result": result, "expected": float(np.tanh(xg @ wg).sum()),
+                   "ahead": ahead_records}, out)
     ctx.finish()
     return 0
 

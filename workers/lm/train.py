@@ -60,21 +60,31 @@ def main() -> int:
     ctx = elastic.worker.init()
     mesh, log = ctx.mesh, ctx.log
     cfg = model_lib.ModelConfig(d_model=args.d_model, layers=args.layers, seq_len=args.seq_len)
-    data_shards = mesh.shape["data"]
-    plan = plan_batch(ctx.env.batch.mode, data_shards, args.global_batch, args.per_device_batch,
-                      ctx.env.batch.lr_scaling)
     corpus = data_lib.load_corpus(args.data)
+
+    def setup(m):
+        """(batch plan, train parts, lowered train step) for mesh `m`: the
+        batch and learning rate follow its 'data' axis."""
+        p = plan_batch(ctx.env.batch.mode, m.shape["data"], args.global_batch,
+                       args.per_device_batch, ctx.env.batch.lr_scaling)
+        optimizer = step_lib.make_optimizer(args.lr * p.lr_multiplier, args.warmup_steps,
+                                            args.steps)
+        with jax.set_mesh(m):
+            built = step_lib.build(cfg, m, optimizer, args.seed, args.ema_decay)
+            rows = data_lib.Batches(corpus.train, cfg.seq_len, p.global_batch,
+                                    args.seed).rows(0, p.data_shards)
+            return p, built, built.jit_step.lower(built.abstract, *built.rows_abstract(rows))
+
+    plan, parts, lowered = setup(mesh)
     batches = data_lib.Batches(corpus.train, cfg.seq_len, plan.global_batch, args.seed)
     held_out = data_lib.Batches(corpus.held_out, cfg.seq_len, plan.global_batch, args.seed + 1)
 
-    optimizer = step_lib.make_optimizer(args.lr * plan.lr_multiplier, args.warmup_steps, args.steps)
-
     with jax.set_mesh(mesh):
-        parts = step_lib.build(cfg, mesh, optimizer, args.seed, args.ema_decay)
         abstract, shardings = parts.abstract, parts.shardings
-        step_fn, hit, seconds = ctx.compile(
-            parts.jit_step.lower(abstract, *parts.rows_abstract(batches.rows(0, plan.data_shards))),
-            "train_step")
+        # (lower_for: process 0 also compiles the step, in the background,
+        # for the slices a lost host would leave)
+        step_fn, hit, seconds = ctx.compile(lowered, "train_step",
+                                            lower_for=lambda m: setup(m)[2])
         log.info("%s the train step in %.2f s", "loaded" if hit else "compiled", seconds)
         ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep,
                                snapshot_every=args.snapshot_every)
