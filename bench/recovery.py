@@ -121,13 +121,17 @@ def main() -> int:
                              "across hosts (each holds a quarter of every layer on 4 hosts)")
     parser.add_argument("--no-replicas", action="store_true",
                         help="restart.replicate_snapshots = false")
+    parser.add_argument("--no-compile-ahead", action="store_true",
+                        help="restart.compile_ahead = false (to measure what it saves)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-recovery-"))
     spec_path = lm_job(work, "recovery", args.hosts, INTERVAL, mesh=args.mesh,
                        extra=f'grow = "immediately"\nreplicate_snapshots = '
-                             f'{str(not args.no_replicas).lower()}\n[quarantine]\nfailures = 10000')
+                             f'{str(not args.no_replicas).lower()}\n'
+                             f'compile_ahead = {str(not args.no_compile_ahead).lower()}\n'
+                             f'[quarantine]\nfailures = 10000')
     spec = load_spec(spec_path)
     state = work / "state"
     stack = contextlib.ExitStack()

@@ -51,6 +51,8 @@ def main() -> int:
                              "hosts aside would shrink the slice the soak measures)")
     parser.add_argument("--checkpoint-every", type=int, default=100,
                         help="the reference job's persistent checkpoint interval, in steps")
+    parser.add_argument("--no-compile-ahead", action="store_true",
+                        help="restart.compile_ahead = false (to measure what it saves)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
     args = parser.parse_args()
     if args.kinds is None:
@@ -59,7 +61,8 @@ def main() -> int:
             *(() if args.isolate else NETWORK_KINDS)))
     work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-soak-"))
     spec_path = lm_job(work, "soak", args.hosts, args.checkpoint_every,
-                       "" if args.quarantine else "[quarantine]\nfailures = 1000000")
+                       ("compile_ahead = false\n" if args.no_compile_ahead else "")
+                       + ("" if args.quarantine else "[quarantine]\nfailures = 1000000"))
     spec = load_spec(spec_path)
     state = work / "state"
     stack = contextlib.ExitStack()

@@ -100,10 +100,21 @@ def test_a_slice_of_the_next_shape_loads_what_process_0_compiled_ahead(tmp_path)
     # and the loaded executable computes what the function does (checked in
     # _run_slice against numpy)
     assert [r["hit"] for r in _run_slice(tmp_path, 2, "two")] == [True, True]
-    # a slice that has it already does not compile it again
+    assert first[0]["lowered_for"] == [{"data": 2, "model": 2}]
+    # a slice that compiled it ahead before neither compiles nor lowers it
+    # again (its note in the cache names the entry)...
+    notes = list((tmp_path / "cache").glob("f-*.ahead-2x2"))
+    assert len(notes) == 1
     again = _run_slice(tmp_path, 3, "again", "--ahead", ELASTIC_NEXT_SLICES="2x2")
     [ahead] = [e for e in again[0]["ahead"] if e["kind"] == "compiled_ahead"]
     assert (ahead["stored"], ahead["present"]) == (0, 1), ahead
+    assert again[0]["lowered_for"] == []
+    # ...and without the note it lowers it, finds the entry, and notes it
+    notes[0].unlink()
+    third = _run_slice(tmp_path, 3, "third", "--ahead", ELASTIC_NEXT_SLICES="2x2")
+    [ahead] = [e for e in third[0]["ahead"] if e["kind"] == "compiled_ahead"]
+    assert (ahead["stored"], ahead["present"]) == (0, 1), ahead
+    assert third[0]["lowered_for"] == [{"data": 2, "model": 2}] and notes[0].exists()
 
 
 def test_a_slice_it_cannot_lay_out_is_reported_not_raised(tmp_path):

@@ -413,7 +413,7 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
         raise ValueError(f"executable name {name[:100]!r}: use 1 to 100 letters, digits, "
                          f"'_', '.' or '-'")
     t0 = time.perf_counter()
-    tiers = [t for t in (tier(cache_dir), _signed_tier(shared, shared_key)) if t is not None]
+    tiers = cache_tiers(cache_dir, shared, shared_key)
     if not tiers:
         return lowered.compile(), False, time.perf_counter() - t0
     key = cache_key(lowered, jax.process_count(), [d.id for d in jax.devices()])
@@ -432,24 +432,43 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     return _compile_and_store(tiers, entry, lowered), False, time.perf_counter() - t0
 
 
-def store_ahead(lowered, process_count: int, device_ids: list[int], cache_dir: str | None,
-                name: str, shared: str | None = None, shared_key: str | None = None) -> str:
-    """Compile `lowered` (lowered for a mesh of another slice: one of
-    `process_count` processes whose devices, all of them, are `device_ids`)
-    and store it where `compile_cached` in that slice will look, under the
-    key it will compute there; no coordination with other processes. Used
-    to compile a program ahead, in the background, for the slice a restart
-    would start next (elastic.worker.compile_ahead).
 
-    Returns "present" when a tier holds the entry already, "stored" after
-    compiling and writing it, "no cache" without tiers. Raises what
-    `lowered.compile()` raises; tiers that cannot be used are warned about,
-    as in compile_cached."""
-    tiers = [t for t in (tier(cache_dir), _signed_tier(shared, shared_key)) if t is not None]
-    if not tiers:
-        return "no cache"
-    entry = f"{name}-{cache_key(lowered, process_count, device_ids)}.xla"
-    if any(_try(f"read {entry}", t, lambda: t.read(entry)) is not None for t in tiers):
-        return "present"
-    _compile_and_store(tiers, entry, lowered)
-    return "stored"
+def cache_tiers(cache_dir: str | None, shared: str | None = None,
+                shared_key: str | None = None) -> list:
+    """The tiers `compile_cached` uses: this host's directory, then the
+    shared tier signed with the key in the file `shared_key` (none that
+    cannot be used, with a warning)."""
+    return [t for t in (tier(cache_dir), _signed_tier(shared, shared_key)) if t is not None]
+
+
+def entry_name(name: str, lowered, process_count: int, device_ids: list[int]) -> str:
+    """The name of `lowered`'s entry for a slice of `process_count`
+    processes whose devices are `device_ids` (all, in order): where
+    `compile_cached` in that slice looks."""
+    return f"{name}-{cache_key(lowered, process_count, device_ids)}.xla"
+
+
+def holds(tiers: list, entry: str) -> bool:
+    """Whether a tier holds `entry` (a signed tier: signed with its key)."""
+    return any(_try(f"read {entry}", t, lambda: t.read(entry)) is not None for t in tiers)
+
+
+def read_note(tiers: list, note: str) -> str | None:
+    """A short text object `note` from the first tier that has it."""
+    for t in tiers:
+        data = _try(f"read {note}", t, lambda: t.read(note))
+        if data is not None:
+            return data.decode(errors="replace")
+    return None
+
+
+def write_note(tiers: list, note: str, text: str) -> None:
+    """Write the short text object `note` into every tier (failures warned)."""
+    for t in tiers:
+        _try(f"write {note}", t, lambda: t.write(note, text.encode()))
+
+
+def compile_into(tiers: list, entry: str, lowered):
+    """Compile `lowered` and write its executable as `entry` into every
+    tier; returns the compiled executable. Raises what compiling raises."""
+    return _compile_and_store(tiers, entry, lowered)

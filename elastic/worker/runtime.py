@@ -89,7 +89,7 @@ class WorkerContext:
     _last_step_at: float = 0.0
     _step_times: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=50))
-    _ahead: list = dataclasses.field(default_factory=list)  # (lower_for, name)
+    _ahead: list = dataclasses.field(default_factory=list)  # (lower_for, name, lowered)
     ahead_thread: Any = None  # (the thread compiling ahead, on process 0)
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
@@ -184,7 +184,7 @@ class WorkerContext:
                                 self.env.shared_cache_key_file)
         self._phase("compile")
         if lower_for is not None:
-            self._ahead.append((lower_for, name))
+            self._ahead.append((lower_for, name, lowered))
         return result
 
     def _compile_ahead(self) -> None:

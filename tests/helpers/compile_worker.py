@@ -40,7 +40,10 @@ def main() -> int:
     def f(x, w):  # a contraction over the model axis and a sum over everything: collectives
         return jnp.tanh(x @ w).sum()
 
+    lowered_meshes = []
+
     def lower_for(m):
+        lowered_meshes.append(dict(m.shape))
         return jax.jit(f, out_shardings=NamedSharding(m, P())).lower(
             jax.ShapeDtypeStruct((12, 8), jnp.float32, sharding=NamedSharding(m, P("data", "model"))),
             jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(m, P("model"))))
@@ -61,7 +64,7 @@ def main() -> int:
         ctx.ahead_thread.join(120)
     with open(f"{sys.argv[1]}.{ctx.process_index}.json", "w") as out:
         json.dump({"hit": hit, "result": result, "expected": float(np.tanh(xg @ wg).sum()),
-                   "ahead": ahead_records}, out)
+                   "ahead": ahead_records, "lowered_for": lowered_meshes[1:]}, out)
     ctx.finish()
     return 0
 
