@@ -125,3 +125,28 @@ def test_a_slice_it_cannot_lay_out_is_reported_not_raised(tmp_path):
 
 def test_restart_spec_turns_it_on_by_default():
     assert RestartSpec().compile_ahead is True
+
+
+def test_a_compile_cut_short_twice_is_not_tried_again(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from elastic.worker import compile_cache as cache
+    from elastic.worker.compile_ahead import MAX_ATTEMPTS, _ensure
+
+    tiers = cache.cache_tiers(str(tmp_path))
+    lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((3,), jnp.float32))
+    entry = cache.entry_name("f", lowered, 1, [0])
+    note = "f-current.ahead-1x1"
+    cache.write_note(tiers, note + ".attempts", str(MAX_ATTEMPTS))
+    assert _ensure(cache, tiers, note, lambda: (entry, lowered)).startswith("skipped")
+    assert not cache.holds(tiers, entry)
+    # one attempt left: compiled, stored, and noted
+    cache.write_note(tiers, note + ".attempts", str(MAX_ATTEMPTS - 1))
+    assert _ensure(cache, tiers, note, lambda: (entry, lowered)) == "stored"
+    assert cache.holds(tiers, entry) and cache.read_note(tiers, note) == entry
+
+    def must_not_lower():
+        raise AssertionError("lowered again")
+
+    assert _ensure(cache, tiers, note, must_not_lower) == "present"

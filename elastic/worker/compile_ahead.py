@@ -8,9 +8,9 @@ The controller names, in each start message, the slices its planner would
 start if one failure domain were lost (elastic.policy.slice_plan.
 next_slices); once the first step is done, process 0 lowers each program
 the worker compiled with `ctx.compile(..., lower_for=...)` for those
-slices' meshes and compiles it in a background thread, at idle CPU
-priority, into the executable cache (elastic.worker.compile_cache), under
-the key the next slice will look up.
+slices' meshes and compiles it in a background thread into the executable
+cache (elastic.worker.compile_cache), under the key the next slice will
+look up.
 
 A mesh of another slice is built from this slice's devices: the first
 `process count` processes' (elastic.worker.runtime.build_mesh, the function
@@ -29,7 +29,6 @@ key covers the program, every device id and the process count.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable
@@ -47,40 +46,44 @@ def slice_devices(devices: list, processes: int) -> list | None:
     return chosen
 
 
+#: Compiles for one program and next slice that may be started and not
+#: finish (the generation ended first) before no more are tried: each costs
+#: a compile's CPU beside the training.
+MAX_ATTEMPTS = 2
+
+
 def compile_for(next_slices, programs: list[tuple[Callable[[Any], Any], str, Any]], env,
-                devices: list, idle: bool = True) -> list[dict]:
+                devices: list) -> list[dict]:
     """For each (process count, devices per host) of `next_slices` this
     slice can lay out, and each (lower_for, name, lowered) of `programs`
     (`lowered`: the program as this slice compiled it), make sure the
     executable cache holds the program compiled for that slice.
 
-    First, at the thread's own priority: a note in the cache (written by an
-    earlier generation that compiled ahead from the same program for the
-    same slice) names an entry that is there: "present", nothing lowered;
-    else the program is lowered for the slice's mesh and its entry looked
-    up. Then, at SCHED_IDLE when `idle` (so that it takes only CPU the
-    training leaves: on accelerators the host's cores are mostly free, on
-    this project's 2-core CPU machine they are not), the missing ones are
-    compiled and stored ("stored"). Lowering runs Python and holds the GIL,
-    so it is not done at idle priority: an idle thread descheduled while
-    holding the GIL would stall the training loop of its process; XLA's
-    compile releases it.
+    A note in the cache, named after this slice's entry of the program and
+    the next slice, names the entry an earlier generation stored: then it
+    is "present" and nothing is lowered. Otherwise the program is lowered
+    for the slice's mesh; an entry already there is "present", else it is
+    compiled and stored ("stored"). XLA compiles on threads of its own, at
+    the process's priority: the compile costs the host a compile's CPU
+    beside the training (a thread of ours at idle priority would not make
+    them idle). A compile cut short by the end of its generation is tried
+    again by the next one, at most MAX_ATTEMPTS times in all ("skipped").
 
     Returns one record per slice and program: {"slice": "PxD", "name",
-    "outcome" ("stored", "present", "no cache", or "failed: ..."),
-    "seconds"}. Never raises: a program that cannot be lowered or compiled
-    for another mesh only means the restart compiles it."""
+    "outcome" ("stored", "present", "skipped: ...", "no cache", or
+    "failed: ..."), "seconds"}. Never raises: a program that cannot be
+    lowered or compiled for another mesh only means the restart compiles
+    it."""
     from elastic.worker import compile_cache as cache
     from elastic.worker.runtime import build_mesh
 
     tiers = cache.cache_tiers(env.cache_dir, env.shared_cache, env.shared_cache_key_file)
-    records, pending = [], []
+    records = []
     here, count = [d.id for d in devices], len({d.process_index for d in devices})
     for processes, per_host in next_slices:
         chosen = slice_devices(devices, processes)
         for lower_for, name, lowered in programs:
-            record = {"slice": f"{processes}x{per_host}", "name": name, "outcome": "no cache",
-                      "seconds": 0.0}
+            record = {"slice": f"{processes}x{per_host}", "name": name, "outcome": "no cache"}
             records.append(record)
             t0 = time.perf_counter()
             try:
@@ -89,44 +92,47 @@ def compile_for(next_slices, programs: list[tuple[Callable[[Any], Any], str, Any
                 elif tiers:
                     # (named after this slice's entry of the program)
                     note = f"{cache.entry_name(name, lowered, count, here)}.ahead-{record['slice']}"
-                    known = cache.read_note(tiers, note)
-                    if known and cache.holds(tiers, known):
-                        record["outcome"] = "present"
-                    else:
-                        ahead = lower_for(build_mesh(chosen, per_host, env.mesh))
-                        entry = cache.entry_name(name, ahead, processes, [d.id for d in chosen])
-                        if cache.holds(tiers, entry):
-                            cache.write_note(tiers, note, entry)
-                            record["outcome"] = "present"
-                        else:
-                            pending.append((record, ahead, entry, note))
+                    record["outcome"] = _ensure(cache, tiers, note, lambda: cache_entry(
+                        cache, name, lower_for(build_mesh(chosen, per_host, env.mesh)),
+                        processes, chosen))
             except Exception as e:  # noqa: BLE001 - the program's own code ran
                 record["outcome"] = "failed: " + f"{type(e).__name__}: {e}".splitlines()[0][:200]
             record["seconds"] = round(time.perf_counter() - t0, 3)
-    if pending and idle:
-        try:
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-        except (OSError, AttributeError):
-            pass
-    for record, ahead, entry, note in pending:
-        t0 = time.perf_counter()
-        try:
-            cache.compile_into(tiers, entry, ahead)
-            cache.write_note(tiers, note, entry)
-            record["outcome"] = "stored"
-        except Exception as e:  # noqa: BLE001
-            record["outcome"] = "failed: " + f"{type(e).__name__}: {e}".splitlines()[0][:200]
-        record["seconds"] = round(record["seconds"] + time.perf_counter() - t0, 3)
     return records
 
 
-def start(next_slices, programs, env, devices, report: Callable[[list[dict]], None],
-          idle: bool = True) -> threading.Thread:
+def cache_entry(cache, name: str, lowered, processes: int, devices: list) -> tuple[str, Any]:
+    """(entry name, lowered) of `lowered` for the slice of `processes`
+    processes whose devices are `devices`."""
+    return cache.entry_name(name, lowered, processes, [d.id for d in devices]), lowered
+
+
+def _ensure(cache, tiers: list, note: str, lower: Callable[[], tuple[str, Any]]) -> str:
+    """The outcome for one program and next slice (see compile_for)."""
+    known = cache.read_note(tiers, note)
+    if known and cache.holds(tiers, known):
+        return "present"
+    entry, lowered = lower()
+    if cache.holds(tiers, entry):
+        cache.write_note(tiers, note, entry)
+        return "present"
+    tried = cache.read_note(tiers, note + ".attempts")
+    attempts = int(tried) if tried and tried.isdigit() else 0
+    if attempts >= MAX_ATTEMPTS:
+        return f"skipped: {attempts} earlier compiles did not finish"
+    cache.write_note(tiers, note + ".attempts", str(attempts + 1))
+    cache.compile_into(tiers, entry, lowered)
+    cache.write_note(tiers, note, entry)
+    return "stored"
+
+
+def start(next_slices, programs, env, devices,
+          report: Callable[[list[dict]], None]) -> threading.Thread:
     """Run `compile_for` in a daemon thread, then `report(records)`.
     Returns the started thread."""
 
     def run() -> None:
-        records = compile_for(next_slices, programs, env, devices, idle)
+        records = compile_for(next_slices, programs, env, devices)
         for r in records:
             log.info("compiled ahead for %s: %s %s in %.2f s", r["slice"], r["name"],
                      r["outcome"], r["seconds"])

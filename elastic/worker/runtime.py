@@ -199,15 +199,15 @@ class WorkerContext:
             return
 
         def report(records: list[dict]) -> None:
-            done = [r for r in records if not r["outcome"].startswith("failed")]
-            failed = [r for r in records if r["outcome"].startswith("failed")]
+            def count(outcome: str) -> int:
+                return sum(r["outcome"].startswith(outcome) for r in records)
+
             self.progress.event(
                 "compiled_ahead", "for the next slices: " + "; ".join(
                     f"{r['name']} for {r['slice']} {r['outcome']} ({r['seconds']:.2f} s)"
                     for r in records),
-                slices=",".join(sorted({r["slice"] for r in records})),
-                stored=sum(r["outcome"] == "stored" for r in done),
-                present=sum(r["outcome"] == "present" for r in done), failed=len(failed),
+                slices=",".join(sorted({r["slice"] for r in records})), stored=count("stored"),
+                present=count("present"), skipped=count("skipped"), failed=count("failed"),
                 seconds=round(sum(r["seconds"] for r in records), 3))
 
         self.ahead_thread = compile_ahead.start(self.env.next_slices, programs, self.env,
