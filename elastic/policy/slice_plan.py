@@ -88,29 +88,57 @@ def next_slices(spec: JobSpec, candidates: list[Candidate],
     `plan` were lost and nothing else changed: ((process count, devices per
     host), ...), at most MAX_NEXT_SLICES, the most likely first (the shape
     more of the plan's domains lead to), without `plan`'s own shape and
-    slices that cannot start (fewer than `spec.min_hosts`). A spare among
-    `candidates` that would take the lost domain's place gives `plan`'s own
-    shape, so nothing. Process 0 of the generation compiles its program for
-    these ahead, in the background (elastic.worker.compile_ahead), so that
-    the first restart onto such a slice loads it instead of compiling.
+    slices that cannot start (fewer than `spec.min_hosts`). As after a
+    failure (survivors_plan): under restart.grow = "after_checkpoint" the
+    survivors alone, if leaving the spares out costs no member; otherwise a
+    spare among `candidates` may take the lost domain's place, and then the
+    shape is `plan`'s own: nothing.
+
+    Only slices process 0 can compile for are named: no more processes
+    than `plan`, and rank r of the next slice with as many devices as rank
+    r of `plan` (a process's device ids depend on its rank and count;
+    elastic.worker.compile_ahead builds the next slice's mesh from this
+    slice's first ranks). Process 0 of the generation compiles its program
+    for these ahead, in the background, so that the first restart onto
+    such a slice loads it instead of compiling.
     O(candidates x MAX_DOMAIN_KINDS)."""
     if not plan.hosts:
         return ()
     by_host = {c.host_id: c for c in candidates}
+    members = set(plan.hosts)
     domains: dict[str, list[Candidate]] = {}
     for host in plan.hosts:
         c = by_host.get(host)
         if c is not None:
             domains.setdefault(c.failure_domain, []).append(c)
     kinds: dict[tuple, list[str]] = {}  # (members' counts and kinds) -> domains
-    for name, members in domains.items():
-        kinds.setdefault(tuple(sorted((c.devices, c.kind) for c in members)), []).append(name)
+    for name, hosts in domains.items():
+        kinds.setdefault(tuple(sorted((c.devices, c.kind) for c in hosts)), []).append(name)
     votes: dict[tuple[int, int], int] = {}
-    for names in list(kinds.values())[:MAX_DOMAIN_KINDS]:
-        lost = names[0]
-        alt = plan_mesh(spec, [c for c in candidates if c.failure_domain != lost])
-        shape = (len(alt.hosts), alt.devices_per_host)
-        if alt.hosts and shape != (len(plan.hosts), plan.devices_per_host):
+    for names in sorted(kinds.values(), key=len, reverse=True)[:MAX_DOMAIN_KINDS]:
+        without = plan_without_domain(spec, candidates, members, names[0])
+        shape = (len(without.hosts), without.devices_per_host)
+        if without.hosts and shape != (len(plan.hosts), plan.devices_per_host) and \
+                len(without.hosts) <= len(plan.hosts) and \
+                all(by_host[h].devices == by_host[r].devices
+                    for h, r in zip(without.hosts, plan.hosts)):
             votes[shape] = votes.get(shape, 0) + len(names)
     ranked = sorted(votes, key=lambda s: (-votes[s], -s[0] * s[1], -s[1]))
     return tuple(ranked[:MAX_NEXT_SLICES])
+
+
+def plan_without_domain(spec: JobSpec, candidates: list[Candidate], members: set[str],
+                        lost: str) -> MeshPlan:
+    """The plan of the restart after failure domain `lost` of the slice of
+    `members` failed: with every other candidate, or (survivors_plan's rule
+    under restart.grow = "after_checkpoint") with the surviving members
+    only, when that costs no member."""
+    rest = [c for c in candidates if c.failure_domain != lost]
+    full = plan_mesh(spec, rest)
+    newcomers = sum(h not in members for h in full.hosts)
+    if spec.restart.grow != "after_checkpoint" or not newcomers:
+        return full
+    survivors = plan_mesh(spec, [c for c in rest if c.host_id in members])
+    if survivors.hosts and len(survivors.hosts) >= len(full.hosts) - newcomers:
+        return survivors
+    return full
