@@ -44,6 +44,7 @@ Example (units are in the key names; all keys but `job.command` are optional)::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import pathlib
@@ -612,8 +613,8 @@ class WorkerEnv:
         """Read the worker variables (default: this process's environment).
 
         Raises RuntimeError naming the missing variable when the process was
-        not started by an elastic agent, and ValueError naming the variable
-        when ELASTIC_NEXT_SLICES is not "PxD,PxD,..." (positive integers).
+        not started by an elastic agent. A malformed ELASTIC_NEXT_SLICES is
+        warned about and read as none.
         """
         env = os.environ if environ is None else environ
 
@@ -642,8 +643,18 @@ class WorkerEnv:
             jax_heartbeat_timeout_s=int(env.get(ENV_JAX_HEARTBEAT_TIMEOUT_S, "100")),
             run_id=env.get(ENV_RUN_ID) or None,
             snapshot_dir=env.get(ENV_SNAPSHOT_DIR) or None,
-            next_slices=parse_next_slices(env.get(ENV_NEXT_SLICES, "")),
+            next_slices=_next_slices_hint(env.get(ENV_NEXT_SLICES, "")),
         )
+
+
+def _next_slices_hint(text: str) -> tuple[tuple[int, int], ...]:
+    """parse_next_slices, but a malformed value (an agent's bug) is warned
+    about and ignored: a hint must not fail the worker."""
+    try:
+        return parse_next_slices(text)
+    except ValueError as e:
+        logging.getLogger("elastic.config").warning("%s; not compiling ahead", e)
+        return ()
 
 
 def format_next_slices(slices) -> str:

@@ -31,6 +31,11 @@ tier is signed (HMAC-SHA256) with a key the job's hosts hold in a file
 (`elastic-agent --shared-compile-cache-key`): writing to the bucket is not
 enough to have a host run an executable.
 
+Beside the entries, compiling ahead (elastic.worker.compile_ahead) keeps
+small text objects: `<entry>.ahead-PxD` (the entry stored for the next slice
+PxD), `<entry>.ahead-PxD.attempts` (this host's tier only) and, while a
+generation checks that its processes share a tier, `ahead-probe-<token>`.
+
 Entries are written atomically (a directory: temporary file, then rename; a
 bucket: an object appears whole). Share a tier only between hosts of one
 machine type (an executable compiled for the CPU backend targets the
@@ -135,6 +140,10 @@ class DirectoryTier:
         """Remove `name` if it is there. Raises OSError."""
         (self.path / name).unlink(missing_ok=True)
 
+    def exists(self, name: str) -> bool:
+        """Whether `name` is there (not read). Raises OSError."""
+        return (self.path / name).is_file()
+
 
 class BucketTier:
     """Entries as objects under a gs://bucket/prefix (google-cloud-storage;
@@ -184,6 +193,11 @@ class BucketTier:
             self._retrying(lambda: self._blob(name).delete(retry=None, timeout=BUCKET_TIMEOUT))
         except exceptions.NotFound:
             pass
+
+    def exists(self, name: str) -> bool:
+        """Whether the object `name` is there (not downloaded). Raises as `read`."""
+        return self._retrying(lambda: self._blob(name).exists(retry=None,
+                                                               timeout=BUCKET_TIMEOUT))
 
 
 class CacheKeyError(ValueError):
@@ -250,6 +264,11 @@ class SignedTier:
     def remove(self, name: str) -> None:
         """Remove `name`. Raises as the inner tier."""
         self.inner.remove(name)
+
+    def exists(self, name: str) -> bool:
+        """Whether `name` is there; its signature is checked only when it
+        is read (a planted object fails then, and is compiled again)."""
+        return self.inner.exists(name)
 
 
 def tier(where: str | None):
@@ -448,9 +467,10 @@ def entry_name(name: str, lowered, process_count: int, device_ids: list[int]) ->
     return f"{name}-{cache_key(lowered, process_count, device_ids)}.xla"
 
 
-def holds(tiers: list, entry: str) -> bool:
-    """Whether a tier holds `entry` (a signed tier: signed with its key)."""
-    return any(_try(f"read {entry}", t, lambda: t.read(entry)) is not None for t in tiers)
+def has_entry(tiers: list, entry: str) -> bool:
+    """Whether a tier has an object `entry` (not read: a signed tier checks
+    the signature when the entry is loaded)."""
+    return any(_try(f"look for {entry}", t, lambda: t.exists(entry), False) for t in tiers)
 
 
 def read_note(tiers: list, note: str) -> str | None:
@@ -466,6 +486,12 @@ def write_note(tiers: list, note: str, text: str) -> None:
     """Write the short text object `note` into every tier (failures warned)."""
     for t in tiers:
         _try(f"write {note}", t, lambda: t.write(note, text.encode()))
+
+
+def remove_note(tiers: list, note: str) -> None:
+    """Remove `note` from every tier (failures warned)."""
+    for t in tiers:
+        _try(f"remove {note}", t, lambda: t.remove(note))
 
 
 def compile_into(tiers: list, entry: str, lowered):

@@ -175,8 +175,10 @@ class WorkerContext:
         step, process 0 compiles the program in the background for the
         slices the controller would start next if a failure domain were
         lost (elastic.worker.compile_ahead; `[restart] compile_ahead`), so
-        that such a restart loads it. Called from that background thread;
-        its errors are journaled in `compiled_ahead`, never raised."""
+        that such a restart loads it. Called from that background thread,
+        where the caller's `jax.set_mesh` is not in effect (set it inside);
+        its errors are journaled in `compiled_ahead`, never raised. Only
+        programs compiled before the first step are compiled ahead."""
         from elastic.worker.compile_cache import compile_cached
 
         self._phase("setup")
@@ -188,14 +190,16 @@ class WorkerContext:
         return result
 
     def _compile_ahead(self) -> None:
-        """Start compiling the programs given `lower_for` for the next
-        slices, on process 0, once (after the first step)."""
+        """Once, after the first step: start the thread that compiles the
+        programs given `lower_for` for the next slices (every process takes
+        part in its probe; process 0 compiles). Programs compiled later
+        are not compiled ahead."""
         import jax
 
         from elastic.worker import compile_ahead
 
         programs, self._ahead = self._ahead, []
-        if self.process_index != 0 or not programs or not self.env.next_slices:
+        if not programs or not self.env.next_slices:
             return
 
         def report(records: list[dict]) -> None:
@@ -211,7 +215,8 @@ class WorkerContext:
                 seconds=round(sum(r["seconds"] for r in records), 3))
 
         self.ahead_thread = compile_ahead.start(self.env.next_slices, programs, self.env,
-                                                jax.devices(), report)
+                                                jax.devices(), self.process_index,
+                                                self.process_count, report)
 
     def step_done(self, step: int, **metrics: float) -> None:
         """Call after every training step (`step` counts from 0). Reports it,
@@ -238,11 +243,10 @@ class WorkerContext:
             self._checkpoints.poll()
 
     def finish(self) -> None:
-        """Wait for the save in flight (and, on process 0, for a compile
-        ahead still running: at most AHEAD_JOIN_S), then leave the
-        distributed runtime together with every other process (so none
-        exits while a peer still needs it). Call once at the end of
-        training."""
+        """Wait for the save in flight, then leave the distributed runtime
+        together with every other process (so none exits while a peer still
+        needs it); then, on process 0, wait for a compile ahead still
+        running (at most AHEAD_JOIN_S). Call once at the end of training."""
         import jax
 
         from elastic.worker.coordination import barrier
@@ -252,12 +256,13 @@ class WorkerContext:
                                 "checkpoint save, leaving the distributed runtime)")
         if self._checkpoints is not None:
             self._checkpoints.close()
-        if self.ahead_thread is not None:
-            # (a compile still running when the interpreter exits can crash
-            # it; at the end of training the CPU is free for it)
-            self.ahead_thread.join(AHEAD_JOIN_S)
         barrier("elastic-finish", timeout_s=300.0)
         jax.distributed.shutdown()
+        if self.ahead_thread is not None:
+            # after the others are let go: a compile still running when the
+            # interpreter exits can crash it, and at the end of training the
+            # CPU is free for it
+            self.ahead_thread.join(AHEAD_JOIN_S)
         self.progress.close()
 
 

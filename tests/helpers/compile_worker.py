@@ -2,13 +2,14 @@
 tests/test_compile_cache.py): compiles a sharded function with collectives
 through `WorkerContext.compile` and runs it.
 
-    compile_worker.py OUT_PREFIX [--own-dir] [--ahead]
+    compile_worker.py OUT_PREFIX [--own-dir] [--ahead] [--bad-lower]
     (writes OUT_PREFIX.<process index>.json)
 
 With --own-dir each process caches in ELASTIC_CACHE_DIR/<host id>: hosts that
 share no directory. With --ahead the function is compiled with `lower_for`,
 and after its first step process 0 waits for the compile ahead for
-ELASTIC_NEXT_SLICES (elastic.worker.compile_ahead) and records its outcome.
+ELASTIC_NEXT_SLICES (elastic.worker.compile_ahead) and records its outcome;
+with --bad-lower, lowering for any other mesh raises.
 
 The environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS,
 ELASTIC_CACHE_DIR).
@@ -44,6 +45,8 @@ def main() -> int:
 
     def lower_for(m):
         lowered_meshes.append(dict(m.shape))
+        if "--bad-lower" in sys.argv and m is not mesh:
+            raise ValueError("this program cannot be lowered for another mesh")
         return jax.jit(f, out_shardings=NamedSharding(m, P())).lower(
             jax.ShapeDtypeStruct((12, 8), jnp.float32, sharding=NamedSharding(m, P("data", "model"))),
             jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(m, P("model"))))

@@ -62,7 +62,7 @@ def main() -> int:
     cfg = model_lib.ModelConfig(d_model=args.d_model, layers=args.layers, seq_len=args.seq_len)
     corpus = data_lib.load_corpus(args.data)
 
-    def setup(m):
+    def for_mesh(m):
         """(batch plan, train parts, lowered train step) for mesh `m`: the
         batch and learning rate follow its 'data' axis."""
         p = plan_batch(ctx.env.batch.mode, m.shape["data"], args.global_batch,
@@ -75,16 +75,18 @@ def main() -> int:
                                     args.seed).rows(0, p.data_shards)
             return p, built, built.jit_step.lower(built.abstract, *built.rows_abstract(rows))
 
-    plan, parts, lowered = setup(mesh)
+    def lowered_step(m):
+        """The train step lowered for mesh `m` (process 0 compiles it ahead
+        for the meshes a lost host would leave)."""
+        return for_mesh(m)[2]
+
+    plan, parts, lowered = for_mesh(mesh)
     batches = data_lib.Batches(corpus.train, cfg.seq_len, plan.global_batch, args.seed)
     held_out = data_lib.Batches(corpus.held_out, cfg.seq_len, plan.global_batch, args.seed + 1)
 
     with jax.set_mesh(mesh):
         abstract, shardings = parts.abstract, parts.shardings
-        # (lower_for: process 0 also compiles the step, in the background,
-        # for the slices a lost host would leave)
-        step_fn, hit, seconds = ctx.compile(lowered, "train_step",
-                                            lower_for=lambda m: setup(m)[2])
+        step_fn, hit, seconds = ctx.compile(lowered, "train_step", lower_for=lowered_step)
         log.info("%s the train step in %.2f s", "loaded" if hit else "compiled", seconds)
         ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep,
                                snapshot_every=args.snapshot_every)
