@@ -177,6 +177,9 @@ def test_a_compile_cut_short_twice_is_not_tried_again(tmp_path):
     cache.write_note(tiers, note + ".attempts", str(MAX_ATTEMPTS - 1))
     assert ensure_cached(cache, tiers, note, lambda: (entry, lowered)) == "stored"
     assert cache.has_entry(tiers, entry) and cache.read_note(tiers, note) == entry
+    # the attempt was counted before the compile, so a compile its
+    # generation cuts short counts too
+    assert cache.read_note(tiers, note + ".attempts") == str(MAX_ATTEMPTS)
 
     def must_not_lower():
         raise AssertionError("lowered again")

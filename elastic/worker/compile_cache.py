@@ -451,7 +451,6 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     return _compile_and_store(tiers, entry, lowered), False, time.perf_counter() - t0
 
 
-
 def cache_tiers(cache_dir: str | None, shared: str | None = None,
                 shared_key: str | None = None) -> list:
     """The tiers `compile_cached` uses: this host's directory, then the

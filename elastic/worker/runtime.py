@@ -49,7 +49,7 @@ def _process_start_time() -> float:
 
 
 #: The longest `finish()` waits for a compile ahead still running (seconds).
-AHEAD_JOIN_S = 120.0
+AHEAD_JOIN_S = 60.0
 
 
 @dataclasses.dataclass
@@ -263,6 +263,9 @@ class WorkerContext:
             # interpreter exits can crash it, and at the end of training the
             # CPU is free for it
             self.ahead_thread.join(AHEAD_JOIN_S)
+            if self.ahead_thread.is_alive():
+                self.log.warning("a compile ahead still runs after %.0f s; exiting anyway",
+                                 AHEAD_JOIN_S)
         self.progress.close()
 
 
