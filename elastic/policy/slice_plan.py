@@ -28,11 +28,19 @@ def survivors_plan(state: SliceState, spec: JobSpec, candidates: list[Candidate]
     if spec.restart.grow != "after_checkpoint" or state.stop_kind != "failure" or \
             not state.members:
         return None
-    previous = set(state.members)
-    newcomers = sum(h not in previous for h in full)
+    return survivors_only(spec, candidates, set(state.members), full)
+
+
+def survivors_only(spec: JobSpec, candidates: list[Candidate], members: set[str],
+                   full: tuple[str, ...]) -> MeshPlan | None:
+    """The plan of `members` alone, if it costs none of them against
+    `full` (the hosts planned with every candidate, newcomers included);
+    None when `full` has no newcomer or leaving them out loses a member.
+    The rule of survivors_plan and next_slices alike."""
+    newcomers = sum(h not in members for h in full)
     if not newcomers:
         return None
-    plan = plan_mesh(spec, [c for c in candidates if c.host_id in previous])
+    plan = plan_mesh(spec, [c for c in candidates if c.host_id in members])
     return plan if plan.hosts and len(plan.hosts) >= len(full) - newcomers else None
 
 
@@ -135,10 +143,6 @@ def plan_without_domain(spec: JobSpec, candidates: list[Candidate], members: set
     only, when that costs no member."""
     rest = [c for c in candidates if c.failure_domain != lost]
     full = plan_mesh(spec, rest)
-    newcomers = sum(h not in members for h in full.hosts)
-    if spec.restart.grow != "after_checkpoint" or not newcomers:
+    if spec.restart.grow != "after_checkpoint":
         return full
-    survivors = plan_mesh(spec, [c for c in rest if c.host_id in members])
-    if survivors.hosts and len(survivors.hosts) >= len(full.hosts) - newcomers:
-        return survivors
-    return full
+    return survivors_only(spec, rest, members, full.hosts) or full

@@ -104,11 +104,13 @@ def processes_not_sharing(tiers: list, process_index: int, process_count: int, c
 
 
 def compile_for_next_slices(next_slices, programs: list[tuple[Callable[[Any], Any], str, Any]],
-                            env, devices: list, not_sharing: list[int] = ()) -> list[dict]:
+                            env, devices: list, tiers: list,
+                            not_sharing: list[int] = ()) -> list[dict]:
     """For each (process count, devices per host) of `next_slices`, and
     each (lower_for, name, lowered) of `programs` (`lowered`: the program
-    as this slice compiled it), make sure the executable cache holds the
-    program compiled for that slice. Runs on process 0.
+    as this slice compiled it), make sure the executable cache `tiers`
+    (compile_cache.cache_tiers) holds the program compiled for that slice.
+    Runs on process 0.
 
     A note in the cache, named after this slice's entry of the program and
     the next slice, names the entry an earlier generation stored: then it
@@ -130,7 +132,6 @@ def compile_for_next_slices(next_slices, programs: list[tuple[Callable[[Any], An
     from elastic.worker import compile_cache as cache
     from elastic.worker.runtime import build_mesh
 
-    tiers = cache.cache_tiers(env.cache_dir, env.shared_cache, env.shared_cache_key_file)
     records = []
     current_ids = [d.id for d in devices]
     process_count = len({d.process_index for d in devices})
@@ -185,7 +186,7 @@ def ensure_cached(cache, tiers: list, note: str, lower: Callable[[], tuple[str, 
     if attempts >= MAX_ATTEMPTS:
         return f"skipped: {attempts} earlier compiles on this host stored no entry"
     cache.write_note(own, note + ".attempts", str(attempts + 1))
-    cache.compile_into(tiers, entry, lowered)
+    cache.compile_and_store(tiers, entry, lowered)
     if not cache.has_entry(tiers, entry):
         return "failed: compiled, but no tier took the entry (see the warnings)"
     cache.write_note(tiers, note, entry)
@@ -206,7 +207,8 @@ def start(next_slices, programs, env, devices, process_index: int, process_count
             if tiers and process_count > 1 else []
         if process_index != 0:
             return
-        records = compile_for_next_slices(next_slices, programs, env, devices, not_sharing)
+        records = compile_for_next_slices(next_slices, programs, env, devices, tiers,
+                                          not_sharing)
         for r in records:
             log.info("compiled ahead for %s: %s %s in %.2f s", r["slice"], r["name"],
                      r["outcome"], r["seconds"])

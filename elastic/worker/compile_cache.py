@@ -326,7 +326,10 @@ def _load(tiers: list, entry: str, lowered):
     return None
 
 
-def _compile_and_store(tiers: list, entry: str, lowered):
+def compile_and_store(tiers: list, entry: str, lowered):
+    """Compile `lowered` and write its executable as `entry` into every
+    tier (a tier that fails is warned about); returns the compiled
+    executable. Raises what compiling raises."""
     from jax.experimental import serialize_executable
 
     compiled = lowered.compile()
@@ -350,7 +353,7 @@ def _compile_as_process_0(client, key: str, tiers: list, entry: str, lowered):
                if _try(f"write {claim}", t, lambda: t.write(claim, token.encode()) or True)]
     _post(client, key, "claim", token if claimed else "unshared")
     try:
-        return _compile_and_store(tiers, entry, lowered)
+        return compile_and_store(tiers, entry, lowered)
     finally:
         _post(client, key, "done", "1")
         for t in claimed:
@@ -448,7 +451,7 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
         compiled = _wait_for_process_0(client, key, tiers, entry, lowered)
     if compiled is not None:
         return compiled, True, time.perf_counter() - t0
-    return _compile_and_store(tiers, entry, lowered), False, time.perf_counter() - t0
+    return compile_and_store(tiers, entry, lowered), False, time.perf_counter() - t0
 
 
 def cache_tiers(cache_dir: str | None, shared: str | None = None,
@@ -491,9 +494,3 @@ def remove_note(tiers: list, note: str) -> None:
     """Remove `note` from every tier (failures warned)."""
     for t in tiers:
         _try(f"remove {note}", t, lambda: t.remove(note))
-
-
-def compile_into(tiers: list, entry: str, lowered):
-    """Compile `lowered` and write its executable as `entry` into every
-    tier; returns the compiled executable. Raises what compiling raises."""
-    return _compile_and_store(tiers, entry, lowered)
