@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -47,21 +48,23 @@ CLIENT_PROCESSES = 4
 
 # --- the client side: many simulated agents in one process ------------------------------
 
-async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
+async def simulated_agent(stub, pb, address: str, host_id: str, job_id: str, received: dict,
                           silence: asyncio.Event | None) -> None:
-    """One agent: registers, streams, heartbeats; like a real agent it
-    registers again whenever its session ends (counted by status code in
-    received["session_ended"])."""
+    """One agent: registers, streams, heartbeats (as datagrams when the
+    controller offers them, with the real agent's elastic.agent.datagrams);
+    like a real agent it registers again whenever its session ends (counted
+    by status code in received["session_ended"])."""
     import grpc
 
     from elastic import transport
 
     incarnation = uuid.uuid4().hex[:12]
     status = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
+    seq = itertools.count(1)
 
     def header():
         return pb.Header(job_id=job_id, host_id=host_id, incarnation=incarnation,
-                         generation=status.generation)
+                         generation=status.generation, seq=next(seq))
 
     def deferred(state) -> None:  # refused while the controller was behind
         if transport.retry_after_s(state.outcome.exception()) is not None:
@@ -73,11 +76,11 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
         try:
             async for attempt in transport.retrying(before_sleep=deferred):  # as agents do
                 with attempt:
-                    await stub.Register(pb.RegisterRequest(
+                    reply = await stub.Register(pb.RegisterRequest(
                         header=header(), devices=1, address="127.0.0.1", failure_domain=host_id,
                         worker=status, free_port=20000 + random.randrange(20000)), timeout=30)
             stage = "stream"
-            await session(stub, pb, header, status, host_id, received, silence)
+            await session(stub, pb, address, reply, header, status, host_id, received, silence)
             code = "OK"
         except grpc.aio.AioRpcError as e:
             code = e.code().name
@@ -90,9 +93,13 @@ async def simulated_agent(stub, pb, host_id: str, job_id: str, received: dict,
         await asyncio.sleep(random.uniform(0.1, 1.0))  # (real agents back off too)
 
 
-async def session(stub, pb, header, status, host_id: str, received: dict,
+async def session(stub, pb, address: str, reply, header, status, host_id: str, received: dict,
                   silence: asyncio.Event | None) -> None:
+    from elastic.agent.datagrams import open_datagrams
+
     call = stub.Connect()
+    acks: asyncio.Queue = asyncio.Queue()
+    datagrams = await open_datagrams(address, reply, host_id, acks)
     writing = asyncio.Lock()  # one write at a time on a call (the real agent has one writer)
 
     async def write(message) -> None:
@@ -109,11 +116,17 @@ async def session(stub, pb, header, status, host_id: str, received: dict,
             seq += 1
             if status.state == pb.WORKER_RUNNING:
                 status.step += 1  # a training step per heartbeat
-            await write(pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
-                seq=seq, worker=status, free_port=30000 + seq % 1000, sent_at=time.time())))
+            message = pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
+                seq=seq, worker=status, free_port=30000 + seq % 1000, sent_at=time.time()))
+            if datagrams is None or not datagrams.send(message):
+                await write(message)
             await asyncio.sleep(1.0)
 
-    task = asyncio.create_task(beat())
+    async def drain() -> None:  # the acks that came as datagrams
+        while True:
+            await acks.get()
+
+    task, drainer = asyncio.create_task(beat()), asyncio.create_task(drain())
     try:
         while True:
             message = await call.read()
@@ -130,7 +143,11 @@ async def session(stub, pb, header, status, host_id: str, received: dict,
                     await write(pb.AgentMessage(header=header(), worker_exited=status))
     finally:
         task.cancel()
+        drainer.cancel()
         call.cancel()
+        if datagrams is not None:
+            datagrams.transport.close()
+            received.setdefault("datagrams_given_up", {})[host_id] = datagrams.given_up
 
 
 async def client_main(address: str, job_id: str, first: int, count: int, out: str,
@@ -185,7 +202,7 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     for i, host in enumerate(hosts):
         stub = pb_grpc.ControllerStub(channels[i])
         task = asyncio.create_task(simulated_agent(
-            stub, pb, host, job_id, received, silence if first + i == 0 else None))
+            stub, pb, address, host, job_id, received, silence if first + i == 0 else None))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or print(
             f"simulated agent failed: {t.exception()!r}", file=sys.stderr, flush=True))
         tasks.append(task)
@@ -194,6 +211,7 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     await done.wait()
     for t in tasks:
         t.cancel()
+    await asyncio.wait(tasks, timeout=10)  # (their sessions record how they ended)
     lag.cancel()
     received["client_max_lag_s"] = {str(first): worst[0]}
     received["session_ended"] = {f"{k}#{first}": v for k, v in received.get("session_ended", {}).items()}
@@ -218,7 +236,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_size(n: int, steady_s: float, insecure: bool) -> dict:
+def run_size(n: int, steady_s: float, insecure: bool, stream_heartbeats: bool = False) -> dict:
     from elastic.controller.journal import read_journal
     from elastic.controller.status import fetch_status
     from elastic.security import certs
@@ -249,6 +267,7 @@ stop_timeout_s = 30.0
 # the silent agent stands for a lost host: its simulated peers keep
 # stepping, which would otherwise carry it as a frozen agent
 carry_silent_hosts = false
+datagram_heartbeats = {"false" if stream_heartbeats else "true"}
 
 [hang]
 startup_timeout_s = 600.0
@@ -300,6 +319,8 @@ startup_timeout_s = 600.0
     return {
         "agents": n,
         "tls": not insecure,
+        "heartbeats": "stream" if stream_heartbeats else "datagram",
+        "datagrams_given_up": sum(received.get("datagrams_given_up", {}).values()),
         "controller_cpu_share": round(cpu_share, 3),
         "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
         "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
@@ -335,6 +356,9 @@ def main() -> int:
     parser.add_argument("--steady-s", type=float, default=20.0)
     parser.add_argument("--insecure", action="store_true",
                         help="plaintext gRPC (to measure what mutual TLS costs)")
+    parser.add_argument("--stream-heartbeats", action="store_true",
+                        help="heartbeats on the agents' gRPC streams only (datagram_heartbeats = "
+                             "false), to compare with datagrams")
     parser.add_argument("--out", default=None,
                         help="default bench/results/scale[_insecure].json")
     args = parser.parse_args()
@@ -342,10 +366,11 @@ def main() -> int:
                                f"scale{'_insecure' if args.insecure else ''}.json")
     rows = []
     for n in args.agents:
-        row = run_size(n, args.steady_s, args.insecure)
+        row = run_size(n, args.steady_s, args.insecure, args.stream_heartbeats)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(f"\n{'TLS' if not args.insecure else 'plaintext'}:")
+    print(f"\n{'TLS' if not args.insecure else 'plaintext'}, heartbeats "
+          f"{'on the streams' if args.stream_heartbeats else 'as datagrams'}:")
     print(f"{'agents':>7} {'ctl CPU':>8} {'hb p50':>8} {'hb p99':>8} {'detect':>8} "
           f"{'start fan-out':>14} {'stop fan-out':>13} {'registered':>11} {'deferred':>9} "
           f"{'false lost':>11}")

@@ -145,6 +145,11 @@ class HealthSpec:
     leader_lease_s: with checkpoints in a bucket, the controllers' lease on
       the journal object there (elastic.controller.bucket_lease): a standby
       takes over once the leader has not renewed it for this long.
+    datagram_heartbeats: the controller takes agents' periodic heartbeats
+      as UDP datagrams on its port number, sealed with a key per
+      registration (elastic.heartbeat_datagram), instead of on their gRPC
+      streams; an agent whose datagrams are not acked goes back to its
+      stream. False: heartbeats only on the streams.
     """
 
     heartbeat_interval_s: float = 1.0
@@ -156,6 +161,7 @@ class HealthSpec:
     carry_silent_hosts: bool = True
     controller_lease_s: float = 30.0
     leader_lease_s: float = 10.0
+    datagram_heartbeats: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,12 +86,19 @@ def guarded_env():
     deadline = time.monotonic() + 10.0
     while (left := tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.05)
+    names = []  # what they are, for the message
+    for pid in left:
+        try:
+            names.append(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+                         .replace(b"\0", b" ").decode(errors="replace")[:200])
+        except OSError:
+            pass
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    assert not left, f"processes left behind by the test: {left}"
+    assert not left, f"processes left behind by the test: {left} {names}"
 
 
 @pytest.fixture
@@ -100,6 +107,14 @@ def proc_env():
     them (or their descendants) is still alive 10 s after the test."""
     with guarded_env() as env:
         yield env
+
+
+@pytest.fixture
+def tagged(proc_env, monkeypatch):
+    """Workers started by in-process agents (tests/test_grpc.py) carry the
+    test tag too, so that the check for processes left behind sees them."""
+    monkeypatch.setenv("ELASTIC_TEST_TAG", proc_env["ELASTIC_TEST_TAG"])
+    monkeypatch.setenv("PATH", proc_env["PATH"])
 
 
 @contextlib.contextmanager

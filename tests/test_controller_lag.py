@@ -83,6 +83,21 @@ def test_receipt_delay_is_the_median_of_the_last_second():
     assert delays.recent_s(114.1) == 0.0
 
 
+@pytest.mark.parametrize("sent_at, resumed_at, latency", [
+    (99.5, None, 0.5),        # no pause yet
+    (0.0, None, None),        # no send time (an agent too old to send one)
+    (97.0, 99.0, None),       # sent while the controller was paused: no lag
+    (99.2, 99.0, 0.8),        # sent after it resumed
+])
+def test_only_heartbeats_sent_since_the_controller_last_ran_again_are_lag(
+        sent_at, resumed_at, latency):
+    delays = ReceiptDelay()
+    if resumed_at is not None:
+        delays.resumed(resumed_at)
+    assert delays.heard(sent_at, received_at=100.0, at=5.0) == pytest.approx(latency)
+    assert delays.latencies() == ([] if latency is None else [pytest.approx(latency)])
+
+
 def test_a_burst_of_events_is_decided_in_batches(tmp_path):
     """Passes that take 20 ms (a slice of thousands of hosts), woken by an
     event every 2 ms: the loop spends at most a third of its time deciding

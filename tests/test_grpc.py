@@ -24,13 +24,6 @@ from tests.conftest import TINY_WORKER, tiny_spec
 TINY_ALLOWED = AllowList.parse([f"{sys.executable} {TINY_WORKER}"])
 
 
-@pytest.fixture
-def tagged(proc_env, monkeypatch):
-    """Workers started by in-process agents carry the test tag too."""
-    monkeypatch.setenv("ELASTIC_TEST_TAG", proc_env["ELASTIC_TEST_TAG"])
-    monkeypatch.setenv("PATH", proc_env["PATH"])
-
-
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 

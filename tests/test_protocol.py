@@ -24,7 +24,7 @@ def test_every_agent_message_carries_the_fencing_header():
         header = message.DESCRIPTOR.fields_by_name["header"].message_type
         assert header is pb.Header.DESCRIPTOR
     assert [f.name for f in pb.Header.DESCRIPTOR.fields] == [
-        "job_id", "host_id", "incarnation", "generation"]
+        "job_id", "host_id", "incarnation", "generation", "seq"]
     # commands carry the generation they are for
     for message in (pb.StartWorker, pb.StopWorker, pb.ControllerMessage):
         assert "generation" in message.DESCRIPTOR.fields_by_name
@@ -33,4 +33,9 @@ def test_every_agent_message_carries_the_fencing_header():
 def test_no_message_carries_credentials():
     names = {f.name for m in pb.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
     assert not names & {"token", "password", "credential", "secret", "auth"}
+    # the one key: a registration's heartbeat-datagram key, sent by the
+    # controller in its answer on the mutually authenticated channel
+    keys = [(m.name, f.name) for m in pb.DESCRIPTOR.message_types_by_name.values()
+            for f in m.fields if "key" in f.name and f.type == f.TYPE_BYTES]
+    assert keys == [("RegisterResponse", "heartbeat_key")]
     assert pathlib.Path(protogen.PROTO_ROOT / "elastic" / "v1" / "control.proto").exists()

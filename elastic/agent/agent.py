@@ -25,6 +25,7 @@ import uuid
 
 from elastic import config, transport
 from elastic.agent import snapshot_dir, stacks
+from elastic.agent.datagrams import HeartbeatDatagrams
 from elastic.agent.replicas import ReplicaSender, ReplicaStore
 from elastic.agent.host import Devices, PortProber, discover_devices
 from elastic.agent.preemption import watch_metadata
@@ -113,6 +114,9 @@ class Agent(ControllerSession):
         self._prestart_next = False
         self.progress_address = f"@elastic-progress-{self.incarnation}"
         self._outbox: asyncio.Queue | None = None
+        # the session's heartbeat datagrams (elastic.agent.datagrams), if any
+        self._datagrams: HeartbeatDatagrams | None = None
+        self._message_seq = 0  # every message's header.seq
         # reports made while no controller was connected (a worker's events,
         # a commit, an exit), sent to the next one: its journal stays whole
         self._undelivered: collections.deque[pb.AgentMessage] = collections.deque(
@@ -185,9 +189,10 @@ class Agent(ControllerSession):
     # --- messages up -------------------------------------------------------
 
     def _header(self) -> pb.Header:
+        self._message_seq += 1
         return pb.Header(job_id=self.job_id, host_id=self.settings.host_id,
                          incarnation=self.incarnation,
-                         generation=self.supervisor.status.generation)
+                         generation=self.supervisor.status.generation, seq=self._message_seq)
 
     def _post(self, **body) -> None:
         message = pb.AgentMessage(header=self._header(), **body)
@@ -197,16 +202,25 @@ class Agent(ControllerSession):
         elif self._outbox.qsize() < 1000:
             self._outbox.put_nowait(message)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, periodic: bool = False) -> None:
+        """Send a heartbeat: a `periodic` one as a datagram when the
+        session has them and nothing waits on the stream (it must not
+        overtake it), else and every other one (something changed) on the
+        stream."""
         self._seq += 1
         self._recount_devices()
         running = self.supervisor.running
         self.supervisor.status.suspended = running and self.supervisor.suspended()
         free_port = 0 if running or self.preemption else self.ports.probe()
-        self._post(heartbeat=pb.Heartbeat(seq=self._seq, worker=self.supervisor.status,
-                                          free_port=free_port, preemption=self.preemption,
-                                          sent_at=time.time(), devices=self.devices.count,
-                                          device_kind=self.devices.kind))
+        heartbeat = pb.Heartbeat(seq=self._seq, worker=self.supervisor.status,
+                                 free_port=free_port, preemption=self.preemption,
+                                 sent_at=time.time(), devices=self.devices.count,
+                                 device_kind=self.devices.kind)
+        if periodic and self._datagrams is not None and self._outbox is not None and \
+                self._outbox.empty() and self._datagrams.send(
+                    pb.AgentMessage(header=self._header(), heartbeat=heartbeat)):
+            return
+        self._post(heartbeat=heartbeat)
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
         outcome = "stopped" if status.stopped_on_request else \

@@ -20,6 +20,7 @@ import tenacity
 
 from elastic import transport
 from elastic.agent import fence
+from elastic.agent.datagrams import open_datagrams
 from elastic.policy.adopt import AGENT_RECONNECT_MAX_S
 from elastic.security.tls import TLSError
 from elastic.v1 import control_pb2 as pb
@@ -96,6 +97,10 @@ class ControllerSession:
                 (argv, self._worker_env(reply.launch), reply.launch.workdir))
         call = stub.Connect()
         self._outbox = outbox = asyncio.Queue()
+        # (acks come on the stream, or as datagrams when it offers a port)
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._datagrams = datagrams = await open_datagrams(address, reply, self.settings.host_id,
+                                                           inbox)
         self.sessions_opened += 1
         if self.service is not None:
             await self.service.session(True)
@@ -112,7 +117,7 @@ class ControllerSession:
         async def beat() -> None:
             while True:
                 await asyncio.sleep(reply.heartbeat_interval_s)
-                self._heartbeat()
+                self._heartbeat(periodic=True)
 
         tasks = [asyncio.create_task(write()), asyncio.create_task(beat())]
         # A controller acks heartbeats at least every quarter of its heartbeat
@@ -121,7 +126,6 @@ class ControllerSession:
         # end the session and go round the addresses (a standby may lead).
         # (Reads go through a queue: a cancelled read would end the call.)
         silence_s = max(reply.heartbeat_timeout_s, 3 * reply.heartbeat_interval_s)
-        inbox: asyncio.Queue = asyncio.Queue()
 
         async def read() -> None:
             try:
@@ -151,7 +155,9 @@ class ControllerSession:
                 self._heard_at = time.monotonic()
                 self._command(message)
         finally:
-            self._outbox = None
+            self._outbox = self._datagrams = None
+            if datagrams is not None:
+                datagrams.transport.close()
             for task in tasks:
                 task.cancel()
             call.cancel()

@@ -79,6 +79,9 @@ class Controller:
         self.receipts = ReceiptDelay(keep=10_000)
         #: registrations refused while it was behind (admission control)
         self.registrations_deferred = 0
+        #: heartbeat datagrams taken, and dropped (malformed, forged, replayed,
+        #: overtaken: elastic.controller.servicer.datagram_received)
+        self.datagrams_received = self.datagrams_refused = 0
         #: None, or a check before every reconcile pass (see reconcile)
         self.may_act = None
         #: None, or called with each heartbeat's latency (the metrics)
@@ -142,6 +145,7 @@ class Controller:
         """This controller did not run for `pause_s` seconds up to `now`:
         what it could not hear meanwhile is not silence (elastic.controller.lag)."""
         self.view.forgive_pause(pause_s, now)
+        self.receipts.resumed(self.clock.time())
         self.executor.record("controller_paused", self.state.generation,
                              f"the controller did not run for {pause_s:.1f} s (stopped, "
                              f"starved or suspended); silence is counted without it",

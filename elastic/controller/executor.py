@@ -17,6 +17,7 @@ from elastic import config
 from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.journal import JournalWriter
+from elastic.heartbeat_datagram import DatagramChannel
 from elastic.policy import decide as d
 from elastic.policy.view import Fact
 from elastic.v1 import control_pb2 as pb
@@ -46,6 +47,14 @@ class Session:
     attached: bool = False
     #: when its latest heartbeat ack was queued (controller-monotonic seconds)
     acked_at: float = float("-inf")
+    #: its heartbeat datagrams (elastic.heartbeat_datagram; None: stream only),
+    #: where the latest came from, and when one was last acked that way
+    datagrams: DatagramChannel | None = None
+    datagram_from: tuple | None = None
+    datagram_acked_at: float = float("-inf")
+    #: the highest header.seq seen from the agent; how its last heartbeat came
+    last_seq: int = 0
+    heartbeat_path: str = ""
 
     def send(self, message: pb.ControllerMessage) -> None:
         """Queue `message`; past MAX_OUTBOX waiting, close the stream

@@ -130,6 +130,26 @@ class ReceiptDelay:
         runs for every heartbeat."""
         self._recent.append((at, latency_s))
 
+    def heard(self, sent_at: float, received_at: float, at: float) -> float | None:
+        """A heartbeat sent at `sent_at` (agent's wall clock) and received at
+        `received_at` (controller's wall clock) and `at` (its monotonic
+        clock): its delay (seconds), noted; None when it tells nothing
+        (no send time, or sent before the controller resumed from a pause:
+        it waited for the controller to run again, which `resumed` forgave,
+        and would otherwise read as lag for a second after)."""
+        if not sent_at or sent_at < self.resumed_at:
+            return None
+        self.note(received_at - sent_at, at)
+        return received_at - sent_at
+
+    #: when (wall-clock seconds) the controller last resumed from a pause
+    resumed_at = float("-inf")
+
+    def resumed(self, at: float) -> None:
+        """The controller runs again at `at` (wall-clock seconds) after a
+        pause (elastic.controller.core: controller_paused)."""
+        self.resumed_at = at
+
     def recent_s(self, now: float, window_s: float = 1.0) -> float:
         """The median delay (seconds, 0.0 if negative) of the heartbeats
         received within `window_s` before `now`; 0.0 with fewer than

@@ -15,6 +15,9 @@ State (read at each scrape from a snapshot the event loop takes, the same
   elastic_controller_lag_seconds        how late its event loop ran lately (see
                                         elastic.controller.lag)
   elastic_registrations_deferred_total  registrations refused while it was behind
+  elastic_heartbeat_datagrams_total{outcome}  heartbeat datagrams taken / dropped
+  elastic_hosts_heartbeating{path}      hosts whose latest heartbeat came as a
+                                        datagram / on the stream
 Events (fed by the journal as it is written):
   elastic_incidents_total{kind}         host_lost, hang_detected, worker_failed,
                                         preemption_notice, agent_silent, ...
@@ -159,3 +162,14 @@ class ControllerMetrics:
         yield CounterMetricFamily("elastic_registrations_deferred", "Registrations refused "
                                   "with a retry-after hint while the controller was behind",
                                   value=float(self.controller.registrations_deferred))
+        datagrams = CounterMetricFamily("elastic_heartbeat_datagrams", "Heartbeat datagrams "
+                                        "taken, and dropped (malformed, forged, replayed or "
+                                        "overtaken)", labels=["outcome"])
+        datagrams.add_metric(["taken"], float(self.controller.datagrams_received))
+        datagrams.add_metric(["dropped"], float(self.controller.datagrams_refused))
+        yield datagrams
+        paths = GaugeMetricFamily("elastic_hosts_heartbeating", "Hosts by how their latest "
+                                  "heartbeat came", labels=["path"])
+        for path in ("datagram", "stream"):
+            paths.add_metric([path], float(sum(h.heartbeat_path == path for h in st.hosts)))
+        yield paths

@@ -13,6 +13,7 @@ from elastic import transport
 from elastic.clock import Clock, SystemClock
 from elastic.config import JobSpec
 from elastic.controller.core import Controller
+from elastic.controller.datagrams import DatagramEndpoint
 from elastic.checkpoint.gcs import split as split_gcs
 from elastic.checkpoint.storage import StorageError, latest_step
 from elastic.controller.journal import JournalWriter, recorded
@@ -84,6 +85,7 @@ class ControllerServer:
         self.metrics_server = None
         self.address = ""
         self._stopped = False
+        self._datagrams: DatagramEndpoint | None = None
 
     async def start(self) -> str:
         port = transport.add_listen_port(self.server, self.listen, self.tls)
@@ -92,6 +94,8 @@ class ControllerServer:
             host = "127.0.0.1"
         self.address = f"{host}:{port}"
         await self.server.start()
+        if self.spec.health.datagram_heartbeats:
+            await self._take_datagrams(port)
         for name in ("", CONTROLLER_SERVICE):
             await self.health.set(name, SERVING)
         tmp = self.state_dir / (ADDRESS_FILE + ".tmp")
@@ -107,6 +111,21 @@ class ControllerServer:
         log.info("controller of job %s listening on %s (%s), journal %s", self.spec.job_id,
                  self.address, "mutual TLS" if self.tls else "PLAINTEXT", self.journal.path)
         return self.address
+
+    async def _take_datagrams(self, port: int) -> None:
+        """Take heartbeat datagrams on UDP `port` of the listen address
+        (elastic.heartbeat_datagram). A port that cannot be bound is warned
+        about; agents then heartbeat on their streams."""
+        bind = self.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+        endpoint = DatagramEndpoint(bind, port, self.servicer.datagram_received)
+        try:
+            await endpoint.open()
+        except OSError as e:
+            log.warning("heartbeats only on the agents' streams: cannot take datagrams on "
+                        "UDP %s port %d: %s", bind, port, e)
+            return
+        self._datagrams = endpoint
+        self.servicer.heartbeat_port = port
 
     def serve_metrics(self, port: int) -> int:
         """Serve the controller's Prometheus metrics (elastic.controller.metrics)
@@ -145,6 +164,8 @@ class ControllerServer:
                 path.unlink()
         except OSError:
             pass
+        if self._datagrams is not None:
+            self._datagrams.close()
         for session in list(self.controller.sessions.values()):
             session.close()
         await self.server.stop(grace_s)

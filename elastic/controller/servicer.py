@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from typing import Callable
 
 import grpc
 
+from elastic import heartbeat_datagram as hd
 from elastic import transport
 from elastic.controller import admission as adm
 from elastic.controller.core import Controller
@@ -49,10 +51,10 @@ _CODES = {"denied": grpc.StatusCode.PERMISSION_DENIED,
 STREAMS_PER_PEER = 4
 #: Unary calls (Register, GetStatus) one peer may have in flight at once.
 CALLS_PER_PEER = 8
-#: A heartbeat is acked when the session's last ack is this fraction of the
-#: heartbeat timeout old (an agent gives up on a controller after the whole
-#: timeout, elastic.agent.session).
-ACK_EVERY = 0.25
+#: A heartbeat is acked when the session's last ack that way is this fraction
+#: of the heartbeat timeout old (an agent gives up on a controller after the
+#: whole timeout, elastic.agent.session).
+ACK_EVERY = hd.ACK_EVERY
 #: Seconds a new stream may take to send its first message: as long as the
 #: policy waits for a registered host's stream (when thousands of agents
 #: connect at once, streams wait for seconds to be taken up).
@@ -61,6 +63,7 @@ REFUSAL_JOURNAL_INTERVAL_S = 10.0
 #: How often (seconds) the step the job is known to have reached is recomputed.
 KNOWN_STEP_REFRESH_S = 1.0
 UNDECODABLE = adm.Refusal("invalid", "the bytes received are not a valid message")
+_parse_agent_message = transport.lenient(pb.AgentMessage)
 
 
 def add_servicer(servicer: "ControllerServicer", server) -> None:
@@ -132,6 +135,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self._journal_budget = adm.Budget(1.0 / REFUSAL_JOURNAL_INTERVAL_S, 1)
         self._report_budget = adm.Budget(adm.REPORTS_PER_S, adm.REPORT_BURST)
         self._known_step, self._known_at = -1, float("-inf")
+        #: the UDP port taking heartbeat datagrams (0: none; set by the server)
+        self.heartbeat_port = 0
 
     # --- who is calling, and what is plausible ------------------------------
 
@@ -249,7 +254,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
                            f"host {h.host_id} registered again (incarnation {h.incarnation})")
-        c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint)
+        session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint)
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
             address=request.address, failure_domain=request.failure_domain or h.host_id,
@@ -263,6 +268,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                                     heartbeat_timeout_s=health.heartbeat_timeout_s,
                                     controller_lease_s=health.controller_lease_s,
                                     term=c.executor.term)
+        if self.heartbeat_port:
+            key = hd.new_key()
+            session.datagrams = hd.DatagramChannel(key, h.host_id, hd.TO_AGENT)
+            reply.heartbeat_port, reply.heartbeat_key = self.heartbeat_port, key
         if c.spec.restart.prestart_workers:
             reply.launch.CopyFrom(c.executor.launch())
         return reply
@@ -373,18 +382,50 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             job_id=c.spec.job_id, generation=c.state.generation, term=c.executor.term,
             rejected=pb.Rejected(current_generation=c.state.generation, reason=reason)))
 
-    def _handle(self, session: Session, message: pb.AgentMessage) -> None:
+    def datagram_received(self, data: bytes, reply: Callable[[bytes], None]) -> None:
+        """A UDP datagram: taken as its host's heartbeat when it opens under
+        the key of that host's current registration, is newer than every
+        message seen from it (elastic.heartbeat_datagram), carries a
+        heartbeat of the registered incarnation and the host's stream is
+        open; otherwise dropped and counted in the controller's
+        `datagrams_refused` (never journaled: anyone can send datagrams).
+        `reply(bytes)` sends a datagram back to where it came from (the ack)."""
+        c = self.controller
+        try:
+            session = c.sessions.get(hd.host_of(data))
+            if session is None or session.datagrams is None or not session.attached or \
+                    session.close_status is not None:
+                raise hd.DatagramError("no open session for it")
+            message = _parse_agent_message(session.datagrams.open(data))
+        except hd.DatagramError:
+            c.datagrams_refused += 1
+            return
+        h = message.header if message is not None else None
+        if h is None or message.WhichOneof("body") != "heartbeat" or \
+                h.host_id != session.host_id or h.incarnation != session.incarnation or \
+                fence(c, h) is not None or h.seq <= session.last_seq:
+            c.datagrams_refused += 1
+            return
+        c.datagrams_received += 1
+        self._handle(session, message, reply)
+
+    def _handle(self, session: Session, message: pb.AgentMessage,
+                datagram_reply: Callable[[bytes], None] | None = None) -> None:
+        """Act on one message of `session`'s host: from its stream, or a
+        heartbeat datagram (`datagram_reply` sends the ack back that way)."""
         c, h = self.controller, message.header
         kind, plausible = message.WhichOneof("body"), self._plausible()
         refusal = adm.check_message(message, plausible)
         if kind == "heartbeat" and (refusal is None or refusal.kind == "implausible"):
+            if h.seq and h.seq <= session.last_seq:
+                return  # overtaken by a newer message (a datagram passed it)
+            session.last_seq = max(session.last_seq, h.seq)
+            session.heartbeat_path = "stream" if datagram_reply is None else "datagram"
             hb = message.heartbeat
             worker = self._observed(h.host_id, hb.worker, refusal)
-            if hb.sent_at:
-                latency = c.clock.time() - hb.sent_at
-                c.receipts.note(latency, c.clock.monotonic())
-                if c.on_heartbeat_latency is not None:
-                    c.on_heartbeat_latency(latency)
+            latency = c.receipts.heard(hb.sent_at, c.clock.time(), c.clock.monotonic())
+            if latency is not None and c.on_heartbeat_latency is not None:
+                c.on_heartbeat_latency(latency)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
                                          clean_text(hb.preemption, adm.MAX_REASON_CHARS),
                                          hb.devices, hb.device_kind))
@@ -393,14 +434,21 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             # heartbeat timeout, which an agent's patience far exceeds. Half the
             # acks of 1 Hz heartbeats at the default timeout: writes are the
             # dearest part of a heartbeat at scale (bench/scale.py).
+            # Each way has its own: the first datagram is acked at once (the
+            # agent's proof that datagrams arrive, elastic.agent.session).
             now = c.clock.monotonic()
-            if now - session.acked_at >= ACK_EVERY * c.spec.health.heartbeat_timeout_s:
-                session.acked_at = now
-                session.send(pb.ControllerMessage(job_id=c.spec.job_id,
-                                                  generation=c.state.generation,
-                                                  term=c.executor.term,
-                                                  ack=pb.HeartbeatAck(seq=hb.seq)))
+            last = session.acked_at if datagram_reply is None else session.datagram_acked_at
+            if now - last >= ACK_EVERY * c.spec.health.heartbeat_timeout_s:
+                ack = pb.ControllerMessage(job_id=c.spec.job_id, generation=c.state.generation,
+                                           term=c.executor.term, ack=pb.HeartbeatAck(seq=hb.seq))
+                if datagram_reply is None:
+                    session.acked_at = now
+                    session.send(ack)
+                else:
+                    session.datagram_acked_at = now
+                    datagram_reply(session.datagrams.seal(ack.SerializeToString()))
             return
+        session.last_seq = max(session.last_seq, h.seq)
         if refusal is None and not self._report_budget.take(h.host_id, c.clock.monotonic())[0]:
             refusal = adm.Refusal("implausible", f"more than {adm.REPORTS_PER_S:g} reports a "
                                                  f"second (a burst of {adm.REPORT_BURST})")

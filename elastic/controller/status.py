@@ -58,7 +58,9 @@ def job_status(controller) -> pb.JobStatus:
             incarnation=record.incarnation, worker_state=w.state.value,
             address=record.address, metrics=w.metrics, note=note,
             device_kind=record.device_kind, service_port=record.service_port,
-            metrics_port=record.metrics_port))
+            metrics_port=record.metrics_port,
+            heartbeat_path=session.heartbeat_path if (session := controller.sessions.get(
+                record.host_id)) is not None and session.incarnation == record.incarnation else ""))
     goodput = account(controller.journal_tail.read(), now=controller.clock.time())
     latencies = sorted(controller.receipts.latencies())
     p50 = latencies[len(latencies) // 2] if latencies else 0.0
@@ -96,7 +98,8 @@ def format_status(status: pb.JobStatus) -> str:
         (h.host_id, h.state, str(h.rank) if h.rank >= 0 else "-",
          f"{h.devices} {h.device_kind}".rstrip(),
          str(h.agent_pid), str(h.worker_pid or "-"), h.worker_state,
-         f"{h.heartbeat_age_s:.1f} s", str(h.step) if h.step >= 0 else "-",
+         f"{h.heartbeat_age_s:.1f} s" + (f" ({h.heartbeat_path})" if h.heartbeat_path else ""),
+         str(h.step) if h.step >= 0 else "-",
          f"{h.metrics['loss']:.4f}" if "loss" in h.metrics else "-")
         for h in status.hosts]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

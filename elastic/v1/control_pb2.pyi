@@ -19,16 +19,18 @@ WORKER_RUNNING: WorkerState
 WORKER_EXITED: WorkerState
 
 class Header(_message.Message):
-    __slots__ = ("job_id", "host_id", "incarnation", "generation")
+    __slots__ = ("job_id", "host_id", "incarnation", "generation", "seq")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     host_id: str
     incarnation: str
     generation: int
-    def __init__(self, job_id: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    seq: int
+    def __init__(self, job_id: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("generation", "state", "pid", "exit_code", "signal", "stderr_tail", "stopped_on_request", "step", "committed_step", "metrics", "suspended", "process_id", "num_processes")
@@ -94,7 +96,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., device_kind: _Optional[str] = ..., fenced: _Optional[str] = ..., service_port: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term")
+    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term", "heartbeat_port", "heartbeat_key")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,8 @@ class RegisterResponse(_message.Message):
     LAUNCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_LEASE_S_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PORT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     heartbeat_interval_s: float
@@ -109,7 +113,9 @@ class RegisterResponse(_message.Message):
     launch: StartWorker
     controller_lease_s: float
     term: int
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ...) -> None: ...
+    heartbeat_port: int
+    heartbeat_key: bytes
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ..., heartbeat_port: _Optional[int] = ..., heartbeat_key: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "worker", "free_port", "preemption", "sent_at", "devices", "device_kind")
@@ -280,7 +286,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HostStatus(_message.Message):
-    __slots__ = ("host_id", "state", "devices", "agent_pid", "worker_pid", "heartbeat_age_s", "step", "rank", "failure_domain", "incarnation", "worker_state", "address", "metrics", "note", "device_kind", "service_port", "metrics_port")
+    __slots__ = ("host_id", "state", "devices", "agent_pid", "worker_pid", "heartbeat_age_s", "step", "rank", "failure_domain", "incarnation", "worker_state", "address", "metrics", "note", "device_kind", "service_port", "metrics_port", "heartbeat_path")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +311,7 @@ class HostStatus(_message.Message):
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     SERVICE_PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PATH_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     state: str
     devices: int
@@ -322,7 +329,8 @@ class HostStatus(_message.Message):
     device_kind: str
     service_port: int
     metrics_port: int
-    def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., note: _Optional[str] = ..., device_kind: _Optional[str] = ..., service_port: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    heartbeat_path: str
+    def __init__(self, host_id: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., agent_pid: _Optional[int] = ..., worker_pid: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., failure_domain: _Optional[str] = ..., incarnation: _Optional[str] = ..., worker_state: _Optional[str] = ..., address: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., note: _Optional[str] = ..., device_kind: _Optional[str] = ..., service_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., heartbeat_path: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "phase", "generation", "restarts", "reason", "hosts", "committed_step", "phase_age_s", "ettr", "heartbeat_latency_p50_s", "heartbeat_latency_p99_s", "last_failure")

@@ -1,0 +1,103 @@
+"""The agent's heartbeat datagrams for one session with a controller
+(elastic.heartbeat_datagram has the why and the format).
+
+The periodic heartbeats go as datagrams once the controller offers a port
+and a key; its acks come back the same way and reach the session's inbox
+like the stream's. A heartbeat goes on the stream instead when the datagram
+would be too long, when the stream has messages waiting (a datagram must not
+overtake them), and for the rest of the session once datagrams have gone
+unacked for `patience_s` (UDP blocked on the way, or dropped): the
+controller then hears the stream before its heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from elastic import transport
+from elastic.heartbeat_datagram import DatagramChannel, DatagramError, TO_CONTROLLER
+from elastic.v1 import control_pb2 as pb
+
+log = logging.getLogger("elastic-agent")
+
+_parse = transport.lenient(pb.ControllerMessage)
+
+
+class HeartbeatDatagrams(asyncio.DatagramProtocol):
+    """A session's datagram endpoint, connected to the controller's port.
+
+    `send(message)` -> True when the AgentMessage went as a datagram, False
+    when the caller must put it on the stream. Acks that open under the
+    session's key are put into `inbox` (ControllerMessages). `acks`: how
+    many came; `given_up`: datagrams are no longer used."""
+
+    def __init__(self, key: bytes, host_id: str, inbox: asyncio.Queue, patience_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.channel = DatagramChannel(key, host_id, TO_CONTROLLER)
+        self.inbox, self.patience_s, self.clock = inbox, patience_s, clock
+        self.transport: asyncio.DatagramTransport | None = None
+        self.unacked_since: float | None = None  # the first datagram since the last ack
+        self.given_up = False
+        self.acks = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def send(self, message: pb.AgentMessage) -> bool:
+        if self.given_up or self.transport is None or self.transport.is_closing():
+            return False
+        now = self.clock()
+        if self.unacked_since is not None and now - self.unacked_since > self.patience_s:
+            self.given_up = True
+            log.warning("heartbeat datagrams to the controller unacked for %.1f s (UDP blocked "
+                        "or lost on the way?); heartbeats go on the stream for this session",
+                        now - self.unacked_since)
+            return False
+        try:
+            data = self.channel.seal(message.SerializeToString())
+        except ValueError:  # too long for a datagram
+            return False
+        self.transport.sendto(data)
+        if self.unacked_since is None:
+            self.unacked_since = now
+        return True
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        try:
+            message = _parse(self.channel.open(data))
+        except DatagramError:
+            return
+        if message is None or message.WhichOneof("body") != "ack":
+            return
+        self.unacked_since = None
+        self.acks += 1
+        self.inbox.put_nowait(message)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("heartbeat datagram: %s", exc)  # (ICMP: the port is closed) patience decides
+
+
+async def open_datagrams(address: str, reply: pb.RegisterResponse, host_id: str,
+                         inbox: asyncio.Queue) -> HeartbeatDatagrams | None:
+    """The session's datagram endpoint toward the controller at `address`
+    ("HOST:PORT"; its host, the reply's heartbeat port), or None when the
+    reply offers none or the endpoint cannot be made (warned: heartbeats
+    then go on the stream)."""
+    from elastic.heartbeat_datagram import KEY_BYTES, patience_s
+
+    if not reply.heartbeat_port or len(reply.heartbeat_key) != KEY_BYTES:
+        return None
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        _, endpoint = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: HeartbeatDatagrams(reply.heartbeat_key, host_id, inbox, patience_s(
+                reply.heartbeat_interval_s, reply.heartbeat_timeout_s)),
+            remote_addr=(host, reply.heartbeat_port))
+    except (OSError, ValueError) as e:
+        log.warning("heartbeats on the stream: no datagram endpoint to %s port %d: %s",
+                    host, reply.heartbeat_port, e)
+        return None
+    return endpoint

@@ -1,0 +1,206 @@
+"""Heartbeats as sealed UDP datagrams: the format, and a real controller and
+real agents in one process over gRPC and UDP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+
+import pytest
+
+from elastic import heartbeat_datagram as hd
+from elastic.agent.agent import Agent
+from elastic.config import load_spec
+from elastic.controller.journal import read_journal
+from elastic.controller.server import ControllerServer
+from elastic.controller.status import job_status
+from tests.conftest import tiny_spec
+from tests.test_grpc import agent_settings, run
+
+
+def pair(host: str = "host-1"):
+    key = hd.new_key()
+    return (hd.DatagramChannel(key, host, hd.TO_CONTROLLER),
+            hd.DatagramChannel(key, host, hd.TO_AGENT))
+
+
+def test_a_datagram_opens_once_only_for_its_host_direction_and_key():
+    agent, controller = pair()
+    first, second = agent.seal(b"beat 1"), agent.seal(b"beat 2")
+    assert hd.host_of(first) == "host-1"
+    assert controller.open(second) == b"beat 2"
+    with pytest.raises(hd.DatagramError, match="not newer"):
+        controller.open(first)  # overtaken by a newer one
+    with pytest.raises(hd.DatagramError, match="not newer"):
+        controller.open(second)  # replayed
+    with pytest.raises(hd.DatagramError, match="other way"):
+        agent.open(agent.seal(b"x"))  # a datagram sent back at its sender
+    stranger = hd.DatagramChannel(hd.new_key(), "host-1", hd.TO_AGENT)
+    with pytest.raises(hd.DatagramError, match="does not open"):
+        stranger.open(agent.seal(b"x"))
+    other_host, _ = pair("host-2")
+    with pytest.raises(hd.DatagramError, match="not for host"):
+        controller.open(other_host.seal(b"x"))
+    assert agent.open(controller.seal(b"ack")) == b"ack"  # and back
+
+
+def test_every_altered_byte_is_refused():
+    agent, _ = pair()
+    datagram = agent.seal(b"heartbeat payload")
+    for i in range(len(datagram)):
+        altered = bytearray(datagram)
+        altered[i] ^= 0x01
+        controller = hd.DatagramChannel(agent.key, "host-1", hd.TO_AGENT)
+        with pytest.raises(hd.DatagramError):
+            controller.open(bytes(altered))
+
+
+def test_garbage_is_refused_without_raising_anything_else():
+    _, controller = pair()
+    rng = random.Random(7)
+    samples = [b"", b"EHB1", b"EHB1\x01\x06host-1", b"x" * 5000,
+               hd.MAGIC + b"\x01\xff" + bytes(40)] + \
+        [bytes(rng.randrange(256) for _ in range(rng.randrange(80))) for _ in range(300)] + \
+        [hd.MAGIC + bytes(rng.randrange(256) for _ in range(rng.randrange(80)))
+         for _ in range(300)]
+    for data in samples:
+        with pytest.raises(hd.DatagramError):
+            controller.open(data)
+
+
+def test_oversized_payloads_and_bad_keys_or_host_ids_are_errors():
+    agent, _ = pair()
+    with pytest.raises(ValueError, match="longer than"):
+        agent.seal(bytes(hd.MAX_DATAGRAM))
+    with pytest.raises(ValueError, match="16 bytes"):
+        hd.DatagramChannel(b"short", "host-1", hd.TO_AGENT)
+    with pytest.raises(ValueError, match="255 bytes"):
+        hd.DatagramChannel(hd.new_key(), "h" * 256, hd.TO_AGENT)
+
+
+@pytest.mark.parametrize("interval_s, timeout_s, patience_s", [
+    (1.0, 5.0, 3.0),     # an ack interval (1.25 s) and two heartbeats, under 0.6 x 5 s
+    (0.25, 1.5, 0.875),  # the tests' timings
+    (1.0, 2.0, 1.2),     # capped at 0.6 of the timeout
+])
+def test_patience_leaves_the_stream_time_before_the_timeout(interval_s, timeout_s, patience_s):
+    assert hd.patience_s(interval_s, timeout_s) == pytest.approx(patience_s)
+    assert hd.patience_s(interval_s, timeout_s) < timeout_s
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+def _two_agents(tmp_path, pki, spec_extra: str, during):
+    """A controller and two agents (an idle job: the tiny worker, long), run
+    until `during(server, agents)` returns; returns its result and the
+    journal's kinds."""
+    spec = load_spec(tiny_spec(tmp_path, "--steps 100000 --step-time-s 0.02", extra=spec_extra,
+                               max_hosts=2))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        address = await server.start()
+        agents = [Agent(agent_settings(tmp_path, pki, address, f"h{i}")) for i in range(2)]
+        tasks = [asyncio.create_task(a.run()) for a in agents]
+        controller = asyncio.create_task(server.run())
+        try:
+            return await during(server, agents)
+        finally:  # the controller first: it would start the next generation
+            controller.cancel()
+            await server.stop("test over")
+            for a in agents:
+                a.shutdown()
+            await asyncio.gather(*tasks)
+
+    result = run(main())
+    return result, [e["kind"] for e in read_journal(tmp_path / "state")]
+
+
+async def _until(predicate, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def _paths(server) -> dict[str, str]:
+    return {h.host_id: h.heartbeat_path for h in job_status(server.controller).hosts}
+
+
+def test_steady_heartbeats_go_as_datagrams_and_are_acked_that_way(tmp_path, tagged, pki):
+    async def during(server, agents):
+        await _until(lambda: server.controller.state.phase.value == "running"
+                     and all(a._datagrams is not None and a._datagrams.acks >= 3 for a in agents))
+        c = server.controller
+        return _paths(server), c.datagrams_received, c.datagrams_refused
+
+    (paths, received, refused), kinds = _two_agents(tmp_path, pki, "", during)
+    assert paths == {"h0": "datagram", "h1": "datagram"}
+    assert received >= 6 and refused == 0
+    assert "host_lost" not in kinds
+
+
+def test_without_datagrams_heartbeats_stay_on_the_stream(tmp_path, tagged, pki):
+    async def during(server, agents):
+        await _until(lambda: server.controller.state.phase.value == "running")
+        await asyncio.sleep(1.0)
+        return _paths(server), server.controller.datagrams_received, \
+            [a._datagrams for a in agents]
+
+    (paths, received, endpoints), _ = _two_agents(tmp_path, pki,
+                                                  "datagram_heartbeats = false", during)
+    assert paths == {"h0": "stream", "h1": "stream"} and received == 0
+    assert endpoints == [None, None]
+
+
+def test_an_agent_whose_datagrams_go_unacked_heartbeats_on_its_stream(tmp_path, tagged, pki):
+    """UDP blocked on the way (here: the controller's endpoint closed once
+    the slice runs): the agents go back to their streams within their
+    patience, before the heartbeat timeout, and no host is lost."""
+    async def during(server, agents):
+        await _until(lambda: server.controller.state.phase.value == "running"
+                     and all(a._datagrams is not None and a._datagrams.acks >= 1 for a in agents))
+        server._datagrams.close()
+        await _until(lambda: all(a._datagrams.given_up for a in agents), timeout_s=10)
+        await asyncio.sleep(2 * 1.5)  # two heartbeat timeouts on the streams alone
+        return _paths(server), server.controller.state.phase.value
+
+    (paths, phase), kinds = _two_agents(tmp_path, pki, "", during)
+    assert paths == {"h0": "stream", "h1": "stream"} and phase == "running"
+    assert "host_lost" not in kinds and kinds.count("generation_started") == 1
+
+
+def test_forged_replayed_and_overtaken_datagrams_are_dropped(tmp_path, tagged, pki):
+    """Anyone can send datagrams to the port: one sealed with a key of its
+    own, garbage, and an agent's datagram held back on the way until a
+    newer message came on the stream (overtaken), then sent twice
+    (replayed): all dropped and counted, and the host's own datagrams still
+    count afterwards."""
+    async def during(server, agents):
+        await _until(lambda: server.controller.state.phase.value == "running"
+                     and all(a._datagrams is not None and a._datagrams.acks >= 1 for a in agents))
+        servicer, h0 = server.servicer, agents[0]
+        transport, held = h0._datagrams.transport, []
+        send = transport.sendto
+        transport.sendto = lambda data, *rest: held.append(data)  # the network holds it
+        await _until(lambda: held)
+        transport.sendto = send
+        h0._heartbeat()  # on the stream: newer than the held datagram
+        session = server.controller.sessions["h0"]
+        await _until(lambda: session.last_seq >= h0._message_seq)
+        c = server.controller
+        before, received = c.datagrams_refused, c.datagrams_received
+        forged = hd.DatagramChannel(hd.new_key(), "h0", hd.TO_CONTROLLER)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for data in (forged.seal(b"x"), b"garbage", held[0], held[0]):
+                s.sendto(data, ("127.0.0.1", servicer.heartbeat_port))
+        await _until(lambda: c.datagrams_refused >= before + 4)
+        # h0's own datagrams and h1's go on being taken
+        await _until(lambda: c.datagrams_received >= received + 4)
+        return c.datagrams_refused - before, _paths(server)
+
+    (refused, paths), kinds = _two_agents(tmp_path, pki, "", during)
+    assert (refused, paths) == (4, {"h0": "datagram", "h1": "datagram"}), (refused, paths)
+    assert "host_lost" not in kinds
