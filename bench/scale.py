@@ -100,6 +100,7 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
     call = stub.Connect()
     acks: asyncio.Queue = asyncio.Queue()
     datagrams = await open_datagrams(address, reply, host_id, acks)
+    streamed = False
     writing = asyncio.Lock()  # one write at a time on a call (the real agent has one writer)
 
     async def write(message) -> None:
@@ -118,7 +119,7 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
                 status.step += 1  # a training step per heartbeat
             message = pb.AgentMessage(header=header(), heartbeat=pb.Heartbeat(
                 seq=seq, worker=status, free_port=30000 + seq % 1000, sent_at=time.time()))
-            if datagrams is None or not datagrams.send(message):
+            if not streamed or not datagrams.send(message):  # (as the agent does)
                 await write(message)
             await asyncio.sleep(1.0)
 
@@ -132,6 +133,7 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
             message = await call.read()
             if message is None or not hasattr(message, "WhichOneof"):
                 return
+            streamed = datagrams is not None  # the controller has taken the stream up
             kind = message.WhichOneof("body")
             received.setdefault(kind, {})[host_id] = time.time()
             if kind == "start":

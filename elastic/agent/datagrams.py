@@ -2,8 +2,9 @@
 (elastic.heartbeat_datagram has the why and the format).
 
 The periodic heartbeats go as datagrams once the controller offers a port
-and a key; its acks come back the same way and reach the session's inbox
-like the stream's. A heartbeat goes on the stream instead when the datagram
+and a key and has answered on the stream (until it has taken the stream up,
+which with thousands of agents connecting takes seconds, it drops them); its
+acks come back the same way and reach the session's inbox like the stream's. A heartbeat goes on the stream instead when the datagram
 would be too long, when the stream has messages waiting (a datagram must not
 overtake them), and for the rest of the session once datagrams have gone
 unacked for `patience_s` (UDP blocked on the way, or dropped): the

@@ -99,8 +99,7 @@ class ControllerSession:
         self._outbox = outbox = asyncio.Queue()
         # (acks come on the stream, or as datagrams when it offers a port)
         inbox: asyncio.Queue = asyncio.Queue()
-        self._datagrams = datagrams = await open_datagrams(address, reply, self.settings.host_id,
-                                                           inbox)
+        datagrams = await open_datagrams(address, reply, self.settings.host_id, inbox)
         self.sessions_opened += 1
         if self.service is not None:
             await self.service.session(True)
@@ -130,6 +129,10 @@ class ControllerSession:
         async def read() -> None:
             try:
                 while (message := await call.read()) is not grpc.aio.EOF:
+                    if self._outbox is outbox:
+                        # The controller answered on the stream: it has taken it up
+                        # and will take datagrams too (before, it drops them).
+                        self._datagrams = datagrams
                     inbox.put_nowait(message)
             finally:
                 inbox.put_nowait(None)
