@@ -123,9 +123,23 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
                 await write(message)
             await asyncio.sleep(1.0)
 
-    async def drain() -> None:  # the acks that came as datagrams
+    async def command(message) -> None:
+        """A command from the stream or a datagram (a stop comes both ways:
+        its first receipt counts, and is acted on, as the agent does)."""
+        kind = message.WhichOneof("body")
+        if kind in ("start", "stop"):
+            received.setdefault(kind, {}).setdefault(host_id, time.time())
+        if kind == "start":
+            status.generation = message.start.generation
+            status.state, status.step, status.pid = pb.WORKER_RUNNING, 0, 1
+        elif kind == "stop" and status.state == pb.WORKER_RUNNING:
+            status.state, status.signal, status.stopped_on_request = pb.WORKER_EXITED, 9, True
+            if silence is None or not silence.is_set():
+                await write(pb.AgentMessage(header=header(), worker_exited=status))
+
+    async def drain() -> None:  # what came as datagrams: acks, and copies of stops
         while True:
-            await acks.get()
+            await command(await acks.get())
 
     task, drainer = asyncio.create_task(beat()), asyncio.create_task(drain())
     try:
@@ -134,15 +148,7 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
             if message is None or not hasattr(message, "WhichOneof"):
                 return
             streamed = datagrams is not None  # the controller has taken the stream up
-            kind = message.WhichOneof("body")
-            received.setdefault(kind, {})[host_id] = time.time()
-            if kind == "start":
-                status.generation = message.start.generation
-                status.state, status.step, status.pid = pb.WORKER_RUNNING, 0, 1
-            elif kind == "stop" and status.state == pb.WORKER_RUNNING:
-                status.state, status.signal, status.stopped_on_request = pb.WORKER_EXITED, 9, True
-                if silence is None or not silence.is_set():
-                    await write(pb.AgentMessage(header=header(), worker_exited=status))
+            await command(message)
     finally:
         task.cancel()
         drainer.cancel()

@@ -15,6 +15,7 @@ from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.server import ControllerServer
 from elastic.controller.status import job_status
+from elastic.v1 import control_pb2 as pb
 from tests.conftest import tiny_spec
 from tests.test_grpc import agent_settings, run
 
@@ -204,3 +205,69 @@ def test_forged_replayed_and_overtaken_datagrams_are_dropped(tmp_path, tagged, p
     (refused, paths), kinds = _two_agents(tmp_path, pki, "", during)
     assert (refused, paths) == (4, {"h0": "datagram", "h1": "datagram"}), (refused, paths)
     assert "host_lost" not in kinds
+
+
+def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
+    """The agent's side on real loopback sockets, its clock faked: datagrams
+    until `patience_s` passes with none acked (a gap in its own sending, as
+    when the agent was stopped, restarts the wait); an ack keeps them going."""
+    from elastic.agent.datagrams import HeartbeatDatagrams
+
+    async def main():
+        key, now = hd.new_key(), [100.0]
+        controller = hd.DatagramChannel(key, "h0", hd.TO_AGENT)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+            server.bind(("127.0.0.1", 0))
+            server.settimeout(5)
+            inbox: asyncio.Queue = asyncio.Queue()
+            _, agent = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: HeartbeatDatagrams(key, "h0", inbox, 3.0, clock=lambda: now[0]),
+                remote_addr=server.getsockname())
+            beat = pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1))
+
+            def send_at(t: float) -> bool:
+                now[0] = t
+                sent = agent.send(beat)
+                if sent:
+                    data, sender = server.recvfrom(2048)
+                    assert pb.AgentMessage.FromString(controller.open(data)) == beat
+                    return sender
+                return sent
+
+            sender = send_at(100.0)
+            assert send_at(101.0) and send_at(103.0)   # 3 s unacked: still patient
+            ack = pb.ControllerMessage(ack=pb.HeartbeatAck(seq=1))
+            server.sendto(controller.seal(ack.SerializeToString()), sender)
+            assert (await asyncio.wait_for(inbox.get(), 5)) == ack and agent.acks == 1
+            stop = pb.ControllerMessage(stop=pb.StopWorker(generation=3))
+            server.sendto(controller.seal(stop.SerializeToString()), sender)
+            assert (await asyncio.wait_for(inbox.get(), 5)) == stop and agent.acks == 1
+            assert send_at(104.0) and send_at(107.0)   # acked at 103: patient again
+            assert send_at(112.0)                      # held up 5 s: the wait restarts
+            assert send_at(115.0) and not agent.given_up
+            assert send_at(115.5) is False and agent.given_up  # 3.5 s unacked
+            assert send_at(116.0) is False             # for the rest of the session
+            agent.given_up = False
+            long = pb.AgentMessage(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(
+                stderr_tail="x" * 2000)))
+            assert agent.send(long) is False           # too long: on the stream
+            agent.transport.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_stop_goes_as_a_datagram_too_where_heartbeats_come_from():
+    from elastic.controller.executor import Session
+
+    key, sent = hd.new_key(), []
+    session = Session("h0", "inc")
+    stop = pb.ControllerMessage(stop=pb.StopWorker(generation=2, reason="host h1 lost"))
+    session.send(stop, datagram=True)  # no datagram came from it yet: the stream only
+    session.datagrams = hd.DatagramChannel(key, "h0", hd.TO_AGENT)
+    session.datagram_reply = sent.append
+    session.send(stop, datagram=True)
+    session.send(pb.ControllerMessage(stop=pb.StopWorker(reason="x" * 2000)), datagram=True)
+    session.send(stop)
+    agent = hd.DatagramChannel(key, "h0", hd.TO_CONTROLLER)
+    assert [pb.ControllerMessage.FromString(agent.open(d)) for d in sent] == [stop]
+    assert session.outbox.qsize() == 4  # every one on the stream as well

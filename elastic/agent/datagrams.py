@@ -4,7 +4,9 @@
 The periodic heartbeats go as datagrams once the controller offers a port
 and a key and has answered on the stream (until it has taken the stream up,
 which with thousands of agents connecting takes seconds, it drops them); its
-acks come back the same way and reach the session's inbox like the stream's. A heartbeat goes on the stream instead when the datagram
+acks come back the same way, and so does a copy of each stop (the stream
+carries it too: stopping twice is stopping once), into the session's inbox
+like the stream's messages. A heartbeat goes on the stream instead when the datagram
 would be too long, when the stream has messages waiting (a datagram must not
 overtake them), and for the rest of the session once datagrams have gone
 unacked for `patience_s` (UDP blocked on the way, or dropped): the
@@ -41,6 +43,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         self.inbox, self.patience_s, self.clock = inbox, patience_s, clock
         self.transport: asyncio.DatagramTransport | None = None
         self.unacked_since: float | None = None  # the first datagram since the last ack
+        self.sent_at: float | None = None  # the last call of send()
         self.given_up = False
         self.acks = 0
 
@@ -51,6 +54,9 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         if self.given_up or self.transport is None or self.transport.is_closing():
             return False
         now = self.clock()
+        if self.sent_at is not None and now - self.sent_at > self.patience_s:
+            self.unacked_since = None  # this agent did not run (stopped): no sign of the path
+        self.sent_at = now
         if self.unacked_since is not None and now - self.unacked_since > self.patience_s:
             self.given_up = True
             log.warning("heartbeat datagrams to the controller unacked for %.1f s (UDP blocked "
@@ -71,11 +77,13 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
             message = _parse(self.channel.open(data))
         except DatagramError:
             return
-        if message is None or message.WhichOneof("body") != "ack":
-            return
-        self.unacked_since = None
-        self.acks += 1
-        self.inbox.put_nowait(message)
+        kind = message.WhichOneof("body") if message is not None else None
+        if kind == "stop":  # a copy of one that also comes on the stream
+            self.inbox.put_nowait(message)
+        elif kind == "ack":
+            self.unacked_since = None
+            self.acks += 1
+            self.inbox.put_nowait(message)
 
     def error_received(self, exc: Exception) -> None:
         log.debug("heartbeat datagram: %s", exc)  # (ICMP: the port is closed) patience decides

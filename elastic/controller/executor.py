@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from typing import Callable
 
 import grpc
 
@@ -48,19 +49,27 @@ class Session:
     #: when its latest heartbeat ack was queued (controller-monotonic seconds)
     acked_at: float = float("-inf")
     #: its heartbeat datagrams (elastic.heartbeat_datagram; None: stream only),
-    #: where the latest came from, and when one was last acked that way
+    #: how to answer where the latest came from, and when one was last acked
     datagrams: DatagramChannel | None = None
-    datagram_from: tuple | None = None
+    datagram_reply: Callable[[bytes], None] | None = None
     datagram_acked_at: float = float("-inf")
     #: the highest header.seq seen from the agent; how its last heartbeat came
     last_seq: int = 0
     heartbeat_path: str = ""
 
-    def send(self, message: pb.ControllerMessage) -> None:
+    def send(self, message: pb.ControllerMessage, datagram: bool = False) -> None:
         """Queue `message`; past MAX_OUTBOX waiting, close the stream
-        (RESOURCE_EXHAUSTED) instead."""
+        (RESOURCE_EXHAUSTED) instead. With `datagram`, also send a copy at
+        once as a datagram where the host's heartbeat datagrams come from (if
+        they do, and it fits): the agent acts on whichever comes first, so
+        only for commands it may get twice (a stop)."""
         if self.close_status is not None:
             return
+        if datagram and self.datagram_reply is not None:
+            try:
+                self.datagram_reply(self.datagrams.seal(message.SerializeToString()))
+            except ValueError:  # too long for a datagram: the stream only
+                pass
         if self.outbox.qsize() >= MAX_OUTBOX:
             self.close(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"more than {MAX_OUTBOX} messages wait for this agent; it does not read "
@@ -121,8 +130,9 @@ class Executor:
         for fact in facts:
             self.record(fact.kind, fact.generation, fact.reason, fact.host, fact.fields)
 
-    def send(self, host: str, message: pb.ControllerMessage) -> bool:
-        """Queue `message` on `host`'s stream; False (and a warning) when the
+    def send(self, host: str, message: pb.ControllerMessage, datagram: bool = False) -> bool:
+        """Queue `message` on `host`'s stream (and with `datagram` send a copy
+        as a datagram, see Session.send); False (and a warning) when the
         host has no registration (its heartbeats will show what it runs)."""
         session = self.sessions.get(host)
         message.term = self.term
@@ -130,7 +140,7 @@ class Executor:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
                         host, message.WhichOneof("body"))
             return False
-        session.send(message)
+        session.send(message, datagram)
         return True
 
     def apply(self, actions: tuple[d.Action, ...]) -> None:
@@ -160,10 +170,14 @@ class Executor:
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation, start=start))
             elif isinstance(action, d.StopWorker):
+                # A stop also goes as a datagram (thousands of stream writes take
+                # ~0.2 ms each; bench/scale.py): stopping twice is stopping once. A
+                # hang's stop, which first dumps the worker's stacks, does not.
                 self.send(action.host, pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation,
                     stop=pb.StopWorker(generation=action.generation, grace_s=action.grace_s,
-                                       reason=action.reason, dump_stacks=action.dump_stacks)))
+                                       reason=action.reason, dump_stacks=action.dump_stacks)),
+                    datagram=not action.dump_stacks)
             elif isinstance(action, d.Finish):
                 pass  # the loop ends on the terminal phase
             else:

@@ -407,6 +407,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             c.datagrams_refused += 1
             return
         c.datagrams_received += 1
+        session.datagram_reply = reply
         self._handle(session, message, reply)
 
     def _handle(self, session: Session, message: pb.AgentMessage,
