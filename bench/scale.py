@@ -238,6 +238,14 @@ def _by_code(ended: dict) -> dict:
     return total
 
 
+def udp_receive_buffer_errors() -> int:
+    """The kernel's count of UDP datagrams dropped for a full receive buffer
+    (all sockets of the machine: /proc/net/snmp, Udp RcvbufErrors)."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Udp:")]
+    return int(rows[1][rows[0].index("RcvbufErrors")])
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -281,6 +289,7 @@ datagram_heartbeats = {"false" if stream_heartbeats else "true"}
 startup_timeout_s = 600.0
 """)
     state = work / "state"
+    dropped_before = udp_receive_buffer_errors()
     ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
                             "--listen", "127.0.0.1:0", "--state-dir", str(state), *security],
                            stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
@@ -329,6 +338,8 @@ startup_timeout_s = 600.0
         "tls": not insecure,
         "heartbeats": "stream" if stream_heartbeats else "datagram",
         "datagrams_given_up": sum(received.get("datagrams_given_up", {}).values()),
+        # datagrams the kernel dropped meanwhile, for full receive buffers
+        "udp_receive_buffer_drops": udp_receive_buffer_errors() - dropped_before,
         "controller_cpu_share": round(cpu_share, 3),
         "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
         "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),

@@ -3,14 +3,14 @@
 
 The periodic heartbeats go as datagrams once the controller offers a port
 and a key and has answered on the stream (until it has taken the stream up,
-which with thousands of agents connecting takes seconds, it drops them); its
-acks come back the same way, and so does a copy of each stop (the stream
-carries it too: stopping twice is stopping once), into the session's inbox
-like the stream's messages. A heartbeat goes on the stream instead when the datagram
-would be too long, when the stream has messages waiting (a datagram must not
-overtake them), and for the rest of the session once datagrams have gone
-unacked for `patience_s` (UDP blocked on the way, or dropped): the
-controller then hears the stream before its heartbeat timeout.
+which with thousands of agents connecting takes seconds, it drops them).
+Its acks come back the same way, and so does a copy of each stop (the
+stream carries it too: stopping twice is stopping once), into the session's
+inbox like the stream's messages. A heartbeat goes on the stream instead
+when the datagram would be too long, when the stream has messages waiting
+(a datagram must not overtake them), and for the rest of the session once
+datagrams have gone unacked for `patience_s` (UDP blocked on the way, or
+dropped): the controller then hears the stream before its heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
     """A session's datagram endpoint, connected to the controller's port.
 
     `send(message)` -> True when the AgentMessage went as a datagram, False
-    when the caller must put it on the stream. Acks that open under the
-    session's key are put into `inbox` (ControllerMessages). `acks`: how
-    many came; `given_up`: datagrams are no longer used."""
+    when the caller must put it on the stream. Acks and stops that open
+    under the session's key are put into `inbox` (ControllerMessages).
+    `acks`: how many acks came; `given_up`: datagrams are no longer used."""
 
     def __init__(self, key: bytes, host_id: str, inbox: asyncio.Queue, patience_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:

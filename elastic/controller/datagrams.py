@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 from typing import Callable
 
 log = logging.getLogger("elasticd")
@@ -21,6 +22,10 @@ log = logging.getLogger("elasticd")
 #: waiting while the loop makes a long pass. The kernel caps it at
 #: net.core.rmem_max unless the controller may go past it (root).
 BUFFER_BYTES = 16 * 1024 * 1024
+
+#: Linux's SO_RCVBUFFORCE (asm-generic/socket.h), which Python's socket
+#: module does not name: SO_RCVBUF past net.core.rmem_max, for CAP_NET_ADMIN.
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33 if sys.platform == "linux" else None)
 
 OnDatagram = Callable[[bytes, Callable[[bytes], None]], None]
 
@@ -41,7 +46,7 @@ class DatagramEndpoint(asyncio.DatagramProtocol):
         await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: self, local_addr=(self.host, self.port))
         sock = self.transport.get_extra_info("socket")
-        for option in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
+        for option in (SO_RCVBUFFORCE, socket.SO_RCVBUF):
             try:  # (past net.core.rmem_max only with CAP_NET_ADMIN)
                 sock.setsockopt(socket.SOL_SOCKET, option, BUFFER_BYTES)
                 break

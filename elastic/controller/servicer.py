@@ -436,7 +436,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             # acks of 1 Hz heartbeats at the default timeout: writes are the
             # dearest part of a heartbeat at scale (bench/scale.py).
             # Each way has its own: the first datagram is acked at once (the
-            # agent's proof that datagrams arrive, elastic.agent.session).
+            # agent's proof that datagrams arrive, elastic.agent.datagrams).
             now = c.clock.monotonic()
             last = session.acked_at if datagram_reply is None else session.datagram_acked_at
             if now - last >= ACK_EVERY * c.spec.health.heartbeat_timeout_s:
