@@ -210,7 +210,9 @@ def test_forged_replayed_and_overtaken_datagrams_are_dropped(tmp_path, tagged, p
 def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
     """The agent's side on real loopback sockets, its clock faked: datagrams
     until `patience_s` passes with none acked (a gap in its own sending, as
-    when the agent was stopped, restarts the wait); an ack keeps them going."""
+    when the agent was stopped, restarts the wait); an ack keeps them going;
+    after REPROBE_S one heartbeat is tried as a datagram again, and its ack
+    brings them back."""
     from elastic.agent.datagrams import HeartbeatDatagrams
 
     async def main():
@@ -246,8 +248,16 @@ def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
             assert send_at(112.0)                      # held up 5 s: the wait restarts
             assert send_at(115.0) and not agent.given_up
             assert send_at(115.5) is False and agent.given_up  # 3.5 s unacked
-            assert send_at(116.0) is False             # for the rest of the session
-            agent.given_up = False
+            assert send_at(116.0) is False and not agent.probe_due()
+            now[0] = 145.5                             # REPROBE_S later: one goes both ways
+            assert agent.probe_due()
+            agent.probe(beat)
+            data, sender = server.recvfrom(2048)
+            assert pb.AgentMessage.FromString(controller.open(data)) == beat
+            assert not agent.probe_due()               # the next try in another REPROBE_S
+            server.sendto(controller.seal(ack.SerializeToString()), sender)
+            assert (await asyncio.wait_for(inbox.get(), 5)) == ack
+            assert not agent.given_up and send_at(146.0)  # acked: datagrams again
             long = pb.AgentMessage(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(
                 stderr_tail="x" * 2000)))
             assert agent.send(long) is False           # too long: on the stream

@@ -216,11 +216,13 @@ class Agent(ControllerSession):
                                  free_port=free_port, preemption=self.preemption,
                                  sent_at=time.time(), devices=self.devices.count,
                                  device_kind=self.devices.kind)
-        if periodic and self._datagrams is not None and self._outbox is not None and \
-                self._outbox.empty() and self._datagrams.send(
-                    pb.AgentMessage(header=self._header(), heartbeat=heartbeat)):
+        datagrams = self._datagrams if periodic and self._outbox is not None else None
+        if datagrams is not None and self._outbox.empty() and datagrams.send(
+                pb.AgentMessage(header=self._header(), heartbeat=heartbeat)):
             return
         self._post(heartbeat=heartbeat)
+        if datagrams is not None and datagrams.probe_due():  # (newer than the stream's copy)
+            datagrams.probe(pb.AgentMessage(header=self._header(), heartbeat=heartbeat))
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
         outcome = "stopped" if status.stopped_on_request else \

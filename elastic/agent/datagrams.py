@@ -8,9 +8,11 @@ Its acks come back the same way, and so does a copy of each stop (the
 stream carries it too: stopping twice is stopping once), into the session's
 inbox like the stream's messages. A heartbeat goes on the stream instead
 when the datagram would be too long, when the stream has messages waiting
-(a datagram must not overtake them), and for the rest of the session once
-datagrams have gone unacked for `patience_s` (UDP blocked on the way, or
-dropped): the controller then hears the stream before its heartbeat timeout.
+(a datagram must not overtake them), and from the moment datagrams have
+gone unacked for `patience_s` (UDP blocked on the way, or
+dropped, or a controller seconds behind): the controller then hears the
+stream before its heartbeat timeout. Every REPROBE_S after that, one
+heartbeat goes both ways; an ack of its datagram brings datagrams back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from elastic.v1 import control_pb2 as pb
 log = logging.getLogger("elastic-agent")
 
 _parse = transport.lenient(pb.ControllerMessage)
+
+#: Seconds between tries of datagrams again once they went unacked.
+REPROBE_S = 30.0
 
 
 class HeartbeatDatagrams(asyncio.DatagramProtocol):
@@ -45,6 +50,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         self.unacked_since: float | None = None  # the first datagram since the last ack
         self.sent_at: float | None = None  # the last call of send()
         self.given_up = False
+        self.given_up_at = 0.0
         self.acks = 0
 
     def connection_made(self, transport) -> None:
@@ -58,10 +64,11 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
             self.unacked_since = None  # this agent did not run (stopped): no sign of the path
         self.sent_at = now
         if self.unacked_since is not None and now - self.unacked_since > self.patience_s:
-            self.given_up = True
+            self.given_up, self.given_up_at = True, now
             log.warning("heartbeat datagrams to the controller unacked for %.1f s (UDP blocked "
-                        "or lost on the way?); heartbeats go on the stream for this session",
-                        now - self.unacked_since)
+                        "or lost on the way, or the controller behind?); heartbeats go on the "
+                        "stream, and try datagrams again every %.0f s", now - self.unacked_since,
+                        REPROBE_S)
             return False
         try:
             data = self.channel.seal(message.SerializeToString())
@@ -72,6 +79,21 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
             self.unacked_since = now
         return True
 
+    def probe_due(self) -> bool:
+        """Whether to try datagrams again (they went unacked REPROBE_S or
+        more ago): then send the heartbeat on the stream and `probe` it."""
+        return self.given_up and self.clock() - self.given_up_at >= REPROBE_S
+
+    def probe(self, message: pb.AgentMessage) -> None:
+        """Send `message` (already on the stream, with an older header.seq)
+        as a datagram too: its ack brings datagrams back."""
+        self.given_up_at = self.clock()
+        if self.transport is not None and not self.transport.is_closing():
+            try:
+                self.transport.sendto(self.channel.seal(message.SerializeToString()))
+            except ValueError:  # too long
+                pass
+
     def datagram_received(self, data: bytes, addr) -> None:
         try:
             message = _parse(self.channel.open(data))
@@ -81,7 +103,9 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         if kind == "stop":  # a copy of one that also comes on the stream
             self.inbox.put_nowait(message)
         elif kind == "ack":
-            self.unacked_since = None
+            if self.given_up:
+                log.info("heartbeat datagrams acked again: heartbeats go as datagrams")
+            self.unacked_since, self.given_up = None, False
             self.acks += 1
             self.inbox.put_nowait(message)
 
