@@ -149,7 +149,9 @@ class HealthSpec:
       as UDP datagrams on its port number, sealed with a key per
       registration (elastic.heartbeat_datagram), instead of on their gRPC
       streams; an agent whose datagrams are not acked goes back to its
-      stream. False: heartbeats only on the streams.
+      stream (elastic.heartbeat_datagram.patience_s; agents use them only
+      when heartbeat_timeout_s > ~4.7 x heartbeat_interval_s). False:
+      heartbeats only on the streams.
     """
 
     heartbeat_interval_s: float = 1.0

@@ -54,13 +54,23 @@ _HEADER_BYTES = len(MAGIC) + 2 + _COUNTER.size  # and the host id
 ACK_EVERY = 0.25
 
 
-def patience_s(interval_s: float, timeout_s: float) -> float:
+def patience_s(interval_s: float, timeout_s: float) -> float | None:
     """How long (seconds) an agent waits for an ack of its heartbeat
-    datagrams before it sends them on its stream again: an ack interval
-    (ACK_EVERY of `timeout_s`) and two heartbeat intervals, and at most
-    0.6 of the timeout, so that the controller hears it on the stream
-    before the timeout declares the host lost."""
-    return min(ACK_EVERY * timeout_s + 2 * interval_s, 0.6 * timeout_s)
+    datagrams before it heartbeats on its stream again, or None when the
+    timings leave no safe value (then it heartbeats on its stream only).
+
+    A healthy path leaves a datagram unacked for up to an ack interval
+    (ACK_EVERY of `timeout_s`) and a heartbeat interval: patience must be
+    longer. When datagrams stop arriving, the controller goes without a
+    heartbeat for up to patience + 2 intervals (the last one it heard came an
+    interval before the first unacked one; the agent gives up only at a
+    beat): that must stay half an interval inside the timeout. So patience
+    is an ack interval and two heartbeats, capped at the timeout minus 2.5
+    intervals; datagrams need `timeout_s` > ~4.7 x `interval_s` (5 s and
+    1 s by default: patience 2.5 s)."""
+    needed = ACK_EVERY * timeout_s + interval_s
+    patience = min(needed + interval_s, timeout_s - 2.5 * interval_s)
+    return patience if patience > needed else None
 
 
 class DatagramError(ValueError):

@@ -117,6 +117,8 @@ class Agent(ControllerSession):
         # the session's heartbeat datagrams (elastic.agent.datagrams), if any
         self._datagrams: HeartbeatDatagrams | None = None
         self._message_seq = 0  # every message's header.seq
+        self._writing = False  # a message is being written to the stream
+        self._last_stop: bytes | None = None  # the last stop acted on (see _command)
         # reports made while no controller was connected (a worker's events,
         # a commit, an exit), sent to the next one: its journal stays whole
         self._undelivered: collections.deque[pb.AgentMessage] = collections.deque(
@@ -216,8 +218,10 @@ class Agent(ControllerSession):
                                  free_port=free_port, preemption=self.preemption,
                                  sent_at=time.time(), devices=self.devices.count,
                                  device_kind=self.devices.kind)
-        datagrams = self._datagrams if periodic and self._outbox is not None else None
-        if datagrams is not None and self._outbox.empty() and datagrams.send(
+        idle = periodic and self._outbox is not None and self._outbox.empty() and \
+            not self._writing  # (nothing on the stream for a datagram to overtake)
+        datagrams = self._datagrams if idle else None
+        if datagrams is not None and datagrams.send(
                 pb.AgentMessage(header=self._header(), heartbeat=heartbeat)):
             return
         self._post(heartbeat=heartbeat)
@@ -410,9 +414,14 @@ class Agent(ControllerSession):
             return
         kind = message.WhichOneof("body")
         if kind == "start":
+            self._last_stop = None  # (a stop that overtook it must act again, from the stream)
             self._spawn(self._start(message.start))
         elif kind == "stop":
             stop = message.stop
+            raw = message.SerializeToString()
+            if raw == self._last_stop:  # its other copy (datagram and stream): one SIGTERM
+                return
+            self._last_stop = raw
             log.info("stop generation %d (grace %.1f s): %s", stop.generation, stop.grace_s,
                      clean_text(stop.reason, 500))
             if stop.dump_stacks:

@@ -35,17 +35,24 @@ REPROBE_S = 30.0
 
 
 class HeartbeatDatagrams(asyncio.DatagramProtocol):
-    """A session's datagram endpoint, connected to the controller's port.
+    """A session's datagram endpoint toward the controller's `address`
+    ((host, port), resolved). Not connected: an answer may come from another
+    address of the controller's host (the key, not the address, says who
+    sent it).
 
     `send(message)` -> True when the AgentMessage went as a datagram, False
     when the caller must put it on the stream. Acks and stops that open
     under the session's key are put into `inbox` (ControllerMessages).
     `acks`: how many acks came; `given_up`: datagrams are no longer used."""
 
-    def __init__(self, key: bytes, host_id: str, inbox: asyncio.Queue, patience_s: float,
+    def __init__(self, key: bytes, host_id: str, inbox: asyncio.Queue, address: tuple,
+                 patience_s: float, interval_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.channel = DatagramChannel(key, host_id, TO_CONTROLLER)
-        self.inbox, self.patience_s, self.clock = inbox, patience_s, clock
+        self.inbox, self.address, self.clock = inbox, address, clock
+        self.patience_s = patience_s
+        # a gap this long between two sends: this agent did not run meanwhile
+        self.held_up_s = max(2 * interval_s, patience_s)
         self.transport: asyncio.DatagramTransport | None = None
         self.unacked_since: float | None = None  # the first datagram since the last ack
         self.sent_at: float | None = None  # the last call of send()
@@ -60,7 +67,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         if self.given_up or self.transport is None or self.transport.is_closing():
             return False
         now = self.clock()
-        if self.sent_at is not None and now - self.sent_at > self.patience_s:
+        if self.sent_at is not None and now - self.sent_at > self.held_up_s:
             self.unacked_since = None  # this agent did not run (stopped): no sign of the path
         self.sent_at = now
         if self.unacked_since is not None and now - self.unacked_since > self.patience_s:
@@ -74,7 +81,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
             data = self.channel.seal(message.SerializeToString())
         except ValueError:  # too long for a datagram
             return False
-        self.transport.sendto(data)
+        self.transport.sendto(data, self.address)
         if self.unacked_since is None:
             self.unacked_since = now
         return True
@@ -90,7 +97,8 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         self.given_up_at = self.clock()
         if self.transport is not None and not self.transport.is_closing():
             try:
-                self.transport.sendto(self.channel.seal(message.SerializeToString()))
+                self.transport.sendto(self.channel.seal(message.SerializeToString()),
+                                      self.address)
             except ValueError:  # too long
                 pass
 
@@ -116,19 +124,27 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
 async def open_datagrams(address: str, reply: pb.RegisterResponse, host_id: str,
                          inbox: asyncio.Queue) -> HeartbeatDatagrams | None:
     """The session's datagram endpoint toward the controller at `address`
-    ("HOST:PORT"; its host, the reply's heartbeat port), or None when the
-    reply offers none or the endpoint cannot be made (warned: heartbeats
-    then go on the stream)."""
+    ("HOST:PORT"; its host's first address, the reply's heartbeat port), or
+    None when the reply offers none, its timings leave no safe patience
+    (elastic.heartbeat_datagram.patience_s) or the endpoint cannot be made
+    (warned: heartbeats then go on the stream)."""
+    import socket
+
     from elastic.heartbeat_datagram import KEY_BYTES, patience_s
 
-    if not reply.heartbeat_port or len(reply.heartbeat_key) != KEY_BYTES:
+    patience = patience_s(reply.heartbeat_interval_s, reply.heartbeat_timeout_s)
+    if not 0 < reply.heartbeat_port < 65536 or len(reply.heartbeat_key) != KEY_BYTES or \
+            patience is None:
         return None
     host = address.rsplit(":", 1)[0].strip("[]")
+    loop = asyncio.get_running_loop()
     try:
-        _, endpoint = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: HeartbeatDatagrams(reply.heartbeat_key, host_id, inbox, patience_s(
-                reply.heartbeat_interval_s, reply.heartbeat_timeout_s)),
-            remote_addr=(host, reply.heartbeat_port))
+        family, _, _, _, resolved = (await loop.getaddrinfo(
+            host, reply.heartbeat_port, type=socket.SOCK_DGRAM))[0]
+        _, endpoint = await loop.create_datagram_endpoint(
+            lambda: HeartbeatDatagrams(reply.heartbeat_key, host_id, inbox, resolved, patience,
+                                       reply.heartbeat_interval_s),
+            local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
     except (OSError, ValueError) as e:
         log.warning("heartbeats on the stream: no datagram endpoint to %s port %d: %s",
                     host, reply.heartbeat_port, e)

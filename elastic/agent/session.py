@@ -99,7 +99,7 @@ class ControllerSession:
         self._outbox = outbox = asyncio.Queue()
         # (acks come on the stream, or as datagrams when it offers a port)
         inbox: asyncio.Queue = asyncio.Queue()
-        datagrams = await open_datagrams(address, reply, self.settings.host_id, inbox)
+        datagrams = None
         self.sessions_opened += 1
         if self.service is not None:
             await self.service.session(True)
@@ -111,7 +111,12 @@ class ControllerSession:
 
         async def write() -> None:
             while True:
-                await call.write(await outbox.get())
+                message = await outbox.get()
+                self._writing = True  # (in flight: a datagram must not overtake it)
+                try:
+                    await call.write(message)
+                finally:
+                    self._writing = False
 
         async def beat() -> None:
             while True:
@@ -140,6 +145,7 @@ class ControllerSession:
         reader = asyncio.create_task(read())
         tasks.append(reader)
         try:
+            datagrams = await open_datagrams(address, reply, self.settings.host_id, inbox)
             while True:
                 try:
                     message = await asyncio.wait_for(inbox.get(), silence_s)

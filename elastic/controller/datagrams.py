@@ -52,6 +52,11 @@ class DatagramEndpoint(asyncio.DatagramProtocol):
                 break
             except (OSError, TypeError):
                 continue
+        got = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)  # (Linux reports double)
+        if got < BUFFER_BYTES:
+            log.warning("the heartbeat socket's receive buffer is %d bytes, not the %d asked "
+                        "for: with thousands of agents, raise net.core.rmem_max", got,
+                        BUFFER_BYTES)
 
     def close(self) -> None:
         if self.transport is not None:
