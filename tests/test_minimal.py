@@ -23,9 +23,15 @@ def test_readme_shows_the_minimal_worker_verbatim():
 
 
 def test_minimal_worker_trains_through_a_worker_kill(tmp_path, local_job):
-    # with its checkpoints in a bucket of a GCS emulator elasticd local starts
+    # with its checkpoints in a bucket of a GCS emulator elasticd local starts.
+    # The kill comes after the first commit, not at a step: the worker runs its
+    # 200 steps in under a second here, and host-1's step reaches the
+    # controller only with its heartbeats (every second), so a step trigger
+    # could see the slice only once it had finished (it did once, in a full
+    # test run of ca2586c).
     job = local_job(REPO / "workers" / "minimal" / "job.toml", hosts=2, devices=1,
-                    faults=("kill-worker:host-1@step=30",), extra_args=("--gcs-emulator",))
+                    faults=("kill-worker:host-1@after=checkpoint_committed",),
+                    extra_args=("--gcs-emulator",))
     job.wait_for("first_progress", generation=1, timeout_s=120)
     records = [job.state_dir / "agents" / h / snapshot_dir.RECORD for h in ("host-0", "host-1")]
     snapshot_dirs = [pathlib.Path(r.read_text()) for r in records]
