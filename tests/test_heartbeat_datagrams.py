@@ -150,8 +150,9 @@ def test_steady_heartbeats_go_as_datagrams_and_are_acked_that_way(tmp_path, tagg
 
 def test_without_datagrams_heartbeats_stay_on_the_stream(tmp_path, tagged, pki):
     async def during(server, agents):
-        await _until(lambda: server.controller.state.phase.value == "running")
-        await asyncio.sleep(1.0)
+        await _until(lambda: server.controller.state.phase.value == "running"
+                     and _paths(server) == {"h0": "stream", "h1": "stream"}
+                     and all(a._seq >= 5 for a in agents))  # periodic heartbeats too
         return _paths(server), server.controller.datagrams_received, \
             [a._datagrams for a in agents]
 

@@ -118,6 +118,8 @@ class ReceiptDelay:
 
     def __init__(self, keep: int = 4096) -> None:
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)
+        #: when (wall-clock seconds) the controller last resumed from a pause
+        self.resumed_at = float("-inf")
 
     def latencies(self) -> list[float]:
         """The delays (seconds) of the last `keep` heartbeats, oldest first
@@ -141,9 +143,6 @@ class ReceiptDelay:
             return None
         self.note(received_at - sent_at, at)
         return received_at - sent_at
-
-    #: when (wall-clock seconds) the controller last resumed from a pause
-    resumed_at = float("-inf")
 
     def resumed(self, at: float) -> None:
         """The controller runs again at `at` (wall-clock seconds) after a

@@ -50,6 +50,9 @@ def job_status(controller) -> pb.JobStatus:
         else:
             host_state = "waiting"
         w = record.worker
+        session = controller.sessions.get(record.host_id)
+        path = session.heartbeat_path if session is not None and \
+            session.incarnation == record.incarnation else ""
         hosts.append(pb.HostStatus(
             host_id=record.host_id, state=host_state, devices=record.devices,
             agent_pid=record.agent_pid, worker_pid=w.pid if w.running else 0,
@@ -58,9 +61,7 @@ def job_status(controller) -> pb.JobStatus:
             incarnation=record.incarnation, worker_state=w.state.value,
             address=record.address, metrics=w.metrics, note=note,
             device_kind=record.device_kind, service_port=record.service_port,
-            metrics_port=record.metrics_port,
-            heartbeat_path=session.heartbeat_path if (session := controller.sessions.get(
-                record.host_id)) is not None and session.incarnation == record.incarnation else ""))
+            metrics_port=record.metrics_port, heartbeat_path=path))
     goodput = account(controller.journal_tail.read(), now=controller.clock.time())
     latencies = sorted(controller.receipts.latencies())
     p50 = latencies[len(latencies) // 2] if latencies else 0.0
