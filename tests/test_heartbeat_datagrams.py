@@ -291,3 +291,75 @@ def test_a_stop_goes_as_a_datagram_too_where_heartbeats_come_from():
     agent = hd.DatagramChannel(key, "h0", hd.TO_CONTROLLER)
     assert [pb.ControllerMessage.FromString(agent.open(d)) for d in sent] == [stop]
     assert session.outbox.qsize() == 4  # every one on the stream as well
+
+
+# --- the controller's batches -------------------------------------------------------------
+
+def test_a_batch_is_grouped_by_host_newest_first_in_the_order_hosts_last_sent():
+    from elastic.controller.datagrams import newest_per_host
+
+    a, b = hd.DatagramChannel(hd.new_key(), "a", hd.TO_CONTROLLER), \
+        hd.DatagramChannel(hd.new_key(), "b", hd.TO_CONTROLLER)
+    a1, b1, a2, junk, a3, b2 = a.seal(b"1"), b.seal(b"1"), a.seal(b"2"), b"junk", a.seal(b"3"), \
+        b.seal(b"2")
+    batch = [(d, ("127.0.0.1", i)) for i, d in enumerate((a1, b1, a2, junk, a3, b2))]
+    groups = newest_per_host(batch)
+    assert [[d for d, _ in g] for g in groups] == [[a3, a2, a1], [b2, b1], [junk]]
+    assert newest_per_host([]) == []
+
+
+def test_the_endpoint_takes_each_hosts_newest_datagram_and_tries_older_ones_if_refused():
+    """A real socket on loopback: datagrams that wait in it while the loop
+    is busy are read as one batch. Of one host's five, only the newest is
+    handed on when it is taken (four superseded); a host whose newest is
+    refused (a forgery, say) has its next older one tried. More hosts than a
+    chunk are all handled, and reading goes on afterwards."""
+    from elastic.controller import datagrams as dg
+
+    async def main():
+        handed: list[bytes] = []
+        superseded: list[int] = []
+        refuse = set()
+
+        def on_datagram(data, reply):
+            handed.append(data)
+            reply(b"ack")
+            return data not in refuse
+
+        endpoint = dg.DatagramEndpoint("127.0.0.1", 0, on_datagram, superseded.append)
+        await endpoint.open()
+        port = endpoint.sock.getsockname()[1]
+        channels = {h: hd.DatagramChannel(hd.new_key(), h, hd.TO_CONTROLLER)
+                    for h in ("one", "two", *(f"h{i}" for i in range(dg.CHUNK_HOSTS + 10)))}
+        ones = [channels["one"].seal(b"%d" % i) for i in range(5)]
+        twos = [channels["two"].seal(b"%d" % i) for i in range(3)]
+        refuse.add(twos[-1])
+        many = [channels[f"h{i}"].seal(b"x") for i in range(dg.CHUNK_HOSTS + 10)]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(5)
+            for data in (*ones, *twos, *many):  # (the loop does not run meanwhile)
+                s.sendto(data, ("127.0.0.1", port))
+            await _until(lambda: len(handed) >= 1 + 2 + len(many))
+            first_batch = list(handed)
+            s.settimeout(0.5)
+            try:  # the first batch's answers (as many as the socket's buffer kept)
+                while s.recvfrom(64):
+                    pass
+            except TimeoutError:
+                pass
+            later = channels["one"].seal(b"later")
+            s.sendto(later, ("127.0.0.1", port))
+            await _until(lambda: later in handed)
+            s.settimeout(5)
+            acks = s.recvfrom(64)[0]  # the answer goes back to the sender
+        endpoint.close()
+        endpoint.close()  # idempotent
+        return first_batch, superseded, acks, ones, twos
+
+    first_batch, superseded, acks, ones, twos = run(main())
+    assert [d for d in first_batch if hd.host_of(d) == "one"] == [ones[-1]]
+    # the refused newest, then the one before it, taken
+    assert [d for d in first_batch if hd.host_of(d) == "two"] == [twos[-1], twos[-2]]
+    assert sorted(superseded) == [1, 4]
+    assert len(first_batch) == 3 + dg.CHUNK_HOSTS + 10
+    assert acks == b"ack"

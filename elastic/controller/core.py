@@ -79,13 +79,20 @@ class Controller:
         self.receipts = ReceiptDelay(keep=10_000)
         #: registrations refused while it was behind (admission control)
         self.registrations_deferred = 0
-        #: heartbeat datagrams taken, and dropped (malformed, forged, replayed,
-        #: overtaken: elastic.controller.servicer.datagram_received)
-        self.datagrams_received = self.datagrams_refused = 0
+        #: heartbeat datagrams taken, dropped (malformed, forged, replayed,
+        #: overtaken: elastic.controller.servicer.datagram_received), and not
+        #: handled because a newer one of the same host came in the same batch
+        #: (elastic.controller.datagrams)
+        self.datagrams_received = self.datagrams_refused = self.datagrams_superseded = 0
         #: None, or a check before every reconcile pass (see reconcile)
         self.may_act = None
         #: None, or called with each heartbeat's latency (the metrics)
         self.on_heartbeat_latency = None
+
+    def count_superseded(self, datagrams: int) -> None:
+        """`datagrams` heartbeat datagrams were left unhandled: a newer one
+        of their host was taken (elastic.controller.datagrams)."""
+        self.datagrams_superseded += datagrams
 
     @property
     def sessions(self):

@@ -163,10 +163,12 @@ class ControllerMetrics:
                                   "with a retry-after hint while the controller was behind",
                                   value=float(self.controller.registrations_deferred))
         datagrams = CounterMetricFamily("elastic_heartbeat_datagrams", "Heartbeat datagrams "
-                                        "taken, and dropped (malformed, forged, replayed or "
-                                        "overtaken)", labels=["outcome"])
+                                        "taken; dropped (malformed, forged, replayed or "
+                                        "overtaken); or superseded (a newer one of the same "
+                                        "host read with it was taken)", labels=["outcome"])
         datagrams.add_metric(["taken"], float(self.controller.datagrams_received))
         datagrams.add_metric(["dropped"], float(self.controller.datagrams_refused))
+        datagrams.add_metric(["superseded"], float(self.controller.datagrams_superseded))
         yield datagrams
         paths = GaugeMetricFamily("elastic_hosts_heartbeating", "Hosts by how their latest "
                                   "heartbeat came", labels=["path"])

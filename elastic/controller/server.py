@@ -117,7 +117,8 @@ class ControllerServer:
         (elastic.heartbeat_datagram). A port that cannot be bound is warned
         about; agents then heartbeat on their streams."""
         bind = self.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        endpoint = DatagramEndpoint(bind, port, self.servicer.datagram_received)
+        endpoint = DatagramEndpoint(bind, port, self.servicer.datagram_received,
+                                    self.controller.count_superseded)
         try:
             await endpoint.open()
         except OSError as e:

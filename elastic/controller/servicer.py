@@ -382,14 +382,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             job_id=c.spec.job_id, generation=c.state.generation, term=c.executor.term,
             rejected=pb.Rejected(current_generation=c.state.generation, reason=reason)))
 
-    def datagram_received(self, data: bytes, reply: Callable[[bytes], None]) -> None:
-        """A UDP datagram: taken as its host's heartbeat when it opens under
-        the key of that host's current registration, is newer than every
-        message seen from it (elastic.heartbeat_datagram), carries a
-        heartbeat of the registered incarnation and the host's stream is
-        open; otherwise dropped and counted in the controller's
-        `datagrams_refused` (never journaled: anyone can send datagrams).
-        `reply(bytes)` sends a datagram back to where it came from (the ack)."""
+    def datagram_received(self, data: bytes, reply: Callable[[bytes], None]) -> bool:
+        """A UDP datagram: taken as its host's heartbeat (True) when it
+        opens under the key of that host's current registration, is newer
+        than every message seen from it (elastic.heartbeat_datagram),
+        carries a heartbeat of the registered incarnation and the host's
+        stream is open; otherwise dropped (False) and counted in the
+        controller's `datagrams_refused` (never journaled: anyone can send
+        datagrams). `reply(bytes)` sends a datagram back to where it came
+        from (the ack)."""
         c = self.controller
         try:
             session = c.sessions.get(hd.host_of(data))
@@ -399,16 +400,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             message = _parse_agent_message(session.datagrams.open(data))
         except hd.DatagramError:
             c.datagrams_refused += 1
-            return
+            return False
         h = message.header if message is not None else None
         if h is None or message.WhichOneof("body") != "heartbeat" or \
                 h.host_id != session.host_id or h.incarnation != session.incarnation or \
                 fence(c, h) is not None or h.seq <= session.last_seq:
             c.datagrams_refused += 1
-            return
+            return False
         c.datagrams_received += 1
         session.datagram_reply = reply
         self._handle(session, message, reply)
+        return True
 
     def _handle(self, session: Session, message: pb.AgentMessage,
                 datagram_reply: Callable[[bytes], None] | None = None) -> None:
