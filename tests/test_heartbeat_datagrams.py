@@ -221,7 +221,8 @@ def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
     until `patience_s` passes with none acked (a gap in its own sending, as
     when the agent was stopped, restarts the wait); an ack keeps them going;
     after REPROBE_S one heartbeat is tried as a datagram again, and its ack
-    brings them back."""
+    brings them back. An ack that says the controller runs behind adds its
+    lag to the wait, up to the patience again."""
     from elastic.agent.datagrams import HeartbeatDatagrams
 
     async def main():
@@ -268,6 +269,17 @@ def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
             server.sendto(controller.seal(ack.SerializeToString()), sender)
             assert (await asyncio.wait_for(inbox.get(), 5)) == ack
             assert not agent.given_up and send_at(146.0)  # acked: datagrams again
+            # a controller 2 s behind (its ack says): the agent waits 2 s longer
+            behind = pb.ControllerMessage(ack=pb.HeartbeatAck(seq=1, controller_lag_s=2.0))
+            server.sendto(controller.seal(behind.SerializeToString()), sender)
+            assert (await asyncio.wait_for(inbox.get(), 5)) == behind
+            assert agent.waits_s() == 5.0
+            assert all(send_at(t) for t in (147.0, 149.0, 151.0, 152.0))  # 5 s unacked
+            assert send_at(152.5) is False and agent.given_up
+            far = pb.ControllerMessage(ack=pb.HeartbeatAck(seq=1, controller_lag_s=60.0))
+            server.sendto(controller.seal(far.SerializeToString()), sender)
+            await asyncio.wait_for(inbox.get(), 5)
+            assert agent.waits_s() == 6.0  # at most twice its patience
             long = pb.AgentMessage(heartbeat=pb.Heartbeat(worker=pb.WorkerStatus(
                 stderr_tail="x" * 2000)))
             assert agent.send(long) is False           # too long: on the stream

@@ -9,9 +9,9 @@ stream carries it too: stopping twice is stopping once), into the session's
 inbox like the stream's messages. A heartbeat goes on the stream instead
 when the datagram would be too long, when the stream has messages waiting
 (a datagram must not overtake them), and from the moment datagrams have
-gone unacked for `patience_s` (UDP blocked on the way, or
-dropped, or a controller seconds behind): the controller then hears the
-stream before its heartbeat timeout. Every REPROBE_S after that, one
+gone unacked for `patience_s`, plus the lag the controller's latest ack
+reported (UDP blocked on the way, or dropped): the controller then hears
+the stream before its heartbeat timeout. Every REPROBE_S after that, one
 heartbeat goes both ways; an ack of its datagram brings datagrams back.
 """
 
@@ -59,6 +59,8 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         self.given_up = False
         self.given_up_at = 0.0
         self.acks = 0
+        #: the controller's lag (seconds) as its latest ack gave it
+        self.controller_lag_s = 0.0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -70,7 +72,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         if self.sent_at is not None and now - self.sent_at > self.held_up_s:
             self.unacked_since = None  # this agent did not run (stopped): no sign of the path
         self.sent_at = now
-        if self.unacked_since is not None and now - self.unacked_since > self.patience_s:
+        if self.unacked_since is not None and now - self.unacked_since > self.waits_s():
             self.given_up, self.given_up_at = True, now
             log.warning("heartbeat datagrams to the controller unacked for %.1f s (UDP blocked "
                         "or lost on the way, or the controller behind?); heartbeats go on the "
@@ -85,6 +87,18 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         if self.unacked_since is None:
             self.unacked_since = now
         return True
+
+    def waits_s(self) -> float:
+        """Seconds of datagrams without an ack before the agent goes to its
+        stream: its patience, and the lag the controller's latest ack gave
+        (at most as much again). A controller behind its work acks late but
+        judges silence against its heartbeat timeout plus that lag
+        (elastic.controller.lag), so waiting as much longer keeps the
+        stream in time; sending a controller that is behind the dearer
+        stream heartbeats instead puts it further behind (bench/scale.py at
+        10,000 agents on 2026-11-26: a third of the agents moved to their
+        streams while the controller ran 3.2 s behind)."""
+        return self.patience_s + min(self.controller_lag_s, self.patience_s)
 
     def probe_due(self) -> bool:
         """Whether to try datagrams again (they went unacked REPROBE_S or
@@ -114,6 +128,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
             if self.given_up:
                 log.info("heartbeat datagrams acked again: heartbeats go as datagrams")
             self.unacked_since, self.given_up = None, False
+            self.controller_lag_s = max(0.0, message.ack.controller_lag_s)
             self.acks += 1
             self.inbox.put_nowait(message)
 

@@ -443,7 +443,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             last = session.acked_at if datagram_reply is None else session.datagram_acked_at
             if now - last >= ACK_EVERY * c.spec.health.heartbeat_timeout_s:
                 ack = pb.ControllerMessage(job_id=c.spec.job_id, generation=c.state.generation,
-                                           term=c.executor.term, ack=pb.HeartbeatAck(seq=hb.seq))
+                                           term=c.executor.term, ack=pb.HeartbeatAck(
+                                               seq=hb.seq, controller_lag_s=c.view.lag_s))
                 if datagram_reply is None:
                     session.acked_at = now
                     session.send(ack)

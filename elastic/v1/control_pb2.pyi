@@ -276,10 +276,12 @@ class ControllerMessage(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., start: _Optional[_Union[StartWorker, _Mapping]] = ..., stop: _Optional[_Union[StopWorker, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
-    __slots__ = ("seq",)
+    __slots__ = ("seq", "controller_lag_s")
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_LAG_S_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+    controller_lag_s: float
+    def __init__(self, seq: _Optional[int] = ..., controller_lag_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
