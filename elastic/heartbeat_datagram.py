@@ -93,6 +93,13 @@ def _nonce(direction: int, counter: int) -> bytes:
 def host_of(datagram: bytes) -> str:
     """The host id a datagram names (not yet authenticated: only to find
     its key). Raises DatagramError when it is not a datagram of ours."""
+    return named(datagram)[0]
+
+
+def named(datagram: bytes) -> tuple[str, int]:
+    """(host id, counter) as a datagram's header says, not yet
+    authenticated: to find its key, and to try a host's datagrams highest
+    counter first. Raises DatagramError when it is not a datagram of ours."""
     if len(datagram) > MAX_DATAGRAM or len(datagram) < len(MAGIC) + 2 or \
             not datagram.startswith(MAGIC):
         raise DatagramError("not a heartbeat datagram")
@@ -101,9 +108,10 @@ def host_of(datagram: bytes) -> str:
     if len(datagram) < end + _COUNTER.size + TAG_BYTES:
         raise DatagramError("truncated heartbeat datagram")
     try:
-        return datagram[len(MAGIC) + 2:end].decode()
+        host = datagram[len(MAGIC) + 2:end].decode()
     except UnicodeDecodeError:
         raise DatagramError("heartbeat datagram with an undecodable host id") from None
+    return host, _COUNTER.unpack_from(datagram, end)[0]
 
 
 class DatagramChannel:

@@ -307,16 +307,20 @@ def test_a_stop_goes_as_a_datagram_too_where_heartbeats_come_from():
 
 # --- the controller's batches -------------------------------------------------------------
 
-def test_a_batch_is_grouped_by_host_newest_first_in_the_order_hosts_last_sent():
+def test_a_batch_is_grouped_by_host_highest_counter_first_hosts_by_last_arrival():
+    """A host's datagrams highest counter first, whatever order they came
+    in (reordered on the way, or a replay arriving last); hosts in the
+    order their last datagram arrived; what names no host at the end."""
     from elastic.controller.datagrams import newest_per_host
 
     a, b = hd.DatagramChannel(hd.new_key(), "a", hd.TO_CONTROLLER), \
         hd.DatagramChannel(hd.new_key(), "b", hd.TO_CONTROLLER)
-    a1, b1, a2, junk, a3, b2 = a.seal(b"1"), b.seal(b"1"), a.seal(b"2"), b"junk", a.seal(b"3"), \
-        b.seal(b"2")
-    batch = [(d, ("127.0.0.1", i)) for i, d in enumerate((a1, b1, a2, junk, a3, b2))]
-    groups = newest_per_host(batch)
-    assert [[d for d, _ in g] for g in groups] == [[a3, a2, a1], [b2, b1], [junk]]
+    a1, a2, a3 = a.seal(b"1"), a.seal(b"2"), a.seal(b"3")
+    b1, b2 = b.seal(b"1"), b.seal(b"2")
+    arrived = (a1, b1, a3, b2, b"junk", a2, a1)  # a2 overtaken by a3, a1 replayed last
+    groups = newest_per_host([(d, ("127.0.0.1", i)) for i, d in enumerate(arrived)])
+    assert [[d for d, _ in g] for g in groups] == [[b2, b1], [a3, a2, a1, a1], [b"junk"]]
+    assert [hd.named(d)[1] for d in (a1, a3, b2)] == [1, 3, 2]
     assert newest_per_host([]) == []
 
 
@@ -335,7 +339,7 @@ def test_the_endpoint_takes_each_hosts_newest_datagram_and_tries_older_ones_if_r
 
         def on_datagram(data, reply):
             handed.append(data)
-            reply(b"ack")
+            reply(b"ack " + data[-8:])  # (which datagram it answers)
             return data not in refuse
 
         endpoint = dg.DatagramEndpoint("127.0.0.1", 0, on_datagram, superseded.append)
@@ -363,15 +367,15 @@ def test_the_endpoint_takes_each_hosts_newest_datagram_and_tries_older_ones_if_r
             s.sendto(later, ("127.0.0.1", port))
             await _until(lambda: later in handed)
             s.settimeout(5)
-            acks = s.recvfrom(64)[0]  # the answer goes back to the sender
+            answer = s.recvfrom(64)[0]  # the answer goes back to the sender
         endpoint.close()
         endpoint.close()  # idempotent
-        return first_batch, superseded, acks, ones, twos
+        return first_batch, superseded, answer, later, ones, twos
 
-    first_batch, superseded, acks, ones, twos = run(main())
+    first_batch, superseded, answer, later, ones, twos = run(main())
     assert [d for d in first_batch if hd.host_of(d) == "one"] == [ones[-1]]
     # the refused newest, then the one before it, taken
     assert [d for d in first_batch if hd.host_of(d) == "two"] == [twos[-1], twos[-2]]
     assert sorted(superseded) == [1, 4]
     assert len(first_batch) == 3 + dg.CHUNK_HOSTS + 10
-    assert acks == b"ack"
+    assert answer == b"ack " + later[-8:]

@@ -38,7 +38,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from elastic.heartbeat_datagram import DatagramError, host_of
+from elastic.heartbeat_datagram import DatagramError, named
 
 log = logging.getLogger("elasticd")
 
@@ -69,26 +69,30 @@ OnDatagram = Callable[[bytes, Reply], bool]
 
 def newest_per_host(batch: list[tuple[bytes, object]]) -> list[list[tuple[bytes, object]]]:
     """Group a batch of (datagram, sender), in arrival order, by the host
-    each names: [each host's datagrams, newest first], in the order the
-    hosts' newest datagrams arrived; a datagram naming no host (not ours)
-    makes a group of its own, after them. Pure; O(len(batch))."""
-    groups: dict[str, list[tuple[bytes, object]]] = {}
+    each names: [each host's datagrams, highest counter first (the newest:
+    UDP may reorder, and a replay may arrive last)], hosts in the order of
+    their last arrival; a datagram naming no host (not ours) makes a group
+    of its own, after them. Header fields are not authenticated yet: a
+    forged high counter only puts a datagram that will not open first.
+    Pure; O(len(batch) log len(batch))."""
+    groups: dict[str, list[tuple[int, int, tuple[bytes, object]]]] = {}
     loose: list[list[tuple[bytes, object]]] = []
-    for item in reversed(batch):
+    for i, item in enumerate(batch):
         try:
-            host = host_of(item[0])
+            host, counter = named(item[0])
         except DatagramError:
             loose.append([item])
             continue
-        if host in groups:
-            groups[host].append(item)
-        else:
-            groups[host] = [item]
-    return [*reversed(groups.values()), *reversed(loose)]
+        group = groups.pop(host, [])  # (re-inserted: the dict keeps last arrivals' order)
+        group.append((counter, i, item))
+        groups[host] = group
+    return [[item for _, _, item in sorted(group, key=lambda g: (g[0], g[1]), reverse=True)]
+            for group in groups.values()] + loose
 
 
 class DatagramEndpoint:
-    """UDP on `host`:`port`. Each host's newest datagram of a batch goes to
+    """UDP on `host`:`port` (its first address that binds). Each host's
+    newest datagram of a batch (highest counter) goes to
     `on_datagram(data, reply)`; if that refuses it, the host's next older
     one does, and so on (a forged datagram naming a host must not hide the
     host's own). `reply(bytes)` answers the datagram's sender (an answer the
@@ -108,15 +112,19 @@ class DatagramEndpoint:
         """Bind and start reading. Raises OSError when the address cannot
         be bound."""
         self._loop = asyncio.get_running_loop()
-        family, kind, proto, _, address = (await self._loop.getaddrinfo(
-            self.host, self.port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE))[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            sock.bind(address)
-        except OSError:
-            sock.close()
-            raise
+        error: OSError | None = None
+        for family, kind, proto, _, address in await self._loop.getaddrinfo(
+                self.host, self.port, type=socket.SOCK_DGRAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                sock.bind(address)
+                break
+            except OSError as e:  # (the next address, as asyncio's own endpoint does)
+                sock.close()
+                error = e
+        else:
+            raise error or OSError(f"no address for {self.host!r}")
         for option in (SO_RCVBUFFORCE, socket.SO_RCVBUF):
             try:  # (past net.core.rmem_max only with CAP_NET_ADMIN)
                 sock.setsockopt(socket.SOL_SOCKET, option, BUFFER_BYTES)
@@ -161,21 +169,21 @@ class DatagramEndpoint:
         if self.sock is None:
             return  # closed meanwhile
         end = min(start + CHUNK_HOSTS, len(groups))
-        for group in groups[start:end]:
-            for i, (data, sender) in enumerate(group):
-                try:
-                    taken = self.on_datagram(data, self._reply_to(sender))
-                except Exception:  # noqa: BLE001 - a bug must not end the endpoint
-                    log.exception("heartbeat datagram from %s failed", sender)
-                    taken = False
-                if taken:
-                    if i < len(group) - 1:
-                        self.on_superseded(len(group) - 1 - i)
-                    break
-        if end < len(groups):
-            self._loop.call_soon(self._handle, groups, end, paused)
-        elif paused:
-            self._loop.add_reader(self.sock.fileno(), self._read_batch)
+        try:
+            for group in groups[start:end]:
+                for i, (data, sender) in enumerate(group):
+                    try:
+                        if self.on_datagram(data, self._reply_to(sender)):
+                            if i < len(group) - 1:
+                                self.on_superseded(len(group) - 1 - i)
+                            break
+                    except Exception:  # noqa: BLE001 - a bug must not end the endpoint
+                        log.exception("heartbeat datagram from %s failed", sender)
+        finally:  # (whatever escapes, the rest of the batch and the reader go on)
+            if self.sock is not None and end < len(groups):
+                self._loop.call_soon(self._handle, groups, end, paused)
+            elif self.sock is not None and paused:
+                self._loop.add_reader(self.sock.fileno(), self._read_batch)
 
     def _reply_to(self, sender) -> Reply:
         def reply(answer: bytes) -> None:
