@@ -67,7 +67,9 @@ def patience_s(interval_s: float, timeout_s: float) -> float | None:
     beat): that must stay half an interval inside the timeout. So patience
     is an ack interval and two heartbeats, capped at the timeout minus 2.5
     intervals; datagrams need `timeout_s` > ~4.7 x `interval_s` (5 s and
-    1 s by default: patience 2.5 s)."""
+    1 s by default: patience 2.5 s). An agent waits the lag its latest
+    ack reported on top; the controller judges silence against that lag too
+    for as long (elastic.controller.lag.LagPromises)."""
     needed = ACK_EVERY * timeout_s + interval_s
     patience = min(needed + interval_s, timeout_s - 2.5 * interval_s)
     return patience if patience > needed else None

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from elastic.clock import FakeClock, SystemClock
-from elastic.controller.lag import NOISE_S, PAUSE_S, LoopLag, ReceiptDelay
+from elastic.controller.lag import NOISE_S, PAUSE_S, LagPromises, LoopLag, ReceiptDelay
 
 
 @pytest.mark.parametrize("samples,now,window_s,allowance_s", [
@@ -50,6 +50,53 @@ def test_allowance_matches_a_brute_force_maximum():
             expected = max((x for t, x in kept if t >= at - window_s and x >= NOISE_S),
                            default=0.0)
             assert lag.allowance_s(at, window_s) == expected
+
+
+@pytest.mark.parametrize("promises,now,floor", [
+    ([], 100.0, 0.0),
+    ([(2.0, 110.0)], 100.0, 2.0),
+    ([(2.0, 110.0)], 110.5, 0.0),                  # past what it was promised for
+    ([(2.0, 110.0), (1.0, 112.0)], 105.0, 2.0),    # the larger while it holds,
+    ([(2.0, 110.0), (1.0, 112.0)], 111.0, 1.0),    # then the longer one
+    ([(1.0, 110.0), (2.0, 112.0)], 111.0, 2.0),    # a larger, longer one replaces it
+    ([(0.0, 110.0), (-1.0, 110.0)], 105.0, 0.0),   # no lag: nothing promised
+])
+def test_the_lag_told_to_agents_holds_until_the_time_it_was_told_for(promises, now, floor):
+    told = LagPromises()
+    for lag_s, until in promises:
+        told.promise(lag_s, until)
+    assert told.floor(now) == floor
+
+
+def test_promises_match_a_brute_force_maximum():
+    rng = random.Random(11)
+    told, kept, now = LagPromises(), [], 0.0
+    for _ in range(2_000):
+        now += rng.uniform(0.0, 0.5)
+        lag_s = rng.uniform(0.0, 3.0)
+        told.promise(lag_s, now + 5.0 + lag_s + 2.0)
+        kept.append((lag_s, now + 5.0 + lag_s + 2.0))
+        assert told.floor(now) == max(x for x, until in kept if until >= now)
+
+
+def test_a_controller_judges_silence_against_the_lag_its_acks_told(tmp_path):
+    """After an ack told an agent the controller runs 2 s behind, the
+    controller's view keeps at least that lag for a heartbeat timeout, the
+    lag and two intervals, though its own measure has dropped to 0."""
+    from elastic.config import load_spec
+    from elastic.controller.core import Controller
+    from elastic.controller.journal import JournalWriter
+    from tests.conftest import tiny_spec
+
+    spec = load_spec(tiny_spec(tmp_path, ""))
+    clock = FakeClock()
+    controller = Controller(spec, JournalWriter(tmp_path / "state"), clock)
+    h, start = spec.health, clock.monotonic()
+    controller.promise_lag(2.0)
+    held_s = h.heartbeat_timeout_s + 2.0 + 2 * h.heartbeat_interval_s
+    for at, lag_s in ((start, 2.0), (start + held_s, 2.0), (start + held_s + 0.01, 0.0)):
+        controller.judge_lag(at)
+        assert (controller.view.lag_s, controller.measured_lag_s) == (lag_s, 0.0), at
 
 
 def test_the_probe_measures_a_loop_that_was_blocked():

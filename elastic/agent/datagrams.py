@@ -91,10 +91,11 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
     def waits_s(self) -> float:
         """Seconds of datagrams without an ack before the agent goes to its
         stream: its patience, and the lag the controller's latest ack gave
-        (at most as much again). A controller behind its work acks late but
-        judges silence against its heartbeat timeout plus that lag
-        (elastic.controller.lag), so waiting as much longer keeps the
-        stream in time; sending a controller that is behind the dearer
+        (at most as much again). A controller behind its work acks late; it
+        judges silence against its heartbeat timeout plus the lag it told
+        (elastic.controller.lag.LagPromises) until this agent's stream
+        heartbeat can have come, so waiting as much longer keeps the stream
+        in time; sending a controller that is behind the dearer
         stream heartbeats instead puts it further behind (bench/scale.py at
         10,000 agents on 2026-11-26: a third of the agents moved to their
         streams while the controller ran 3.2 s behind)."""

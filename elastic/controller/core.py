@@ -10,7 +10,7 @@ from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.executor import Executor
 from elastic.controller.journal import JournalTail, JournalWriter
-from elastic.controller.lag import LoopLag, ReceiptDelay
+from elastic.controller.lag import LagPromises, LoopLag, ReceiptDelay
 from elastic.policy.adopt import Inherited
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
@@ -75,6 +75,10 @@ class Controller:
         self._wake = asyncio.Event()
         # how far behind this controller's own loop is (see elastic.controller.lag)
         self.lag = LoopLag(clock, window_s=spec.health.heartbeat_timeout_s)
+        #: the lag measured at the last pass (seconds; what acks tell agents),
+        #: and the lag told to agents, which silence is judged against too
+        self.measured_lag_s = 0.0
+        self.promises = LagPromises()
         # seconds from an agent's send to receipt, of the last 10,000 heartbeats
         self.receipts = ReceiptDelay(keep=10_000)
         #: registrations refused while it was behind (admission control)
@@ -88,6 +92,26 @@ class Controller:
         self.may_act = None
         #: None, or called with each heartbeat's latency (the metrics)
         self.on_heartbeat_latency = None
+
+    def judge_lag(self, now: float) -> None:
+        """Set the lag (seconds) silence is judged against at `now`
+        (controller-monotonic): the largest measured within a heartbeat
+        timeout (elastic.controller.lag), or a larger one acks told agents
+        and that still holds (`promise_lag`)."""
+        # what it has not read yet while behind is not the hosts' silence
+        self.lag.note(self.receipts.recent_s(now), now, can_pause=False)
+        self.measured_lag_s = self.lag.allowance_s(now)
+        self.view.lag_s = max(self.measured_lag_s, self.promises.floor(now))
+
+    def promise_lag(self, lag_s: float) -> None:
+        """An ack told an agent that this controller runs `lag_s` seconds
+        behind; the agent may wait that much longer before it heartbeats on
+        its stream (patience + lag, elastic.agent.datagrams), so silence is
+        judged against at least `lag_s` until that stream heartbeat can have
+        come: a heartbeat timeout, the lag and two intervals from now."""
+        h = self.spec.health
+        self.promises.promise(lag_s, self.clock.monotonic() + h.heartbeat_timeout_s + lag_s
+                              + 2 * h.heartbeat_interval_s)
 
     def count_superseded(self, datagrams: int) -> None:
         """`datagrams` heartbeat datagrams were left unhandled: a newer one
@@ -181,8 +205,6 @@ class Controller:
         pause_s = self.lag.note(t0 - waited_from - wait_s, t0)  # (before the probe, maybe)
         if pause_s:
             self._paused(pause_s, t0)
-        # what it has not read yet while behind is not the hosts' silence
-        self.lag.note(self.receipts.recent_s(t0), t0, can_pause=False)
-        self.view.lag_s = self.lag.allowance_s(t0)
+        self.judge_lag(t0)
         self.reconcile()
         return self.clock.monotonic() - t0

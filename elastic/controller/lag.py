@@ -156,3 +156,35 @@ class ReceiptDelay:
         recent = itertools.takewhile(lambda r: r[0] >= now - window_s, reversed(self._recent))
         delays = sorted(x for _, x in recent)
         return max(0.0, delays[len(delays) // 2]) if len(delays) >= self.MIN_SAMPLES else 0.0
+
+
+class LagPromises:
+    """The lag (seconds) this controller told agents in its heartbeat
+    acks, each kept until the moment it was promised for.
+
+    An agent adds the lag its latest ack reported to its patience before it
+    moves its heartbeats from datagrams to its stream
+    (elastic.agent.datagrams), so the controller must keep judging that
+    host's silence against at least that lag until the agent's stream
+    heartbeat can have come: the samples behind `LoopLag.allowance_s` age
+    out after one heartbeat timeout, sooner than that. `floor(now)` is the
+    largest lag still promised. A monotonic queue: O(1) amortised."""
+
+    def __init__(self) -> None:
+        self._promises: collections.deque[tuple[float, float]] = collections.deque()
+
+    def promise(self, lag_s: float, until: float) -> None:
+        """`lag_s` was told to an agent and holds until `until`
+        (controller-monotonic seconds)."""
+        if lag_s <= 0:
+            return
+        # a promise both smaller and shorter than the new one never counts again
+        while self._promises and self._promises[-1][1] <= lag_s:
+            self._promises.pop()
+        self._promises.append((until, lag_s))
+
+    def floor(self, now: float) -> float:
+        """The largest lag promised until `now` or later; 0.0 if none."""
+        while self._promises and self._promises[0][0] < now:
+            self._promises.popleft()
+        return self._promises[0][1] if self._promises else 0.0

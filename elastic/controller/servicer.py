@@ -442,14 +442,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             now = c.clock.monotonic()
             last = session.acked_at if datagram_reply is None else session.datagram_acked_at
             if now - last >= ACK_EVERY * c.spec.health.heartbeat_timeout_s:
+                # (the lag measured, not what earlier acks promised: that would renew
+                # a promise for ever)
                 ack = pb.ControllerMessage(job_id=c.spec.job_id, generation=c.state.generation,
                                            term=c.executor.term, ack=pb.HeartbeatAck(
-                                               seq=hb.seq, controller_lag_s=c.view.lag_s))
+                                               seq=hb.seq, controller_lag_s=c.measured_lag_s))
                 if datagram_reply is None:
                     session.acked_at = now
                     session.send(ack)
                 else:
                     session.datagram_acked_at = now
+                    c.promise_lag(c.measured_lag_s)
                     datagram_reply(session.datagrams.seal(ack.SerializeToString()))
             return
         session.last_seq = max(session.last_seq, h.seq)
