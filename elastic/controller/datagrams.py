@@ -115,13 +115,15 @@ class DatagramEndpoint:
         error: OSError | None = None
         for family, kind, proto, _, address in await self._loop.getaddrinfo(
                 self.host, self.port, type=socket.SOCK_DGRAM):
-            sock = socket.socket(family, kind, proto)
+            sock = None
             try:
+                sock = socket.socket(family, kind, proto)
                 sock.setblocking(False)
                 sock.bind(address)
                 break
             except OSError as e:  # (the next address, as asyncio's own endpoint does)
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 error = e
         else:
             raise error or OSError(f"no address for {self.host!r}")

@@ -175,7 +175,9 @@ class LagPromises:
 
     def promise(self, lag_s: float, until: float) -> None:
         """`lag_s` was told to an agent and holds until `until`
-        (controller-monotonic seconds)."""
+        (controller-monotonic seconds). A promise must not end before a
+        smaller one made earlier (as `Controller.promise_lag` makes them:
+        now + a constant + the lag), which it replaces."""
         if lag_s <= 0:
             return
         # a promise both smaller and shorter than the new one never counts again
