@@ -70,6 +70,27 @@ def test_a_silent_member_is_carried_while_the_slice_steps_past_it(peer_step, pee
         assert decision.state.phase is Phase.STOPPING and not decision.state.carried
 
 
+@pytest.mark.parametrize("heard_again", [False, True])
+def test_a_lost_host_does_not_return_when_a_pause_of_the_controller_is_forgiven(heard_again):
+    """h1 is lost at T0 + 5.1 (carry off). The controller then does not run
+    for 3 s: the others' silence clocks move on by the pause, h1's does not,
+    so it stays lost, unless a heartbeat of its own comes; the view's
+    records stay in order of their last heartbeat."""
+    state, view, s = silent_member_setup(20, 4.0, carry=False)
+    beat_peers(view, T0 + 5.1)
+    lost = decide(state, view, T0 + 5.1, s).state
+    assert lost.lost == {"h1"}
+    view.forgive_pause(3.0, T0 + 8.2, lost.lost)
+    assert view.hosts["h1"].last_heartbeat_at == T0
+    assert view.hosts["h0"].last_heartbeat_at == pytest.approx(T0 + 8.1)
+    if heard_again:
+        observe(view, HeartbeatReceived("h1", "inc-h1", view.hosts["h1"].worker, 0), T0 + 8.2)
+    after = decide(lost, view, T0 + 8.3, s)
+    assert ("host_returned" in kinds(after)) is heard_again
+    times = [r.last_heartbeat_at for r in view.hosts.values()]
+    assert times == sorted(times)
+
+
 def carried_member(until: int):
     """h1 carried from T0 + 5.1; h0 and h2 step once a second up to T0 + `until`."""
     state, view, s = silent_member_setup(10, 4.0)

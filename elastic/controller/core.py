@@ -175,7 +175,7 @@ class Controller:
     def _paused(self, pause_s: float, now: float) -> None:
         """This controller did not run for `pause_s` seconds up to `now`:
         what it could not hear meanwhile is not silence (elastic.controller.lag)."""
-        self.view.forgive_pause(pause_s, now)
+        self.view.forgive_pause(pause_s, now, self.state.lost)
         self.receipts.resumed(self.clock.time())
         self.executor.record("controller_paused", self.state.generation,
                              f"the controller did not run for {pause_s:.1f} s (stopped, "

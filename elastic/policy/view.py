@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 
 class WorkerState(enum.Enum):
@@ -257,19 +257,30 @@ class ClusterView:
         # every silence limit is judged against limit + lag_s.
         self.lag_s = 0.0
 
-    def forgive_pause(self, pause_s: float, now: float) -> None:
+    def forgive_pause(self, pause_s: float, now: float,
+                      lost: Collection[str] = frozenset()) -> None:
         """The controller itself did not run for `pause_s` seconds up to
         `now` (it was stopped, starved of CPU, or its VM suspended): what it
         could not hear meanwhile is not silence. Moves every time silence is
         measured from (last heartbeat, last step, stream closed) `pause_s`
-        later, to `now` at most (what was heard since it resumed stays);
-        the records stay in order of their last heartbeat."""
+        later, to `now` at most (what was heard since it resumed stays),
+        except for hosts already `lost`: their silence was judged, and
+        moving it would read as their heartbeats resumed (a lost host
+        "returned" after every pause of the controller, bench/scale.py at
+        10,000 agents on 2026-11-26). The records stay in order of their
+        last heartbeat."""
         for record in self.hosts.values():
+            if record.host_id in lost:
+                continue
             record.last_heartbeat_at = min(record.last_heartbeat_at + pause_s, now)
             if record.step_at:
                 record.step_at = min(record.step_at + pause_s, now)
         for host, at in self.disconnected.items():
-            self.disconnected[host] = min(at + pause_s, now)
+            if host not in lost:
+                self.disconnected[host] = min(at + pause_s, now)
+        if lost:  # (a lost host's clock stayed: others may have moved past it)
+            for host in sorted(self.hosts, key=lambda h: self.hosts[h].last_heartbeat_at):
+                self.hosts.move_to_end(host)
 
     def get(self, host_id: str) -> HostRecord | None:
         """The record of `host_id`, None if it never registered."""
