@@ -128,6 +128,11 @@ def test_receipt_delay_is_the_median_of_the_last_second():
     assert delays.recent_s(113.1) == 0.0
     delays.note(3.0, at=114.0)                    # fewer than MIN_SAMPLES: no figure
     assert delays.recent_s(114.1) == 0.0
+    # thousands a second: the median of the latest MEDIAN_OF (here 2.5 s late,
+    # after a backlog of 0.5 s that came first)
+    for i in range(5 * ReceiptDelay.MEDIAN_OF):
+        delays.note(0.5 if i < 4 * ReceiptDelay.MEDIAN_OF else 2.5, at=120.0 + i * 1e-5)
+    assert delays.recent_s(120.5) == 2.5
 
 
 @pytest.mark.parametrize("sent_at, resumed_at, latency", [

@@ -115,6 +115,8 @@ class ReceiptDelay:
     first heartbeats are already late, and its baseline with them.)"""
 
     MIN_SAMPLES = 3
+    #: Heartbeats (the latest within the window) whose median is the delay.
+    MEDIAN_OF = 512
 
     def __init__(self, keep: int = 4096) -> None:
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)
@@ -151,9 +153,16 @@ class ReceiptDelay:
 
     def recent_s(self, now: float, window_s: float = 1.0) -> float:
         """The median delay (seconds, 0.0 if negative) of the heartbeats
-        received within `window_s` before `now`; 0.0 with fewer than
-        MIN_SAMPLES."""
-        recent = itertools.takewhile(lambda r: r[0] >= now - window_s, reversed(self._recent))
+        received within `window_s` before `now`, the latest MEDIAN_OF of them
+        at most; 0.0 with fewer than MIN_SAMPLES. (Every pass asks: sorting
+        all of a second's heartbeats took 5.4 % of the controller's samples
+        in a 5,000-agent bench/scale.py run under py-spy on 2026-11-26, the
+        latest 512 2.1 %; they tell the typical delay as well, at a cost
+        that does not grow with the hosts.)"""
+        horizon = now - window_s
+        recent = itertools.islice(
+            itertools.takewhile(lambda r: r[0] >= horizon, reversed(self._recent)),
+            self.MEDIAN_OF)
         delays = sorted(x for _, x in recent)
         return max(0.0, delays[len(delays) // 2]) if len(delays) >= self.MIN_SAMPLES else 0.0
 
