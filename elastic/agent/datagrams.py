@@ -79,13 +79,20 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
                         "stream, and try datagrams again every %.0f s", now - self.unacked_since,
                         REPROBE_S)
             return False
-        try:
-            data = self.channel.seal(message.SerializeToString())
-        except ValueError:  # too long for a datagram
+        if not self._sendto(message):
             return False
-        self.transport.sendto(data, self.address)
         if self.unacked_since is None:
             self.unacked_since = now
+        return True
+
+    def _sendto(self, message: pb.AgentMessage) -> bool:
+        """Seal `message` and send it to the controller; False when it is
+        too long for a datagram (MAX_DATAGRAM bytes)."""
+        try:
+            data = self.channel.seal(message.SerializeToString())
+        except ValueError:
+            return False
+        self.transport.sendto(data, self.address)
         return True
 
     def waits_s(self) -> float:
@@ -111,11 +118,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         as a datagram too: its ack brings datagrams back."""
         self.given_up_at = self.clock()
         if self.transport is not None and not self.transport.is_closing():
-            try:
-                self.transport.sendto(self.channel.seal(message.SerializeToString()),
-                                      self.address)
-            except ValueError:  # too long
-                pass
+            self._sendto(message)
 
     def datagram_received(self, data: bytes, addr) -> None:
         try:
