@@ -119,6 +119,7 @@ class Agent(ControllerSession):
         self._message_seq = 0  # every message's header.seq
         self._writing = False  # a message is being written to the stream
         self._last_stop: bytes | None = None  # the last stop acted on (see _command)
+        self._started_generation = 0  # the last generation a start was taken for
         # reports made while no controller was connected (a worker's events,
         # a commit, an exit), sent to the next one: its journal stays whole
         self._undelivered: collections.deque[pb.AgentMessage] = collections.deque(
@@ -414,6 +415,12 @@ class Agent(ControllerSession):
             return
         kind = message.WhichOneof("body")
         if kind == "start":
+            if message.start.generation <= self._started_generation:
+                # its other copy (datagram and stream), or a stale one: a
+                # controller starts each generation once (they never repeat)
+                log.debug("start of generation %d already taken", message.start.generation)
+                return
+            self._started_generation = message.start.generation
             self._last_stop = None  # (a stop that overtook it must act again, from the stream)
             self._spawn(self._start(message.start))
         elif kind == "stop":

@@ -4,9 +4,10 @@
 The periodic heartbeats go as datagrams once the controller offers a port
 and a key and has answered on the stream (until it has taken the stream up,
 which with thousands of agents connecting takes seconds, it drops them).
-Its acks come back the same way, and so does a copy of each stop (the
-stream carries it too: stopping twice is stopping once), into the session's
-inbox like the stream's messages. A heartbeat goes on the stream instead
+Its acks come back the same way, and so do its starts and stops, into the
+session's inbox like the stream's messages (a command's stream copy follows
+a heartbeat interval later unless this agent's reports show it acted on it:
+elastic.controller.executor; the agent acts on a command's first copy). A heartbeat goes on the stream instead
 when the datagram would be too long, when the stream has messages waiting
 (a datagram must not overtake them), and from the moment datagrams have
 gone unacked for `patience_s`, plus the lag the controller's latest ack
@@ -126,7 +127,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         except DatagramError:
             return
         kind = message.WhichOneof("body") if message is not None else None
-        if kind == "stop":  # a copy of one that also comes on the stream
+        if kind in ("start", "stop"):  # its stream copy may follow (the agent acts once)
             self.inbox.put_nowait(message)
         elif kind == "ack":
             if self.given_up:
