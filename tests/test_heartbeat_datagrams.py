@@ -288,23 +288,6 @@ def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_a_stop_goes_as_a_datagram_too_where_heartbeats_come_from():
-    from elastic.controller.executor import Session
-
-    key, sent = hd.new_key(), []
-    session = Session("h0", "inc")
-    stop = pb.ControllerMessage(stop=pb.StopWorker(generation=2, reason="host h1 lost"))
-    session.send(stop, datagram=True)  # no datagram came from it yet: the stream only
-    session.datagrams = hd.DatagramChannel(key, "h0", hd.TO_AGENT)
-    session.datagram_reply = sent.append
-    session.send(stop, datagram=True)
-    session.send(pb.ControllerMessage(stop=pb.StopWorker(reason="x" * 2000)), datagram=True)
-    session.send(stop)
-    agent = hd.DatagramChannel(key, "h0", hd.TO_CONTROLLER)
-    assert [pb.ControllerMessage.FromString(agent.open(d)) for d in sent] == [stop]
-    assert session.outbox.qsize() == 4  # every one on the stream as well
-
-
 # --- the controller's batches -------------------------------------------------------------
 
 def test_a_batch_is_grouped_by_host_highest_counter_first_hosts_by_last_arrival():

@@ -87,6 +87,8 @@ def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_
     # steady heartbeats come as datagrams (some, after a change, on the stream)
     assert m[("elastic_heartbeat_datagrams_total", (("outcome", "taken"),))] > 0
     assert ("elastic_heartbeat_datagrams_total", (("outcome", "superseded"),)) in m
+    assert {("elastic_command_stream_copies_total", (("outcome", o),))
+            for o in ("sent", "skipped")} <= m.keys()
     assert m[("elastic_hosts_heartbeating", (("path", "datagram"),))] + \
         m[("elastic_hosts_heartbeating", (("path", "stream"),))] == 2.0
     assert m[("elastic_step", ())] >= 20  # (resumed after a commit: 19 or 39)

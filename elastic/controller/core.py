@@ -69,7 +69,7 @@ class Controller:
                 phase=Phase.ADOPTING, generation=initial_generation,
                 phase_since=clock.monotonic(),
                 reason="looking for a running generation in the agents' reports")
-        self.executor = Executor(spec, journal, clock, run_id, term)
+        self.executor = Executor(spec, journal, clock, run_id, term, self.view)
         # the journal as written so far, read incrementally (status computes ETTR from it)
         self.journal_tail = JournalTail(journal.path.parent)
         self._wake = asyncio.Event()

@@ -20,7 +20,7 @@ from elastic.config import JobSpec
 from elastic.controller.journal import JournalWriter
 from elastic.heartbeat_datagram import DatagramChannel
 from elastic.policy import decide as d
-from elastic.policy.view import Fact
+from elastic.policy.view import ClusterView, Fact, command_taken
 from elastic.v1 import control_pb2 as pb
 
 log = logging.getLogger("elasticd")
@@ -30,6 +30,19 @@ log = logging.getLogger("elasticd")
 #: not read its stream (flow control holds them back) is disconnected
 #: rather than let them grow without bound.
 MAX_OUTBOX = 1024
+#: The commands a held-back stream copy belongs to (Session.send).
+COMMANDS = ("start", "stop")
+#: A start or a stop sent as a datagram is queued on the host's stream too,
+#: after this many heartbeat intervals, unless the host's heartbeats say it
+#: acted on it: a lost datagram delays a command by that much, and the
+#: controller is spared a stream write per host when it is not lost
+#: (thousands of them, at ~0.1-0.2 ms each, were most of a start's and a
+#: stop's fan-out: bench/scale.py, 2026-11-26). The agent acts on a command's
+#: first copy only (elastic.agent.agent).
+COPY_AFTER_INTERVALS = 1.0
+#: Commands go as datagrams to hosts whose heartbeat datagram was taken
+#: within this many heartbeat intervals (the agent's datagram path works).
+DATAGRAMS_HEARD_INTERVALS = 3.0
 
 
 @dataclasses.dataclass
@@ -53,23 +66,41 @@ class Session:
     datagrams: DatagramChannel | None = None
     datagram_reply: Callable[[bytes], None] | None = None
     datagram_acked_at: float = float("-inf")
+    #: when its latest heartbeat datagram was taken (controller-monotonic seconds)
+    datagram_heard_at: float = float("-inf")
     #: the highest header.seq seen from the agent; how its last heartbeat came
     last_seq: int = 0
     heartbeat_path: str = ""
+    #: a command sent as a datagram whose stream copy is held back (see send)
+    copy_due: pb.ControllerMessage | None = None
 
     def send(self, message: pb.ControllerMessage, datagram: bool = False) -> None:
         """Queue `message`; past MAX_OUTBOX waiting, close the stream
-        (RESOURCE_EXHAUSTED) instead. With `datagram`, also send a copy at
-        once as a datagram where the host's heartbeat datagrams come from (if
-        they do, and it fits): the agent acts on whichever comes first, so
-        only for commands it may get twice (a stop)."""
+        (RESOURCE_EXHAUSTED) instead. With `datagram` (a command the agent
+        may get twice: a start or a stop; the executor asks only for hosts
+        whose datagrams it hears), send it at once as a datagram to where the
+        host's latest came from, if it fits, and hold its stream copy back in
+        `copy_due` instead (the executor queues it later, unless the host has acted on
+        it by then: Executor.COPY_AFTER_INTERVALS). A later start or stop
+        supersedes a copy still held back (acks and refusals do not)."""
         if self.close_status is not None:
             return
+        if message.WhichOneof("body") in COMMANDS:
+            self.copy_due = None
         if datagram and self.datagram_reply is not None:
             try:
                 self.datagram_reply(self.datagrams.seal(message.SerializeToString()))
+                self.copy_due = message
+                return
             except ValueError:  # too long for a datagram: the stream only
                 pass
+        self.queue(message)
+
+    def queue(self, message: pb.ControllerMessage) -> None:
+        """Put `message` on the stream's outbox; past MAX_OUTBOX waiting,
+        close the stream (RESOURCE_EXHAUSTED) instead."""
+        if self.close_status is not None:
+            return
         if self.outbox.qsize() >= MAX_OUTBOX:
             self.close(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"more than {MAX_OUTBOX} messages wait for this agent; it does not read "
@@ -88,16 +119,21 @@ class Executor:
     are never restored): the one given (the journal's, kept by every
     controller that takes the job over), else a new one. `term`: this
     controller's leadership term, sent with every command
-    (elastic.controller.leadership)."""
+    (elastic.controller.leadership). `view`: the controller's view of the
+    hosts, read to skip the stream copies of commands hosts acted on (None:
+    every copy is sent)."""
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
-                 run_id: str = "", term: int = 0) -> None:
+                 run_id: str = "", term: int = 0, view: ClusterView | None = None) -> None:
         self.run_id = run_id or uuid.uuid4().hex[:16]
         self.term = term
         self.spec = spec
         self.journal = journal
         self.clock = clock
         self.sessions: dict[str, Session] = {}
+        self.view = view
+        #: stream copies of datagram commands queued, and skipped (send_copies)
+        self.copies_sent = self.copies_skipped = 0
 
     def worker_env(self) -> dict[str, str]:
         """Job-level variables every worker gets (hosts add their own)."""
@@ -130,27 +166,37 @@ class Executor:
         for fact in facts:
             self.record(fact.kind, fact.generation, fact.reason, fact.host, fact.fields)
 
-    def send(self, host: str, message: pb.ControllerMessage, datagram: bool = False) -> bool:
-        """Queue `message` on `host`'s stream (and with `datagram` send a copy
-        as a datagram, see Session.send); False (and a warning) when the
-        host has no registration (its heartbeats will show what it runs)."""
+    def send(self, host: str, message: pb.ControllerMessage,
+             datagram: bool = False) -> Session | None:
+        """Send `message` on `host`'s session (with `datagram` as a datagram
+        first, its stream copy held back: Session.send); returns the
+        session, or None (and a warning) when the host has no registration
+        (its heartbeats will show what it runs)."""
         session = self.sessions.get(host)
         message.term = self.term
         if session is None:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
                         host, message.WhichOneof("body"))
-            return False
-        session.send(message, datagram)
-        return True
+            return None
+        # (a host heard by datagram lately: the way back is likely open too;
+        # one whose datagrams go unacked heartbeats on its stream, and its
+        # probes every 30 s do not count)
+        session.send(message, datagram and self.clock.monotonic() - session.datagram_heard_at
+                     <= self.spec.health.heartbeat_interval_s * DATAGRAMS_HEARD_INTERVALS)
+        return session
 
     def apply(self, actions: tuple[d.Action, ...]) -> None:
         """Perform `actions` in order. Raises TypeError on an unknown action.
 
         The job-level part of the start messages is built once per call and
         copied into each (a third of the time per host: ~3 us against ~9 us,
-        which at 10,000 hosts is 30 ms against 90 ms of the loop)."""
-        launch = None
+        which at 10,000 hosts is 30 ms against 90 ms of the loop). Starts
+        and stops go as datagrams where heartbeats come that way, their
+        stream copies COPY_AFTER_INTERVALS heartbeat intervals later to the
+        hosts that have not acted on them by then (`send_copies`)."""
+        launch, held = None, []
         for action in actions:
+            session = message = None
             if isinstance(action, d.Journal):
                 self.record(action.kind, action.generation, action.reason, action.host,
                             dict(action.fields))
@@ -167,18 +213,44 @@ class Executor:
                 start.replica_address = action.replica_address
                 for processes, per_host in action.next_slices:
                     start.next_slices.add(num_processes=processes, devices_per_host=per_host)
-                self.send(action.host, pb.ControllerMessage(
-                    job_id=self.spec.job_id, generation=action.generation, start=start))
+                message = pb.ControllerMessage(job_id=self.spec.job_id,
+                                               generation=action.generation, start=start)
+                session = self.send(action.host, message, datagram=True)
             elif isinstance(action, d.StopWorker):
-                # A stop also goes as a datagram (thousands of stream writes take
-                # ~0.2 ms each; bench/scale.py): stopping twice is stopping once. A
-                # hang's stop, which first dumps the worker's stacks, does not.
-                self.send(action.host, pb.ControllerMessage(
+                # A hang's stop, which first dumps the worker's stacks, goes on
+                # the stream only: dumping twice would cost seconds.
+                message = pb.ControllerMessage(
                     job_id=self.spec.job_id, generation=action.generation,
                     stop=pb.StopWorker(generation=action.generation, grace_s=action.grace_s,
-                                       reason=action.reason, dump_stacks=action.dump_stacks)),
-                    datagram=not action.dump_stacks)
+                                       reason=action.reason, dump_stacks=action.dump_stacks))
+                session = self.send(action.host, message, datagram=not action.dump_stacks)
             elif isinstance(action, d.Finish):
                 pass  # the loop ends on the terminal phase
             else:
                 raise TypeError(f"unknown action {action!r}")
+            if session is not None and session.copy_due is message:
+                held.append((action.host, session, message))
+        if held:
+            asyncio.get_running_loop().call_later(
+                COPY_AFTER_INTERVALS * self.spec.health.heartbeat_interval_s,
+                self.send_copies, held)
+
+    def send_copies(self, held: list[tuple[str, Session, pb.ControllerMessage]]) -> None:
+        """Queue the stream copies of the commands in `held` ((host, session,
+        message), sent as datagrams) that are still due: not superseded by a
+        later command, on a session still open, to a host that has not
+        acted on them (elastic.policy.view.command_taken: its heartbeats
+        report it). Counted in `copies_sent` and `copies_skipped`."""
+        for host, session, message in held:
+            if session.copy_due is not message:
+                continue  # superseded (that command handles its own copy)
+            session.copy_due = None
+            record = self.view.get(host) if self.view is not None else None
+            body = message.WhichOneof("body")
+            if self.sessions.get(host) is not session or session.close_status is not None or (
+                    record is not None and record.incarnation == session.incarnation and
+                    command_taken(record.worker, body, message.generation)):
+                self.copies_skipped += 1
+            else:
+                self.copies_sent += 1
+                session.queue(message)

@@ -170,6 +170,13 @@ class ControllerMetrics:
         datagrams.add_metric(["dropped"], float(self.controller.datagrams_refused))
         datagrams.add_metric(["superseded"], float(self.controller.datagrams_superseded))
         yield datagrams
+        copies = CounterMetricFamily("elastic_command_stream_copies", "Stream copies of starts "
+                                     "and stops sent as datagrams: sent (the host had not "
+                                     "acted on the datagram a heartbeat interval later: lost, "
+                                     "or its report was), or skipped", labels=["outcome"])
+        copies.add_metric(["sent"], float(self.controller.executor.copies_sent))
+        copies.add_metric(["skipped"], float(self.controller.executor.copies_skipped))
+        yield copies
         paths = GaugeMetricFamily("elastic_hosts_heartbeating", "Hosts by how their latest "
                                   "heartbeat came", labels=["path"])
         for path in ("datagram", "stream"):

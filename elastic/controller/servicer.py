@@ -408,7 +408,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             c.datagrams_refused += 1
             return False
         c.datagrams_received += 1
-        session.datagram_reply = reply
+        session.datagram_reply, session.datagram_heard_at = reply, c.clock.monotonic()
         self._handle(session, message, reply)
         return True
 

@@ -304,6 +304,19 @@ class ClusterView:
         return opened
 
 
+def command_taken(worker: WorkerObs, command: str, generation: int) -> bool:
+    """Whether an agent that reports `worker` has acted on the `command`
+    ("start" or "stop") of `generation`: it reports that generation's
+    worker or a later one, for a start; no worker of that generation or an
+    older one running, for a stop (it stopped, or never started it).
+    Raises ValueError for any other command."""
+    if command == "start":
+        return worker.generation >= generation
+    if command == "stop":
+        return not (worker.running and worker.generation <= generation)
+    raise ValueError(f"not a command a host acts on: {command!r}")
+
+
 def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
     """Take the agent's report; True when something a decision reads changed."""
     old = record.worker
