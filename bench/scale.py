@@ -14,7 +14,13 @@ mutual TLS costs. For each size:
 - detection: one agent goes silent -> `host_lost`, minus the silence start
   (target: within heartbeat_timeout_s + 1 s = 6 s);
 - fan-out: `generation_started` -> the last agent received its start, and
-  `slice_stopping` -> the last agent received its stop;
+  `slice_stopping` -> the last agent received its stop, two ways: when the
+  command arrived (the kernel's receive timestamp of its datagram at the
+  agent's socket, SIOCGSTAMP; a copy on the stream: when the client read
+  it), and when the client processes got to it (they share the two cores
+  with the controller, and every simulated agent answers a stop with a
+  stream write, so this one measures the clients too); the silenced agent,
+  declared lost, is left out of the stop's;
 - overload: seconds from the controller's start to the generation's start
   (every agent registered and its stream open; how many streams had sent
   their first message by then), registrations deferred by admission control,
@@ -28,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import itertools
 import json
 import os
 import pathlib
 import random
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,6 +52,31 @@ from common import machine, wait_entry, write_result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLIENT_PROCESSES = 4
+#: ioctl: the receive timestamp of the last packet a socket read (Linux, asm-generic/sockios.h)
+SIOCGSTAMP = 0x8906
+
+
+class ArrivalStamps:
+    """Stands for a datagram endpoint's inbox: notes the kernel's receive
+    timestamp (wall-clock seconds) of each start and stop datagram in
+    received[kind + "_arrived"][host] (the first), then queues it."""
+
+    def __init__(self, queue: asyncio.Queue, transport, host_id: str, received: dict) -> None:
+        self.queue, self.host_id, self.received = queue, host_id, received
+        self.fd = transport.get_extra_info("socket").fileno()
+        try:
+            fcntl.ioctl(self.fd, SIOCGSTAMP, bytes(16))  # the first call turns stamping on
+        except OSError:
+            pass  # (ENOENT: nothing read yet)
+
+    def put_nowait(self, message) -> None:
+        kind = message.WhichOneof("body")
+        if kind in ("start", "stop"):  # (called right after the datagram was read)
+            sec, usec = struct.unpack("@ll", fcntl.ioctl(self.fd, SIOCGSTAMP, bytes(16)))
+            self.received.setdefault(f"{kind}_arrived", {}).setdefault(self.host_id,
+                                                                      sec + usec / 1e6)
+        self.queue.put_nowait(message)
+
 
 
 # --- the client side: many simulated agents in one process ------------------------------
@@ -100,6 +133,8 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
     call = stub.Connect()
     acks: asyncio.Queue = asyncio.Queue()
     datagrams = await open_datagrams(address, reply, host_id, acks)
+    if datagrams is not None:
+        datagrams.inbox = ArrivalStamps(acks, datagrams.transport, host_id, received)
     streamed = False
     writing = asyncio.Lock()  # one write at a time on a call (the real agent has one writer)
 
@@ -124,9 +159,12 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
             await asyncio.sleep(1.0)
 
     async def command(message) -> None:
-        """A command from the stream or a datagram (a stop comes both ways:
-        its first receipt counts, and is acted on, as the agent does)."""
+        """A command from the stream or a datagram (a start or a stop may
+        come both ways: its first receipt counts, and is acted on, as the
+        agent does)."""
         kind = message.WhichOneof("body")
+        if kind == "start" and message.start.generation <= status.generation:
+            return  # its other copy
         if kind in ("start", "stop"):
             received.setdefault(kind, {}).setdefault(host_id, time.time())
         if kind == "start":
@@ -228,6 +266,11 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
 
 
 # --- the benchmark driver ------------------------------------------------------------------
+
+def _last(times: dict, since: float) -> float | None:
+    """Seconds from `since` to the latest of `times` (None if empty)."""
+    return round(max(times.values()) - since, 3) if times else None
+
 
 def _by_code(ended: dict) -> dict:
     """{"stage:CODE#client": n} summed over the client processes."""
@@ -331,6 +374,12 @@ startup_timeout_s = 600.0
         for kind, by_host in json.loads(path.read_text()).items():
             received.setdefault(kind, {}).update(by_host)
     starts, stops = received.get("start", {}), received.get("stop", {})
+    stops.pop("sim-00000", None)  # the silenced agent: lost, its stop need not arrive
+    # when each command arrived: its datagram's kernel timestamp, or its
+    # receipt on the stream when that came first or no datagram came
+    arrived = {kind: {h: min(t, received.get(f"{kind}_arrived", {}).get(h, t))
+                      for h, t in handled.items()}
+               for kind, handled in (("start", starts), ("stop", stops))}
     journal = list(read_journal(state))
     first_ts = journal[0]["ts"]
     return {
@@ -344,10 +393,14 @@ startup_timeout_s = 600.0
         "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
         "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
         "detection_s": round(lost["ts"] - silent_at, 3),
-        "start_fanout_s": round(max(starts.values()) - started["ts"], 3) if starts else None,
+        "start_fanout_s": _last(arrived["start"], started["ts"]),
+        "start_fanout_handled_s": _last(starts, started["ts"]),
         "starts_received": len(starts),
-        "stop_fanout_s": round(max(stops.values()) - stopping["ts"], 3) if stops else None,
+        "starts_by_datagram": len(received.get("start_arrived", {})),
+        "stop_fanout_s": _last(arrived["stop"], stopping["ts"]),
+        "stop_fanout_handled_s": _last(stops, stopping["ts"]),
         "stops_received": len(stops),
+        "stops_by_datagram": len(received.get("stop_arrived", {})),
         "all_registered_s": round(started["ts"] - first_ts, 3),
         # agents whose first stream had sent its first message when the
         # generation started, by the clients' clocks (a start for any other
@@ -392,11 +445,12 @@ def main() -> int:
           f"{'on the streams' if args.stream_heartbeats else 'as datagrams'}:")
     print(f"{'agents':>7} {'ctl CPU':>8} {'hb p50':>8} {'hb p99':>8} {'detect':>8} "
           f"{'start fan-out':>14} {'stop fan-out':>13} {'registered':>11} {'deferred':>9} "
-          f"{'false lost':>11}")
+          f"{'false lost':>11}   (fan-out: arrived / handled by the clients)")
     for r in rows:
         print(f"{r['agents']:>7} {100 * r['controller_cpu_share']:7.1f}% "
               f"{1000 * r['heartbeat_latency_p50_s']:6.1f}ms {1000 * r['heartbeat_latency_p99_s']:6.1f}ms "
-              f"{r['detection_s']:7.2f}s {r['start_fanout_s']:13.2f}s {r['stop_fanout_s']:12.2f}s "
+              f"{r['detection_s']:7.2f}s {r['start_fanout_s']:5.2f} / {r['start_fanout_handled_s']:5.2f}s "
+              f"{r['stop_fanout_s']:4.2f} / {r['stop_fanout_handled_s']:4.2f}s "
               f"{r['all_registered_s']:10.1f}s {r['registrations_deferred']:9d} "
               f"{r['false_host_lost']:11d}")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
