@@ -28,6 +28,9 @@ _CHANNEL_OPTIONS = [
 #: Largest message the controller accepts (its largest honest one, a
 #: worker's exit report with its stderr tail, is a few KiB).
 MAX_REQUEST_BYTES = 1 << 20
+#: Seconds a call may wait in gRPC core for the server to take it up before
+#: gRPC cancels it (grpc.server_max_unrequested_time_in_server; 30 by default).
+SERVER_CALL_WAIT_S = 300
 _SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -45,6 +48,15 @@ _SERVER_OPTIONS = [
     # ~2,800 failed with CANCELLED / INTERNAL.
     ("grpc.server.max_pending_requests", 1_000_000),
     ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
+    # ... and cancels a call (CANCELLED) that has waited there for 30 s by
+    # default. The asyncio server takes calls up one at a time, each after a
+    # turn of the event loop, so while the loop is busy the calls of
+    # thousands of agents queue for longer: at 10,000 agents (bench/scale.py)
+    # thousands of streams were cancelled so, their agents registered again,
+    # and the storm fed itself. A call now waits up to SERVER_CALL_WAIT_S,
+    # longer than the controller waits for a registered host's stream
+    # (elastic.policy.silence.STREAM_OPEN_S), which decides first.
+    ("grpc.server_max_unrequested_time_in_server", SERVER_CALL_WAIT_S),
 ]
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 #: Trailing metadata of a RESOURCE_EXHAUSTED answer: milliseconds to wait

@@ -33,12 +33,15 @@ from elastic.policy.view import HostRecord
 CARRY_LEAD_STEPS = 3
 #: Seconds a host that registered may take to open its stream and send on it
 #: before its silence counts. When thousands of agents connect at once, gRPC
-#: hands the controller new calls one by one, and a registered agent's stream
-#: waits for seconds while the controller's loop and the heartbeats on open
-#: streams keep up (bench/scale.py at 3,000 agents: 1,600 hosts declared lost
-#: in the first 30 s without this). The controller gives up on a stream that
-#: sends nothing for as long (elastic.controller.servicer).
-STREAM_OPEN_S = 30.0
+#: hands the controller new calls one by one, each after a turn of its event
+#: loop, and a registered agent's stream waits in gRPC's queue for seconds
+#: while the controller's loop and the heartbeats on open streams keep up
+#: (bench/scale.py at 3,000 agents: 1,600 hosts declared lost in the first
+#: 30 s without this; at 10,000, with 30 s, thousands of streams still waited
+#: longer). The controller gives up on a stream that sends nothing for as
+#: long (elastic.controller.servicer); gRPC waits longer still
+#: (elastic.transport.SERVER_CALL_WAIT_S).
+STREAM_OPEN_S = 60.0
 
 
 def opening(record: HostRecord, now: float, lag_s: float) -> bool:
