@@ -22,6 +22,7 @@ from elastic import transport
 from elastic.agent import fence
 from elastic.agent.datagrams import open_datagrams
 from elastic.policy.adopt import AGENT_RECONNECT_MAX_S
+from elastic.policy.silence import STREAM_OPEN_S
 from elastic.security.tls import TLSError
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
@@ -130,6 +131,12 @@ class ControllerSession:
         # end the session and go round the addresses (a standby may lead).
         # (Reads go through a queue: a cancelled read would end the call.)
         silence_s = max(reply.heartbeat_timeout_s, 3 * reply.heartbeat_interval_s)
+        # Until the stream's first answer, as long as the controller waits for
+        # the stream itself: with thousands of agents connecting, gRPC holds a
+        # new stream in its queue until the controller's loop takes it up,
+        # and ending the session then would only register the agent again,
+        # adding to that queue (elastic.policy.silence.STREAM_OPEN_S).
+        answered = False
 
         async def read() -> None:
             try:
@@ -147,15 +154,18 @@ class ControllerSession:
         try:
             datagrams = await open_datagrams(address, reply, self.settings.host_id, inbox)
             while True:
+                wait_s = silence_s if answered else max(silence_s, STREAM_OPEN_S)
                 try:
-                    message = await asyncio.wait_for(inbox.get(), silence_s)
+                    message = await asyncio.wait_for(inbox.get(), wait_s)
                 except TimeoutError:
                     await asyncio.sleep(0.5)  # (this agent may have been stopped itself)
                     if inbox.empty():
-                        log.warning("controller %s silent for %.1f s; looking for a "
-                                    "controller", address, silence_s)
+                        log.warning("controller %s silent for %.1f s%s; looking for a "
+                                    "controller", address, wait_s,
+                                    "" if answered else " since the stream opened")
                         raise _Silent()
                     continue
+                answered = True
                 if message is None:
                     await asyncio.wait([reader])
                     if reader.exception() is not None:

@@ -1,0 +1,79 @@
+"""When an agent gives up on a silent controller: a real agent against a
+controller stand-in over mutual TLS on loopback (its timings shortened)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import pytest
+
+from elastic import transport
+from elastic.agent import session as agent_session
+from elastic.agent.agent import Agent
+from elastic.v1 import control_pb2 as pb
+from elastic.v1 import control_pb2_grpc as pb_grpc
+from tests.test_grpc import agent_settings, run
+
+
+class QuietController(pb_grpc.ControllerServicer):
+    """Registers every agent (a heartbeat timeout of 0.5 s), then answers
+    `answers` messages on its stream and nothing more (a stream still held
+    in gRPC's queue, answers=0, or a controller that stopped)."""
+
+    def __init__(self, answers: int) -> None:
+        self.answers = answers
+        self.registered_at: list[float] = []
+
+    async def Register(self, request, context):
+        self.registered_at.append(time.monotonic())
+        return pb.RegisterResponse(job_id="test", heartbeat_interval_s=0.1,
+                                   heartbeat_timeout_s=0.5)
+
+    async def Connect(self, request_iterator, context):
+        for _ in range(self.answers):
+            await context.read()
+            await context.write(pb.ControllerMessage(job_id="test",
+                                                     ack=pb.HeartbeatAck(seq=1)))
+        while await context.read() is not grpc.aio.EOF:
+            pass
+
+
+@pytest.mark.parametrize("answers, waited", [(0, "2.0 s since the stream opened"),
+                                             (1, "0.5 s;")])
+def test_an_agent_waits_for_its_streams_first_answer_as_long_as_the_controller_waits_for_it(
+        tmp_path, pki, caplog, monkeypatch, answers, waited):
+    """Before the controller's first answer on the stream the agent waits
+    STREAM_OPEN_S (here 2 s) before it registers again, as the controller
+    waits that long for the stream (with thousands of agents connecting it
+    sits in gRPC's queue meanwhile); after it, the heartbeat timeout."""
+    monkeypatch.setattr(agent_session, "STREAM_OPEN_S", 2.0)
+    fake = QuietController(answers)
+
+    async def main():
+        server = transport.aio_server()
+        pb_grpc.add_ControllerServicer_to_server(fake, server)
+        port = transport.add_listen_port(server, "127.0.0.1:0", pki.controller)
+        await server.start()
+        agent = Agent(agent_settings(tmp_path, pki, f"127.0.0.1:{port}", "h0"))
+        task = asyncio.create_task(agent.run())
+        try:
+            for _ in range(200):
+                if len(fake.registered_at) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            agent.shutdown()
+            await task
+            await server.stop(0)
+
+    with caplog.at_level(logging.WARNING, logger="elastic-agent"):
+        run(main())
+    assert len(fake.registered_at) >= 2, "the agent never registered again"
+    gave_up = [r.getMessage() for r in caplog.records if "looking for a controller" in
+               r.getMessage()]
+    assert gave_up and f"silent for {waited}" in gave_up[0], gave_up
+    if answers == 0:  # not before the stream's time was up
+        assert fake.registered_at[1] - fake.registered_at[0] >= 2.0
