@@ -23,14 +23,14 @@ class QuietController(pb_grpc.ControllerServicer):
     `answers` messages on its stream and nothing more (a stream still held
     in gRPC's queue, answers=0, or a controller that stopped)."""
 
-    def __init__(self, answers: int) -> None:
-        self.answers = answers
+    def __init__(self, answers: int, lease_s: float) -> None:
+        self.answers, self.lease_s = answers, lease_s
         self.registered_at: list[float] = []
 
     async def Register(self, request, context):
         self.registered_at.append(time.monotonic())
         return pb.RegisterResponse(job_id="test", heartbeat_interval_s=0.1,
-                                   heartbeat_timeout_s=0.5)
+                                   heartbeat_timeout_s=0.5, controller_lease_s=self.lease_s)
 
     async def Connect(self, request_iterator, context):
         for _ in range(self.answers):
@@ -41,16 +41,20 @@ class QuietController(pb_grpc.ControllerServicer):
             pass
 
 
-@pytest.mark.parametrize("answers, waited", [(0, "2.0 s since the stream opened"),
-                                             (1, "0.5 s;")])
+@pytest.mark.parametrize("answers, lease_s, waited", [
+    (0, 30.0, 2.0),  # STREAM_OPEN_S (here 2 s)
+    (0, 3.0, 1.5),   # half the controller lease, which only a registration renews
+    (1, 30.0, 0.5),  # answered: the heartbeat timeout
+])
 def test_an_agent_waits_for_its_streams_first_answer_as_long_as_the_controller_waits_for_it(
-        tmp_path, pki, caplog, monkeypatch, answers, waited):
+        tmp_path, pki, caplog, monkeypatch, answers, lease_s, waited):
     """Before the controller's first answer on the stream the agent waits
-    STREAM_OPEN_S (here 2 s) before it registers again, as the controller
-    waits that long for the stream (with thousands of agents connecting it
-    sits in gRPC's queue meanwhile); after it, the heartbeat timeout."""
+    STREAM_OPEN_S (here 2 s), at most half the controller lease, before it
+    registers again, as the controller waits that long for the stream (with
+    thousands of agents connecting it sits in gRPC's queue meanwhile);
+    after it, the heartbeat timeout."""
     monkeypatch.setattr(agent_session, "STREAM_OPEN_S", 2.0)
-    fake = QuietController(answers)
+    fake = QuietController(answers, lease_s)
 
     async def main():
         server = transport.aio_server()
@@ -74,6 +78,6 @@ def test_an_agent_waits_for_its_streams_first_answer_as_long_as_the_controller_w
     assert len(fake.registered_at) >= 2, "the agent never registered again"
     gave_up = [r.getMessage() for r in caplog.records if "looking for a controller" in
                r.getMessage()]
-    assert gave_up and f"silent for {waited}" in gave_up[0], gave_up
-    if answers == 0:  # not before the stream's time was up
-        assert fake.registered_at[1] - fake.registered_at[0] >= 2.0
+    since = " since the stream opened" if answers == 0 else ";"
+    assert gave_up and f"silent for {waited:.1f} s{since}" in gave_up[0], gave_up
+    assert fake.registered_at[1] - fake.registered_at[0] >= waited  # not before

@@ -119,7 +119,9 @@ class Agent(ControllerSession):
         self._message_seq = 0  # every message's header.seq
         self._writing = False  # a message is being written to the stream
         self._last_stop: bytes | None = None  # the last stop acted on (see _command)
-        self._started_generation = 0  # the last generation a start was taken for
+        # the highest (term, generation) a start was taken for or a stop came
+        # for: a start at or below it is a copy, or was overtaken by its stop
+        self._commanded = (0, 0)
         # reports made while no controller was connected (a worker's events,
         # a commit, an exit), sent to the next one: its journal stays whole
         self._undelivered: collections.deque[pb.AgentMessage] = collections.deque(
@@ -415,16 +417,20 @@ class Agent(ControllerSession):
             return
         kind = message.WhichOneof("body")
         if kind == "start":
-            if message.start.generation <= self._started_generation:
-                # its other copy (datagram and stream), or a stale one: a
-                # controller starts each generation once (they never repeat)
-                log.debug("start of generation %d already taken", message.start.generation)
+            taken = (message.term, message.start.generation)
+            if taken <= self._commanded:
+                # Its other copy (datagram and stream), or a start a stop of its
+                # generation overtook: a leader starts a generation once, and
+                # never after stopping it. (A new leader's term is higher.)
+                log.debug("start of generation %d (term %d) already taken or stopped",
+                          message.start.generation, message.term)
                 return
-            self._started_generation = message.start.generation
-            self._last_stop = None  # (a stop that overtook it must act again, from the stream)
+            self._commanded = taken
+            self._last_stop = None  # (a new generation: stops are told apart afresh)
             self._spawn(self._start(message.start))
         elif kind == "stop":
             stop = message.stop
+            self._commanded = max(self._commanded, (message.term, stop.generation))
             raw = message.SerializeToString()
             if raw == self._last_stop:  # its other copy (datagram and stream): one SIGTERM
                 return

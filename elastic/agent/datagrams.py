@@ -42,7 +42,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
     sent it).
 
     `send(message)` -> True when the AgentMessage went as a datagram, False
-    when the caller must put it on the stream. Acks and stops that open
+    when the caller must put it on the stream. Acks, starts and stops that open
     under the session's key are put into `inbox` (ControllerMessages).
     `acks`: how many acks came; `given_up`: datagrams are no longer used."""
 

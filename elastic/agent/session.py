@@ -135,7 +135,12 @@ class ControllerSession:
         # the stream itself: with thousands of agents connecting, gRPC holds a
         # new stream in its queue until the controller's loop takes it up,
         # and ending the session then would only register the agent again,
-        # adding to that queue (elastic.policy.silence.STREAM_OPEN_S).
+        # adding to that queue (elastic.policy.silence.STREAM_OPEN_S). At most
+        # half the controller lease: a registration renews the lease, a
+        # stream not yet answered does not, and the worker must not be
+        # fenced meanwhile (a new leader adopting a running slice).
+        first_answer_s = max(silence_s, STREAM_OPEN_S if self._lease_s is None
+                             else min(STREAM_OPEN_S, self._lease_s / 2))
         answered = False
 
         async def read() -> None:
@@ -154,7 +159,7 @@ class ControllerSession:
         try:
             datagrams = await open_datagrams(address, reply, self.settings.host_id, inbox)
             while True:
-                wait_s = silence_s if answered else max(silence_s, STREAM_OPEN_S)
+                wait_s = silence_s if answered else first_answer_s
                 try:
                     message = await asyncio.wait_for(inbox.get(), wait_s)
                 except TimeoutError:

@@ -88,8 +88,10 @@ class Controller:
         #: handled because a newer one of the same host came in the same batch
         #: (elastic.controller.datagrams)
         self.datagrams_received = self.datagrams_refused = self.datagrams_superseded = 0
-        #: None, or a check before every reconcile pass (see reconcile)
+        #: None, or a check before every reconcile pass (see reconcile) and
+        #: before the stream copies of commands are sent (Executor.send_copies)
         self.may_act = None
+        self.executor.may_act = lambda: self.may_act is None or self.may_act()
         #: None, or called with each heartbeat's latency (the metrics)
         self.on_heartbeat_latency = None
 

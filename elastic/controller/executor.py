@@ -134,6 +134,8 @@ class Executor:
         self.view = view
         #: stream copies of datagram commands queued, and skipped (send_copies)
         self.copies_sent = self.copies_skipped = 0
+        #: None, or the controller's check that it may still act (Controller.may_act)
+        self.may_act = None
 
     def worker_env(self) -> dict[str, str]:
         """Job-level variables every worker gets (hosts add their own)."""
@@ -178,9 +180,10 @@ class Executor:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
                         host, message.WhichOneof("body"))
             return None
-        # (a host heard by datagram lately: the way back is likely open too;
-        # one whose datagrams go unacked heartbeats on its stream, and its
-        # probes every 30 s do not count)
+        # (a host heard by datagram lately: the way back is likely open too.
+        # One whose datagrams go unacked heartbeats on its stream; a probe of
+        # it every 30 s counts for three intervals, and a command sent then
+        # comes a heartbeat interval late, by its stream copy.)
         session.send(message, datagram and self.clock.monotonic() - session.datagram_heard_at
                      <= self.spec.health.heartbeat_interval_s * DATAGRAMS_HEARD_INTERVALS)
         return session
@@ -193,8 +196,13 @@ class Executor:
         which at 10,000 hosts is 30 ms against 90 ms of the loop). Starts
         and stops go as datagrams where heartbeats come that way, their
         stream copies COPY_AFTER_INTERVALS heartbeat intervals later to the
-        hosts that have not acted on them by then (`send_copies`)."""
+        hosts that have not acted on them by then (`send_copies`; outside
+        a running event loop, which cannot time them, on the stream only)."""
         launch, held = None, []
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
         for action in actions:
             session = message = None
             if isinstance(action, d.Journal):
@@ -215,7 +223,7 @@ class Executor:
                     start.next_slices.add(num_processes=processes, devices_per_host=per_host)
                 message = pb.ControllerMessage(job_id=self.spec.job_id,
                                                generation=action.generation, start=start)
-                session = self.send(action.host, message, datagram=True)
+                session = self.send(action.host, message, datagram=loop is not None)
             elif isinstance(action, d.StopWorker):
                 # A hang's stop, which first dumps the worker's stacks, goes on
                 # the stream only: dumping twice would cost seconds.
@@ -223,7 +231,8 @@ class Executor:
                     job_id=self.spec.job_id, generation=action.generation,
                     stop=pb.StopWorker(generation=action.generation, grace_s=action.grace_s,
                                        reason=action.reason, dump_stacks=action.dump_stacks))
-                session = self.send(action.host, message, datagram=not action.dump_stacks)
+                session = self.send(action.host, message,
+                                    datagram=loop is not None and not action.dump_stacks)
             elif isinstance(action, d.Finish):
                 pass  # the loop ends on the terminal phase
             else:
@@ -231,26 +240,36 @@ class Executor:
             if session is not None and session.copy_due is message:
                 held.append((action.host, session, message))
         if held:
-            asyncio.get_running_loop().call_later(
-                COPY_AFTER_INTERVALS * self.spec.health.heartbeat_interval_s,
-                self.send_copies, held)
+            loop.call_later(COPY_AFTER_INTERVALS * self.spec.health.heartbeat_interval_s,
+                            self.send_copies, held)
 
     def send_copies(self, held: list[tuple[str, Session, pb.ControllerMessage]]) -> None:
         """Queue the stream copies of the commands in `held` ((host, session,
         message), sent as datagrams) that are still due: not superseded by a
-        later command, on a session still open, to a host that has not
-        acted on them (elastic.policy.view.command_taken: its heartbeats
-        report it). Counted in `copies_sent` and `copies_skipped`."""
+        later command, to a host that has not acted on them
+        (elastic.policy.view.command_taken: its reports say), on the
+        session it was sent on or a new one of the same agent process (it
+        registered again meanwhile). None while `may_act()` says this
+        controller's leadership may have passed (as its decisions). Counted
+        in `copies_sent` and `copies_skipped`."""
+        if self.may_act is not None and not self.may_act():
+            self.copies_skipped += len(held)
+            return
         for host, session, message in held:
-            if session.copy_due is not message:
-                continue  # superseded (that command handles its own copy)
-            session.copy_due = None
-            record = self.view.get(host) if self.view is not None else None
-            body = message.WhichOneof("body")
-            if self.sessions.get(host) is not session or session.close_status is not None or (
-                    record is not None and record.incarnation == session.incarnation and
-                    command_taken(record.worker, body, message.generation)):
-                self.copies_skipped += 1
-            else:
-                self.copies_sent += 1
-                session.queue(message)
+            try:
+                if session.copy_due is not message:
+                    continue  # superseded (that command handles its own copy)
+                session.copy_due = None
+                current = self.sessions.get(host)
+                record = self.view.get(host) if self.view is not None else None
+                if current is None or current.incarnation != session.incarnation or \
+                        current.close_status is not None or (
+                        record is not None and record.incarnation == session.incarnation and
+                        command_taken(record.worker, message.WhichOneof("body"),
+                                      message.generation)):
+                    self.copies_skipped += 1
+                else:
+                    self.copies_sent += 1
+                    current.queue(message)
+            except Exception:  # noqa: BLE001 - one host's copy must not cost the others theirs
+                log.exception("stream copy of a command to host %s failed", host)
