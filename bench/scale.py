@@ -71,11 +71,15 @@ class ArrivalStamps:
 
     def put_nowait(self, message) -> None:
         kind = message.WhichOneof("body")
-        if kind in ("start", "stop"):  # (called right after the datagram was read)
-            sec, usec = struct.unpack("@ll", fcntl.ioctl(self.fd, SIOCGSTAMP, bytes(16)))
-            self.received.setdefault(f"{kind}_arrived", {}).setdefault(self.host_id,
-                                                                      sec + usec / 1e6)
-        self.queue.put_nowait(message)
+        try:
+            if kind in ("start", "stop"):  # (called right after the datagram was read)
+                sec, usec = struct.unpack("@ll", fcntl.ioctl(self.fd, SIOCGSTAMP, bytes(16)))
+                self.received.setdefault(f"{kind}_arrived", {}).setdefault(self.host_id,
+                                                                          sec + usec / 1e6)
+        except OSError:
+            pass  # (no timestamp: its handling time counts)
+        finally:
+            self.queue.put_nowait(message)
 
 
 
