@@ -15,12 +15,13 @@ Security: the key (16 random bytes, AES-128-GCM) is made by the controller
 for one registration and sent in its RegisterResponse, over the mutual-TLS
 channel whose certificate names the host. Only that agent and the
 controller know it, so a datagram that opens under it was sealed by one of
-them: nobody else on the network can speak for the host, read what it
-says, or forge the controller's acks, starts and stops (these go this way
-first, their stream copies later where needed: elastic.controller.executor). Each direction has its own counter,
-the GCM nonce (never reused under one key) and the replay check (a
-counter must be higher than every counter accepted before). The header
-(magic, direction, host id, counter) is authenticated as associated data.
+them: nobody else on the network can speak for the host, read what it says,
+or forge the controller's acks, starts and stops (these go this way first,
+their stream copies later where needed: elastic.controller.executor). Each
+direction has its own counter, the GCM nonce (never reused under one key)
+and the replay check (a counter must be higher than every counter accepted
+before). The header (magic, direction, host id, counter) is authenticated
+as associated data.
 
 Frame: b"EHB1" | direction (1 byte) | host-id length (1 byte) | host id
 (UTF-8) | counter (8 bytes, big-endian) | ciphertext and 16-byte tag. The

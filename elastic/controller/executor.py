@@ -80,8 +80,8 @@ class Session:
         may get twice: a start or a stop; the executor asks only for hosts
         whose datagrams it hears), send it at once as a datagram to where the
         host's latest came from, if it fits, and hold its stream copy back in
-        `copy_due` instead (the executor queues it later, unless the host has acted on
-        it by then: Executor.COPY_AFTER_INTERVALS). A later start or stop
+        `copy_due` instead (the executor queues it later, unless the host has
+        acted on it by then: Executor.COPY_AFTER_INTERVALS). A later start or stop
         supersedes a copy still held back (acks and refusals do not)."""
         if self.close_status is not None:
             return
