@@ -10,11 +10,11 @@ a heartbeat interval later unless this agent's reports show it acted on it:
 elastic.controller.executor; the agent acts on a command's first copy). A
 heartbeat goes on the stream instead when the datagram would be too long,
 when the stream has messages waiting (a datagram must not overtake them),
-and from the moment datagrams have
-gone unacked for `patience_s`, plus the lag the controller's latest ack
-reported (UDP blocked on the way, or dropped): the controller then hears
-the stream before its heartbeat timeout. Every REPROBE_S after that, one
-heartbeat goes both ways; an ack of its datagram brings datagrams back.
+and from the moment datagrams have gone unacked for `patience_s`, plus the
+lag the controller's latest ack reported (UDP blocked on the way, or
+dropped): the controller then hears the stream before its heartbeat
+timeout. Every REPROBE_S after that, one heartbeat goes both ways; an ack
+of its datagram brings datagrams back.
 """
 
 from __future__ import annotations

@@ -238,13 +238,13 @@ class Executor:
             else:
                 raise TypeError(f"unknown action {action!r}")
             if session is not None and session.copy_due is message:
-                held.append((action.host, session, message))
+                held.append((session, message))
         if held:
             loop.call_later(COPY_AFTER_INTERVALS * self.spec.health.heartbeat_interval_s,
                             self.send_copies, held)
 
-    def send_copies(self, held: list[tuple[str, Session, pb.ControllerMessage]]) -> None:
-        """Queue the stream copies of the commands in `held` ((host, session,
+    def send_copies(self, held: list[tuple[Session, pb.ControllerMessage]]) -> None:
+        """Queue the stream copies of the commands in `held` ((session,
         message), sent as datagrams) that are still due: not superseded by a
         later command, to a host that has not acted on them
         (elastic.policy.view.command_taken: its reports say), on the
@@ -255,7 +255,8 @@ class Executor:
         if self.may_act is not None and not self.may_act():
             self.copies_skipped += len(held)
             return
-        for host, session, message in held:
+        for session, message in held:
+            host = session.host_id
             try:
                 if session.copy_due is not message:
                     continue  # superseded (that command handles its own copy)
