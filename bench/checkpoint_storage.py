@@ -19,10 +19,9 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import uuid
 
-from common import machine, write_result
+from common import add_keep_flag, machine, work_dir, write_result
 
 from elastic.checkpoint.emulator import GCSEmulator
 from elastic.checkpoint.faulty_storage import FaultProxy
@@ -47,10 +46,11 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--out", default=str(REPO / "bench" / "results" /
                                             "checkpoint_storage.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-storage-"))
     rows = []
-    with GCSEmulator() as emulator, FaultProxy(emulator.url) as proxy:
+    with work_dir("elastic-storage-", args.keep) as work, GCSEmulator() as emulator, \
+            FaultProxy(emulator.url) as proxy:
         for name in args.sizes:
             size = SIZES[name]
             targets = [("local dir", str(work / uuid.uuid4().hex), 0.0)]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import pathlib
 import platform
+import shutil
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 
 from elastic.controller.journal import JournalTail
 from elastic.controller.status import fetch_status
@@ -80,6 +85,32 @@ def summarize(values: list[float]) -> dict:
 
 def machine() -> str:
     return f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str, keep: bool = False) -> Iterator[pathlib.Path]:
+    """A new working directory for one run (tempfile.mkdtemp(prefix=prefix)):
+    its job spec, state directory (journal, logs, the test certificate
+    authority's private keys) and checkpoints, which can reach gigabytes.
+    Removed on exit, exception or not, so that runs do not pile private
+    keys and checkpoints up in /tmp; with `keep`, left in place and its path
+    printed. Leave the block only after everything that reads from it has
+    read, and every process started in it has stopped."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"kept {path}", flush=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def add_keep_flag(parser: argparse.ArgumentParser) -> None:
+    """Add --keep (`work_dir`'s `keep`) to a benchmark's arguments."""
+    parser.add_argument("--keep", action="store_true",
+                        help="keep each run's working directory, with its journal, logs and "
+                             "checkpoints, instead of removing it")
 
 
 def write_result(path: str, result: dict) -> None:

@@ -22,7 +22,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 from elastic.config import load_spec
@@ -30,7 +29,8 @@ from elastic.controller.status import fetch_status
 from elastic.local import child_env, start_slice, stop_slice
 from elastic.procs import signal_group, signal_pid
 
-from common import machine, print_table, reported_host, summarize, wait_entry, write_result
+from common import (add_keep_flag, machine, print_table, reported_host, summarize, wait_entry,
+                    work_dir, write_result)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -69,63 +69,66 @@ def main() -> int:
                         help="plaintext gRPC (to measure what mutual TLS costs)")
     parser.add_argument("--out", default=None,
                         help="default bench/results/control_plane[_insecure].json")
+    add_keep_flag(parser)
     args = parser.parse_args()
     args.out = args.out or str(REPO / "bench" / "results" /
                                f"control_plane{'_insecure' if args.insecure else ''}.json")
 
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-bench-"))
-    spec_path = work / "job.toml"
-    spec_path.write_text(spec_text(args.heartbeat_interval_s, args.heartbeat_timeout_s))
-    spec = load_spec(spec_path)
-    state = work / "state"
-    local = start_slice(str(spec_path), spec, args.hosts, 1, state, insecure=args.insecure)
-    rows = {"worker_kill_to_detection": [], "worker_kill_to_generation_started": [],
-            "worker_kill_to_first_progress": [], "agent_kill_to_host_lost": []}
-    extra: list[subprocess.Popen] = []
-    try:
-        generation = wait_entry(state, "first_progress")["generation"]
-        for trial in range(args.trials):
-            victim = reported_host(local, f"host-{trial % args.hosts}")
-            t0 = time.time()
-            signal_pid(victim.worker_pid, signal.SIGKILL)
-            stopping = wait_entry(state, "slice_stopping", generation=generation)
-            started = wait_entry(state, "generation_started", generation=generation + 1)
-            first = wait_entry(state, "first_progress", generation=generation + 1)
-            rows["worker_kill_to_detection"].append(stopping["ts"] - t0)
-            rows["worker_kill_to_generation_started"].append(started["ts"] - t0)
-            rows["worker_kill_to_first_progress"].append(first["ts"] - t0)
-            generation += 1
-            print(f"worker kill {trial + 1}/{args.trials}: detected {stopping['ts'] - t0:.3f} s, "
-                  f"next generation {started['ts'] - t0:.3f} s, first step "
-                  f"{first['ts'] - t0:.3f} s", flush=True)
-        for trial in range(args.trials):
-            host_id = f"host-{1 + trial % (args.hosts - 1)}"
-            victim = reported_host(local, host_id)
-            t0 = time.time()
-            signal_pid(victim.agent_pid, signal.SIGKILL)
-            signal_group(victim.worker_pid, signal.SIGKILL)
-            lost = wait_entry(state, "host_lost", host=host_id, after_ts=t0)
-            rows["agent_kill_to_host_lost"].append(lost["ts"] - t0)
-            print(f"agent kill {trial + 1}/{args.trials}: host_lost after {lost['ts'] - t0:.3f} s",
-                  flush=True)
-            # bring the host back and wait until the slice runs on all hosts again
-            log = open(state / "hosts" / f"{host_id}.log", "ab")
-            extra.append(subprocess.Popen(local.agent_argv[host_id], env=child_env(),
-                                          stdout=log, stderr=subprocess.STDOUT))
-            log.close()
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                st = fetch_status(local.address, local.tls)
-                if st.phase == "running" and sum(h.state == "member" for h in st.hosts) == args.hosts:
-                    break
-                time.sleep(0.05)
-            generation = st.generation
-    finally:
-        for p in extra:  # stop now (SIGTERM would be a preemption, waiting for a controller)
-            p.send_signal(signal.SIGINT)
-        stop_slice(local)
-        for p in extra:
-            p.wait(15)
+    with work_dir("elastic-bench-", args.keep) as work:
+        spec_path = work / "job.toml"
+        spec_path.write_text(spec_text(args.heartbeat_interval_s, args.heartbeat_timeout_s))
+        spec = load_spec(spec_path)
+        state = work / "state"
+        local = start_slice(str(spec_path), spec, args.hosts, 1, state, insecure=args.insecure)
+        rows = {"worker_kill_to_detection": [], "worker_kill_to_generation_started": [],
+                "worker_kill_to_first_progress": [], "agent_kill_to_host_lost": []}
+        extra: list[subprocess.Popen] = []
+        try:
+            generation = wait_entry(state, "first_progress")["generation"]
+            for trial in range(args.trials):
+                victim = reported_host(local, f"host-{trial % args.hosts}")
+                t0 = time.time()
+                signal_pid(victim.worker_pid, signal.SIGKILL)
+                stopping = wait_entry(state, "slice_stopping", generation=generation)
+                started = wait_entry(state, "generation_started", generation=generation + 1)
+                first = wait_entry(state, "first_progress", generation=generation + 1)
+                rows["worker_kill_to_detection"].append(stopping["ts"] - t0)
+                rows["worker_kill_to_generation_started"].append(started["ts"] - t0)
+                rows["worker_kill_to_first_progress"].append(first["ts"] - t0)
+                generation += 1
+                print(f"worker kill {trial + 1}/{args.trials}: detected "
+                      f"{stopping['ts'] - t0:.3f} s, next generation "
+                      f"{started['ts'] - t0:.3f} s, first step {first['ts'] - t0:.3f} s",
+                      flush=True)
+            for trial in range(args.trials):
+                host_id = f"host-{1 + trial % (args.hosts - 1)}"
+                victim = reported_host(local, host_id)
+                t0 = time.time()
+                signal_pid(victim.agent_pid, signal.SIGKILL)
+                signal_group(victim.worker_pid, signal.SIGKILL)
+                lost = wait_entry(state, "host_lost", host=host_id, after_ts=t0)
+                rows["agent_kill_to_host_lost"].append(lost["ts"] - t0)
+                print(f"agent kill {trial + 1}/{args.trials}: host_lost after "
+                      f"{lost['ts'] - t0:.3f} s", flush=True)
+                # bring the host back and wait until the slice runs on all hosts again
+                log = open(state / "hosts" / f"{host_id}.log", "ab")
+                extra.append(subprocess.Popen(local.agent_argv[host_id], env=child_env(),
+                                              stdout=log, stderr=subprocess.STDOUT))
+                log.close()
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    st = fetch_status(local.address, local.tls)
+                    if st.phase == "running" and \
+                            sum(h.state == "member" for h in st.hosts) == args.hosts:
+                        break
+                    time.sleep(0.05)
+                generation = st.generation
+        finally:
+            for p in extra:  # stop now (SIGTERM would be a preemption, waiting for a controller)
+                p.send_signal(signal.SIGINT)
+            stop_slice(local)
+            for p in extra:
+                p.wait(15)
 
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
               "hosts": args.hosts, "heartbeat_interval_s": args.heartbeat_interval_s,

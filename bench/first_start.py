@@ -26,10 +26,9 @@ import argparse
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
-from common import lm_job, machine, run_in_one_generation, write_result
+from common import add_keep_flag, lm_job, machine, run_in_one_generation, work_dir, write_result
 
 from elastic.config import load_spec
 from elastic.local import start_slice, surroundings
@@ -71,11 +70,12 @@ def main() -> int:
                         help="hosts in namespaces of their own (needs root)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "first_start.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-first-start-"))
     runs = []
-    with surroundings(work / "around", "first", args.hosts, args.isolate, True,
-                      quiet=True) as made:
+    with work_dir("elastic-first-start-", args.keep) as work, \
+            surroundings(work / "around", "first", args.hosts, args.isolate, True,
+                         quiet=True) as made:
         for index in range(1 + args.warm):
             run = one_run(work, made, index, args.hosts, args.steps, args.timeout_s)
             run["kind"] = "cold" if index == 0 else "warm"

@@ -17,11 +17,10 @@ import argparse
 import pathlib
 import signal
 import sys
-import tempfile
 import time
 
-from common import (lm_job, machine, print_table, reported_host, summarize, wait_entry,
-                    write_result)
+from common import (add_keep_flag, lm_job, machine, print_table, reported_host, summarize,
+                    wait_entry, work_dir, write_result)
 
 from elastic.config import load_spec
 from elastic.controller.status import fetch_status, slice_step
@@ -52,49 +51,52 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" /
                                              "hangs_preemption.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-hangs-"))
-    spec_path = lm_job(work, "hangs", args.hosts, 100,
-                       extra='grow = "immediately"\n[quarantine]\nfailures = 10000')
-    state = work / "state"
-    local = start_slice(str(spec_path), load_spec(spec_path), args.hosts, 2, state)
-    rows: dict[str, list[float]] = {}
+    with work_dir("elastic-hangs-", args.keep) as work:
+        spec_path = lm_job(work, "hangs", args.hosts, 100,
+                           extra='grow = "immediately"\n[quarantine]\nfailures = 10000')
+        state = work / "state"
+        local = start_slice(str(spec_path), load_spec(spec_path), args.hosts, 2, state)
+        rows: dict[str, list[float]] = {}
 
-    def add(name: str, value: float) -> None:
-        rows.setdefault(name, []).append(value)
+        def add(name: str, value: float) -> None:
+            rows.setdefault(name, []).append(value)
 
-    try:
-        for trial in range(args.trials):
-            generation = wait_running(local, args.hosts)
-            victim = reported_host(local, f"host-{trial % args.hosts}")
-            t0 = time.time()
-            signal_pid(victim.worker_pid, signal.SIGSTOP)
-            hang = wait_entry(state, "hang_detected", generation=generation, timeout_s=120)
-            first = wait_entry(state, "first_progress", generation=generation + 1, timeout_s=120)
-            add("sigstop_to_hang_detected", hang["ts"] - t0)
-            add("sigstop_to_first_step", first["ts"] - t0)
-            print(f"hang {trial + 1}/{args.trials}: detected {hang['ts'] - t0:.2f} s "
-                  f"(timeout {hang['timeout_s']:.1f} s, suspects {hang['suspects']}), first step "
-                  f"{first['ts'] - t0:.2f} s", flush=True)
-        for trial in range(args.trials):
-            generation = wait_running(local, args.hosts)
-            host_id = f"host-{1 + trial % (args.hosts - 1)}"
-            victim = reported_host(local, host_id)
-            t0 = time.time()
-            signal_pid(victim.agent_pid, signal.SIGTERM)
-            saved = wait_entry(state, "checkpoint_saved", generation=generation, preemption=True,
-                               timeout_s=60)
-            committed = wait_entry(state, "checkpoint_committed", step=saved["step"])
-            first = wait_entry(state, "first_progress", generation=generation + 1, timeout_s=120)
-            add("sigterm_to_checkpoint_committed", committed["ts"] - t0)
-            add("sigterm_to_first_step", first["ts"] - t0)
-            print(f"preemption {trial + 1}/{args.trials}: committed step {saved['step']} after "
-                  f"{committed['ts'] - t0:.2f} s, first step of generation {generation + 1} "
-                  f"after {first['ts'] - t0:.2f} s", flush=True)
-            local.agents[host_id].wait(30)  # the preempted agent leaves; start it again
-            restart_agent(local, host_id)
-    finally:
-        stop_slice(local)
+        try:
+            for trial in range(args.trials):
+                generation = wait_running(local, args.hosts)
+                victim = reported_host(local, f"host-{trial % args.hosts}")
+                t0 = time.time()
+                signal_pid(victim.worker_pid, signal.SIGSTOP)
+                hang = wait_entry(state, "hang_detected", generation=generation, timeout_s=120)
+                first = wait_entry(state, "first_progress", generation=generation + 1,
+                                   timeout_s=120)
+                add("sigstop_to_hang_detected", hang["ts"] - t0)
+                add("sigstop_to_first_step", first["ts"] - t0)
+                print(f"hang {trial + 1}/{args.trials}: detected {hang['ts'] - t0:.2f} s "
+                      f"(timeout {hang['timeout_s']:.1f} s, suspects {hang['suspects']}), "
+                      f"first step {first['ts'] - t0:.2f} s", flush=True)
+            for trial in range(args.trials):
+                generation = wait_running(local, args.hosts)
+                host_id = f"host-{1 + trial % (args.hosts - 1)}"
+                victim = reported_host(local, host_id)
+                t0 = time.time()
+                signal_pid(victim.agent_pid, signal.SIGTERM)
+                saved = wait_entry(state, "checkpoint_saved", generation=generation,
+                                   preemption=True, timeout_s=60)
+                committed = wait_entry(state, "checkpoint_committed", step=saved["step"])
+                first = wait_entry(state, "first_progress", generation=generation + 1,
+                                   timeout_s=120)
+                add("sigterm_to_checkpoint_committed", committed["ts"] - t0)
+                add("sigterm_to_first_step", first["ts"] - t0)
+                print(f"preemption {trial + 1}/{args.trials}: committed step {saved['step']} after "
+                      f"{committed['ts'] - t0:.2f} s, first step of generation {generation + 1} "
+                      f"after {first['ts'] - t0:.2f} s", flush=True)
+                local.agents[host_id].wait(30)  # the preempted agent leaves; start it again
+                restart_agent(local, host_id)
+        finally:
+            stop_slice(local)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "hosts": args.hosts,
               "results": {k: summarize(v) for k, v in rows.items()}, "raw": rows}
     print_table(result["results"])

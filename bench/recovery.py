@@ -27,12 +27,11 @@ import contextlib
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import grpc
 
-from common import lm_job, machine, summarize, write_result
+from common import add_keep_flag, lm_job, machine, summarize, work_dir, write_result
 
 from elastic.chaos import Chaos
 from elastic.config import load_spec
@@ -124,49 +123,51 @@ def main() -> int:
     parser.add_argument("--no-compile-ahead", action="store_true",
                         help="restart.compile_ahead = false (to measure what it saves)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
 
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-recovery-"))
-    spec_path = lm_job(work, "recovery", args.hosts, INTERVAL, mesh=args.mesh,
-                       extra=f'grow = "immediately"\nreplicate_snapshots = '
-                             f'{str(not args.no_replicas).lower()}\n'
-                             f'compile_ahead = {str(not args.no_compile_ahead).lower()}\n'
-                             f'[quarantine]\nfailures = 10000')
-    spec = load_spec(spec_path)
-    state = work / "state"
-    stack = contextlib.ExitStack()
-    around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
-                                              gcs_emulator=args.gcs_emulator))
-    local = start_slice(str(spec_path), spec, args.hosts, 2, state,
-                        checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                        net=around.net, standby=args.standby,
-                        shared_cache=around.shared_cache,
-                        shared_cache_key=around.shared_cache_key)
-    chaos = Chaos(None, local.addresses, local.tls, state, lambda h: restart_agent(local, h),
-                  lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                  keep_running=True, network=around.net,
-                  controller=(lambda: kill_controller(local), lambda: restart_controller(local)))
-    chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
-    trial_of: dict[float, str] = {}
-    try:
-        wait_full(local, args.hosts, args.warmup_steps)
-        for kind in args.kinds:
-            for trial in range(args.trials):
-                wait_full(local, args.hosts, args.steps_between)
-                status = chaos._status()
-                host = next(h for h in status.hosts
-                            if h.host_id == f"host-{1 + trial % (args.hosts - 1)}")
-                t0 = time.time()
-                chaos.inject(kind, host, status)
-                trial_of[t0] = kind
-                print(f"{kind} {trial + 1}/{args.trials} on {host.host_id}", flush=True)
-        wait_full(local, args.hosts, args.steps_between)
-    finally:
-        chaos.stop()
-        stop_slice(local)
-        stack.close()
+    with work_dir("elastic-recovery-", args.keep) as work:
+        spec_path = lm_job(work, "recovery", args.hosts, INTERVAL, mesh=args.mesh,
+                           extra=f'grow = "immediately"\nreplicate_snapshots = '
+                                 f'{str(not args.no_replicas).lower()}\n'
+                                 f'compile_ahead = {str(not args.no_compile_ahead).lower()}\n'
+                                 f'[quarantine]\nfailures = 10000')
+        spec = load_spec(spec_path)
+        state = work / "state"
+        stack = contextlib.ExitStack()
+        around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
+                                                  gcs_emulator=args.gcs_emulator))
+        local = start_slice(str(spec_path), spec, args.hosts, 2, state,
+                            checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
+                            net=around.net, standby=args.standby,
+                            shared_cache=around.shared_cache,
+                            shared_cache_key=around.shared_cache_key)
+        chaos = Chaos(None, local.addresses, local.tls, state, lambda h: restart_agent(local, h),
+                      lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
+                      keep_running=True, network=around.net,
+                      controller=(lambda: kill_controller(local),
+                                  lambda: restart_controller(local)))
+        chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
+        trial_of: dict[float, str] = {}
+        try:
+            wait_full(local, args.hosts, args.warmup_steps)
+            for kind in args.kinds:
+                for trial in range(args.trials):
+                    wait_full(local, args.hosts, args.steps_between)
+                    status = chaos._status()
+                    host = next(h for h in status.hosts
+                                if h.host_id == f"host-{1 + trial % (args.hosts - 1)}")
+                    t0 = time.time()
+                    chaos.inject(kind, host, status)
+                    trial_of[t0] = kind
+                    print(f"{kind} {trial + 1}/{args.trials} on {host.host_id}", flush=True)
+            wait_full(local, args.hosts, args.steps_between)
+        finally:
+            chaos.stop()
+            stop_slice(local)
+            stack.close()
 
-    journal = list(read_journal(journal_dir(state)))  # (a standby's own, when it holds all)
+        journal = list(read_journal(journal_dir(state)))  # (a standby's own, when it holds all)
     kills = controller_kills(journal)
     incidents = [i for i in account(journal).incidents if i.kind in args.kinds
                  and i.kind != "kill-controller"]

@@ -44,11 +44,10 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 
-from common import machine, wait_entry, write_result
+from common import add_keep_flag, machine, wait_entry, work_dir, write_result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLIENT_PROCESSES = 4
@@ -299,24 +298,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_size(n: int, steady_s: float, insecure: bool, stream_heartbeats: bool = False) -> dict:
+def run_size(n: int, steady_s: float, insecure: bool, stream_heartbeats: bool = False,
+             keep: bool = False) -> dict:
     from elastic.controller.journal import read_journal
     from elastic.controller.status import fetch_status
     from elastic.security import certs
     from elastic.security.identity import Role
     from elastic.security.tls import TLSFiles
 
-    work = pathlib.Path(tempfile.mkdtemp(prefix=f"elastic-scale-{n}-"))
-    pki = work / "pki"
-    if insecure:
-        security, operator, ca_dir = ["--insecure"], None, "-"
-    else:
-        certs.create_ca(pki)
-        security = ["--tls-dir", str(certs.issue(pki, Role.CONTROLLER, "bench").directory)]
-        operator = TLSFiles.in_dir(certs.issue(pki, Role.OPERATOR, "bench").directory)
-        ca_dir = str(pki)
-    spec = work / "job.toml"
-    spec.write_text(f"""
+    with work_dir(f"elastic-scale-{n}-", keep) as work:
+        pki = work / "pki"
+        if insecure:
+            security, operator, ca_dir = ["--insecure"], None, "-"
+        else:
+            certs.create_ca(pki)
+            security = ["--tls-dir", str(certs.issue(pki, Role.CONTROLLER, "bench").directory)]
+            operator = TLSFiles.in_dir(certs.issue(pki, Role.OPERATOR, "bench").directory)
+            ca_dir = str(pki)
+        spec = work / "job.toml"
+        spec.write_text(f"""
 [job]
 id = "scale"
 command = ["true"]
@@ -335,91 +335,91 @@ datagram_heartbeats = {"false" if stream_heartbeats else "true"}
 [hang]
 startup_timeout_s = 600.0
 """)
-    state = work / "state"
-    dropped_before = udp_receive_buffer_errors()
-    ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
-                            "--listen", "127.0.0.1:0", "--state-dir", str(state), *security],
-                           stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
-    clients = []
-    try:
-        deadline = time.monotonic() + 30
-        while not (state / "controller.addr").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        address = (state / "controller.addr").read_text().strip()
-        per = -(-n // CLIENT_PROCESSES)
-        for k in range(CLIENT_PROCESSES):
-            count = min(per, n - k * per)
-            clients.append((subprocess.Popen(
-                [sys.executable, __file__, "client", address, str(k * per), str(count),
-                 str(work / f"client{k}.json"), ca_dir],
-                stderr=open(work / f"client{k}.log", "w")),
-                work / f"client{k}.json"))
-        started = wait_entry(state, "generation_started", generation=1, timeout_s=600)
-        time.sleep(3.0)  # let every start arrive and the heartbeats settle
-        c0, t0 = cpu_seconds(ctl.pid), time.monotonic()
-        time.sleep(steady_s)
-        cpu_share = (cpu_seconds(ctl.pid) - c0) / (time.monotonic() - t0)
-        status = fetch_status(address, operator, timeout_s=30)
-        silent_at = time.time()
-        clients[0][0].send_signal(signal.SIGUSR1)  # sim-00000 stops heartbeating
-        lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60)
-        stopping = wait_entry(state, "slice_stopping", generation=1, timeout_s=60)
-        wait_entry(state, "slice_stopped", generation=1, timeout_s=120)
-        time.sleep(3.0)  # the last stops arrive
-    finally:
-        for proc, _ in clients:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in clients:
-            proc.wait(60)
-        ctl.send_signal(signal.SIGTERM)
-        ctl.wait(30)
-    received: dict = {}
-    for _, path in clients:
-        for kind, by_host in json.loads(path.read_text()).items():
-            received.setdefault(kind, {}).update(by_host)
-    starts, stops = received.get("start", {}), received.get("stop", {})
-    stops.pop("sim-00000", None)  # the silenced agent: lost, its stop need not arrive
-    # when each command arrived: its datagram's kernel timestamp, or its
-    # receipt on the stream when that came first or no datagram came
-    arrived = {kind: {h: min(t, received.get(f"{kind}_arrived", {}).get(h, t))
-                      for h, t in handled.items()}
-               for kind, handled in (("start", starts), ("stop", stops))}
-    journal = list(read_journal(state))
-    first_ts = journal[0]["ts"]
-    return {
-        "agents": n,
-        "tls": not insecure,
-        "heartbeats": "stream" if stream_heartbeats else "datagram",
-        "datagrams_given_up": sum(received.get("datagrams_given_up", {}).values()),
-        # datagrams the kernel dropped meanwhile, for full receive buffers
-        "udp_receive_buffer_drops": udp_receive_buffer_errors() - dropped_before,
-        "controller_cpu_share": round(cpu_share, 3),
-        "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
-        "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
-        "detection_s": round(lost["ts"] - silent_at, 3),
-        "start_fanout_s": _last(arrived["start"], started["ts"]),
-        "start_fanout_handled_s": _last(starts, started["ts"]),
-        "starts_received": len(starts),
-        "starts_by_datagram": len(received.get("start_arrived", {})),
-        "stop_fanout_s": _last(arrived["stop"], stopping["ts"]),
-        "stop_fanout_handled_s": _last(stops, stopping["ts"]),
-        "stops_received": len(stops),
-        "stops_by_datagram": len(received.get("stop_arrived", {})),
-        "all_registered_s": round(started["ts"] - first_ts, 3),
-        # agents whose first stream had sent its first message when the
-        # generation started, by the clients' clocks (a start for any other
-        # would wait in its outbox)
-        "streams_open_at_start": sum(t <= started["ts"]
-                                     for t in received.get("stream_opened", {}).values()),
-        "registrations_deferred": sum(received.get("deferred", {}).values()),
-        "sessions_ended": _by_code(received.get("session_ended", {})),
-        "session_end_details": received.get("first_details", {}),
-        "client_max_lag_s": round(max(received.get("client_max_lag_s", {"": 0.0}).values()), 3),
-        "false_host_lost": sum(e["kind"] == "host_lost" and e.get("host") != "sim-00000"
-                               for e in journal),
-        "max_controller_lag_s": max((e.get("controller_lag_s", 0.0) for e in journal
-                                     if e["kind"] == "host_lost"), default=0.0),
-    }
+        state = work / "state"
+        dropped_before = udp_receive_buffer_errors()
+        ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
+                                "--listen", "127.0.0.1:0", "--state-dir", str(state), *security],
+                               stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
+        clients = []
+        try:
+            deadline = time.monotonic() + 30
+            while not (state / "controller.addr").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            address = (state / "controller.addr").read_text().strip()
+            per = -(-n // CLIENT_PROCESSES)
+            for k in range(CLIENT_PROCESSES):
+                count = min(per, n - k * per)
+                clients.append((subprocess.Popen(
+                    [sys.executable, __file__, "client", address, str(k * per), str(count),
+                     str(work / f"client{k}.json"), ca_dir],
+                    stderr=open(work / f"client{k}.log", "w")),
+                    work / f"client{k}.json"))
+            started = wait_entry(state, "generation_started", generation=1, timeout_s=600)
+            time.sleep(3.0)  # let every start arrive and the heartbeats settle
+            c0, t0 = cpu_seconds(ctl.pid), time.monotonic()
+            time.sleep(steady_s)
+            cpu_share = (cpu_seconds(ctl.pid) - c0) / (time.monotonic() - t0)
+            status = fetch_status(address, operator, timeout_s=30)
+            silent_at = time.time()
+            clients[0][0].send_signal(signal.SIGUSR1)  # sim-00000 stops heartbeating
+            lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60)
+            stopping = wait_entry(state, "slice_stopping", generation=1, timeout_s=60)
+            wait_entry(state, "slice_stopped", generation=1, timeout_s=120)
+            time.sleep(3.0)  # the last stops arrive
+        finally:
+            for proc, _ in clients:
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in clients:
+                proc.wait(60)
+            ctl.send_signal(signal.SIGTERM)
+            ctl.wait(30)
+        received: dict = {}
+        for _, path in clients:
+            for kind, by_host in json.loads(path.read_text()).items():
+                received.setdefault(kind, {}).update(by_host)
+        starts, stops = received.get("start", {}), received.get("stop", {})
+        stops.pop("sim-00000", None)  # the silenced agent: lost, its stop need not arrive
+        # when each command arrived: its datagram's kernel timestamp, or its
+        # receipt on the stream when that came first or no datagram came
+        arrived = {kind: {h: min(t, received.get(f"{kind}_arrived", {}).get(h, t))
+                          for h, t in handled.items()}
+                   for kind, handled in (("start", starts), ("stop", stops))}
+        journal = list(read_journal(state))
+        first_ts = journal[0]["ts"]
+        return {
+            "agents": n,
+            "tls": not insecure,
+            "heartbeats": "stream" if stream_heartbeats else "datagram",
+            "datagrams_given_up": sum(received.get("datagrams_given_up", {}).values()),
+            # datagrams the kernel dropped meanwhile, for full receive buffers
+            "udp_receive_buffer_drops": udp_receive_buffer_errors() - dropped_before,
+            "controller_cpu_share": round(cpu_share, 3),
+            "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
+            "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
+            "detection_s": round(lost["ts"] - silent_at, 3),
+            "start_fanout_s": _last(arrived["start"], started["ts"]),
+            "start_fanout_handled_s": _last(starts, started["ts"]),
+            "starts_received": len(starts),
+            "starts_by_datagram": len(received.get("start_arrived", {})),
+            "stop_fanout_s": _last(arrived["stop"], stopping["ts"]),
+            "stop_fanout_handled_s": _last(stops, stopping["ts"]),
+            "stops_received": len(stops),
+            "stops_by_datagram": len(received.get("stop_arrived", {})),
+            "all_registered_s": round(started["ts"] - first_ts, 3),
+            # agents whose first stream had sent its first message when the
+            # generation started, by the clients' clocks (a start for any other
+            # would wait in its outbox)
+            "streams_open_at_start": sum(t <= started["ts"]
+                                         for t in received.get("stream_opened", {}).values()),
+            "registrations_deferred": sum(received.get("deferred", {}).values()),
+            "sessions_ended": _by_code(received.get("session_ended", {})),
+            "session_end_details": received.get("first_details", {}),
+            "client_max_lag_s": round(max(received.get("client_max_lag_s", {"": 0.0}).values()), 3),
+            "false_host_lost": sum(e["kind"] == "host_lost" and e.get("host") != "sim-00000"
+                                   for e in journal),
+            "max_controller_lag_s": max((e.get("controller_lag_s", 0.0) for e in journal
+                                         if e["kind"] == "host_lost"), default=0.0),
+        }
 
 
 def main() -> int:
@@ -437,12 +437,13 @@ def main() -> int:
                              "false), to compare with datagrams")
     parser.add_argument("--out", default=None,
                         help="default bench/results/scale[_insecure].json")
+    add_keep_flag(parser)
     args = parser.parse_args()
     args.out = args.out or str(REPO / "bench" / "results" /
                                f"scale{'_insecure' if args.insecure else ''}.json")
     rows = []
     for n in args.agents:
-        row = run_size(n, args.steady_s, args.insecure, args.stream_heartbeats)
+        row = run_size(n, args.steady_s, args.insecure, args.stream_heartbeats, args.keep)
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"\n{'TLS' if not args.insecure else 'plaintext'}, heartbeats "

@@ -15,10 +15,9 @@ import argparse
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
-from common import lm_job, machine, write_result
+from common import add_keep_flag, lm_job, machine, work_dir, write_result
 
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
@@ -29,26 +28,28 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run(every: int, hosts: int, steps: int, replicas: bool = True,
-        mesh: str = "data=-1,model=2") -> tuple[list[float], list[float]]:
+        mesh: str = "data=-1,model=2", keep: bool = False) -> tuple[list[float], list[float]]:
     """One job with `--snapshot-every every` (and `replicas`: each sent to a
     buddy host); the median step times and snapshot times (s, over the last
-    50 steps) process 0 reported with its saves after step 50."""
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-snapbench-"))
-    spec_path = lm_job(work, "snapbench", hosts, worker_args=("--snapshot-every", str(every)),
-                       extra=f"replicate_snapshots = {str(replicas).lower()}", mesh=mesh)
-    state = work / "state"
-    local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
-    try:
-        deadline = time.monotonic() + 600
-        while slice_step(fetch_status(local.address, local.tls)) < steps:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the job did not reach step {steps}")
-            time.sleep(0.5)
-    finally:
-        stop_slice(local)
-    saves = [e for e in read_journal(state)
-             if e["kind"] == "checkpoint_saved" and e.get("step_time_s") and e["step"] >= 50]
-    return [e["step_time_s"] for e in saves], [e["snapshot_s"] for e in saves if "snapshot_s" in e]
+    50 steps) process 0 reported with its saves after step 50. Its working
+    directory is removed at the end unless `keep`."""
+    with work_dir("elastic-snapbench-", keep) as work:
+        spec_path = lm_job(work, "snapbench", hosts, worker_args=("--snapshot-every", str(every)),
+                           extra=f"replicate_snapshots = {str(replicas).lower()}", mesh=mesh)
+        state = work / "state"
+        local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state)
+        try:
+            deadline = time.monotonic() + 600
+            while slice_step(fetch_status(local.address, local.tls)) < steps:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the job did not reach step {steps}")
+                time.sleep(0.5)
+        finally:
+            stop_slice(local)
+        saves = [e for e in read_journal(state)
+                 if e["kind"] == "checkpoint_saved" and e.get("step_time_s") and e["step"] >= 50]
+        return ([e["step_time_s"] for e in saves],
+                [e["snapshot_s"] for e in saves if "snapshot_s" in e])
 
 
 def main() -> int:
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--replicas-off-too", action="store_true",
                         help="run every interval also with restart.replicate_snapshots = false")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "snapshot_overhead.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
     # (label, interval, replicas)
     settings = [("none", 0, False)]
@@ -77,7 +79,7 @@ def main() -> int:
     blocking: dict[str, list[float]] = {label: [] for label, _, _ in settings}
     for r in range(args.rounds):
         for label, every, replicas in settings:
-            steps, snaps = run(every, args.hosts, args.steps, replicas, args.mesh)
+            steps, snaps = run(every, args.hosts, args.steps, replicas, args.mesh, args.keep)
             times[label] += steps
             blocking[label] += snaps
             print(f"round {r + 1}: snapshot {label}: median step "

@@ -15,10 +15,9 @@ import argparse
 import contextlib
 import pathlib
 import sys
-import tempfile
 import time
 
-from common import lm_job, machine, write_result
+from common import add_keep_flag, lm_job, machine, work_dir, write_result
 
 from elastic.chaos import CHAOS_KINDS, NETWORK_KINDS, STORAGE_KINDS, Chaos, ChaosSpec
 from elastic.config import load_spec
@@ -54,39 +53,41 @@ def main() -> int:
     parser.add_argument("--no-compile-ahead", action="store_true",
                         help="restart.compile_ahead = false (to measure what it saves)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "soak.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
     if args.kinds is None:
         args.kinds = "+".join(k for k in CHAOS_KINDS if k not in (
             "lose-device", "kill-controller", "stop-controller", *STORAGE_KINDS,
             *(() if args.isolate else NETWORK_KINDS)))
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-soak-"))
-    spec_path = lm_job(work, "soak", args.hosts, args.checkpoint_every,
-                       ("compile_ahead = false\n" if args.no_compile_ahead else "")
-                       + ("" if args.quarantine else "[quarantine]\nfailures = 1000000"))
-    spec = load_spec(spec_path)
-    state = work / "state"
-    stack = contextlib.ExitStack()
-    around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
-                                              gcs_emulator=False))
-    local = start_slice(str(spec_path), spec, args.hosts, 2, state,
-                        checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                        net=around.net, shared_cache=around.shared_cache,
-                        shared_cache_key=around.shared_cache_key)
-    chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+")),
-                                host_down_s=args.host_down_s), local.address,
-                  local.tls, state, lambda h: restart_agent(local, h), lambda h: local.agents[h].pid,
-                  spec.health.heartbeat_timeout_s, network=around.net)
-    chaos.start()
-    deadline = time.monotonic() + args.duration
-    try:
-        while time.monotonic() < deadline:
-            time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
-            print(progress_line(local.address, local.tls), flush=True)
-    finally:
-        chaos.stop()
-        stop_slice(local)
-        stack.close()
-    goodput = account(read_journal(state))
+    with work_dir("elastic-soak-", args.keep) as work:
+        spec_path = lm_job(work, "soak", args.hosts, args.checkpoint_every,
+                           ("compile_ahead = false\n" if args.no_compile_ahead else "")
+                           + ("" if args.quarantine else "[quarantine]\nfailures = 1000000"))
+        spec = load_spec(spec_path)
+        state = work / "state"
+        stack = contextlib.ExitStack()
+        around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
+                                                  gcs_emulator=False))
+        local = start_slice(str(spec_path), spec, args.hosts, 2, state,
+                            checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
+                            net=around.net, shared_cache=around.shared_cache,
+                            shared_cache_key=around.shared_cache_key)
+        chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+")),
+                                    host_down_s=args.host_down_s), local.address,
+                      local.tls, state, lambda h: restart_agent(local, h),
+                      lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
+                      network=around.net)
+        chaos.start()
+        deadline = time.monotonic() + args.duration
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
+                print(progress_line(local.address, local.tls), flush=True)
+        finally:
+            chaos.stop()
+            stop_slice(local)
+            stack.close()
+        goodput = account(read_journal(state))
     print(format_report(goodput))
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "duration_s": args.duration, "mtbf_s": args.mtbf, "seed": args.seed,

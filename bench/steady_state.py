@@ -24,10 +24,9 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from common import lm_job, machine, run_in_one_generation, write_result
+from common import add_keep_flag, lm_job, machine, run_in_one_generation, work_dir, write_result
 
 from elastic.checkpoint.emulator import free_port
 from elastic.config import load_spec
@@ -93,14 +92,16 @@ def main() -> int:
                         help="first step of the window (after compile and warm-up)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "steady_state.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
     if not 1 <= args.first < args.steps - 1:
         parser.error("--from must lie within the run, two steps before its end")
     runs: dict[str, list[tuple[float, float]]] = {"plain": [], "elastic": []}
     for r in range(args.rounds):
         for kind, run in (("plain", run_plain), ("elastic", run_elastic)):
-            work = pathlib.Path(tempfile.mkdtemp(prefix=f"elastic-steady-{kind}-"))
-            mean, median = window(run(work, args.hosts, args.steps, args.timeout_s), args.first)
+            with work_dir(f"elastic-steady-{kind}-", args.keep) as work:
+                mean, median = window(run(work, args.hosts, args.steps, args.timeout_s),
+                                      args.first)
             runs[kind].append((mean, median))
             print(f"round {r + 1}: {kind:7}: mean step {mean:.4f} s, median {median:.4f} s "
                   f"(steps {args.first}-{args.steps - 1})", flush=True)

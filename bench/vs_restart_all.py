@@ -54,10 +54,9 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from common import lm_job, machine, write_result
+from common import add_keep_flag, lm_job, machine, work_dir, write_result
 
 from elastic.chaos import Chaos, ChaosSpec, schedule
 from elastic.checkpoint.emulator import free_port
@@ -193,32 +192,33 @@ def run_restart_all(args, spec: ChaosSpec, host_down_s: float) -> dict:
     `spec` (killed hosts away `host_down_s` seconds). Returns {steps: the
     step count process 0 stood at when the time was up, faults_injected,
     starts, step_s: the undisturbed step in seconds (None if no start ran
-    long enough), work: its directory, events: what the supervisor did}."""
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-vs-plain-"))
-    sup = RestartAll(args.hosts, work, args.checkpoint_every, host_down_s)
-    faults = iter(schedule(spec, 100_000))
-    t0 = time.monotonic()
-    deadline = t0 + args.duration
-    gap, kind, pick = next(faults)
-    due = t0 + gap
-    injected = 0
-    try:
-        while time.monotonic() < deadline:
-            sup.tick()
-            if time.monotonic() >= due and sup.stepping():
-                sup.inject(kind, int(pick * args.hosts))
-                injected += 1
-                gap, kind, pick = next(faults)
-                due = time.monotonic() + gap
-            time.sleep(0.05)
-        last = last_progress(sup.progress_log)
-    finally:
-        if sup.running:
-            sup.stop_all("the end")
-    return {"steps": last["step"] + 1 if last else 0, "faults_injected": injected,
-            "starts": sum(what == "start" for _, what in sup.events),
-            "step_s": undisturbed_step_s(sup.progress_log), "work": str(work),
-            "events": [what for _, what in sup.events]}
+    long enough), work: its directory (removed on return unless args.keep),
+    events: what the supervisor did}."""
+    with work_dir("elastic-vs-plain-", args.keep) as work:
+        sup = RestartAll(args.hosts, work, args.checkpoint_every, host_down_s)
+        faults = iter(schedule(spec, 100_000))
+        t0 = time.monotonic()
+        deadline = t0 + args.duration
+        gap, kind, pick = next(faults)
+        due = t0 + gap
+        injected = 0
+        try:
+            while time.monotonic() < deadline:
+                sup.tick()
+                if time.monotonic() >= due and sup.stepping():
+                    sup.inject(kind, int(pick * args.hosts))
+                    injected += 1
+                    gap, kind, pick = next(faults)
+                    due = time.monotonic() + gap
+                time.sleep(0.05)
+            last = last_progress(sup.progress_log)
+        finally:
+            if sup.running:
+                sup.stop_all("the end")
+        return {"steps": last["step"] + 1 if last else 0, "faults_injected": injected,
+                "starts": sum(what == "start" for _, what in sup.events),
+                "step_s": undisturbed_step_s(sup.progress_log), "work": str(work),
+                "events": [what for _, what in sup.events]}
 
 
 def full_size_steps(samples: list[dict], hosts_of: dict[int, int], hosts: int) -> float:
@@ -293,6 +293,7 @@ def main() -> int:
                         help="persistent checkpoint interval of both arms, in steps")
     parser.add_argument("--arms", default="elastic+restart-all")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "vs_restart_all.json"))
+    add_keep_flag(parser)
     args = parser.parse_args()
     kinds = tuple(args.kinds.split("+"))
     if not set(kinds) <= set(KINDS):
@@ -300,20 +301,20 @@ def main() -> int:
     arms = args.arms.split("+")
     if not arms or not set(arms) <= {"elastic", "restart-all"}:
         parser.error("--arms: elastic, restart-all or both joined by +")
-    # quarantine out of the way: faults picked at random are not a bad host
-    work = pathlib.Path(tempfile.mkdtemp(prefix="elastic-vs-elastic-"))
-    spec_path = lm_job(work, "vs", args.hosts, args.checkpoint_every,
-                       "[quarantine]\nfailures = 1000000",
-                       ("--sample-log", str(work / "samples.jsonl")))
-    heartbeat_timeout_s = load_spec(spec_path).health.heartbeat_timeout_s
-    host_down_s = args.host_down_s if args.host_down_s is not None else heartbeat_timeout_s + 2
-    spec = ChaosSpec(args.mtbf, args.seed, kinds, host_down_s=host_down_s)
-    results = {}
-    for arm in arms:
-        results[arm] = run_elastic(args, spec, spec_path) if arm == "elastic" else \
-            run_restart_all(args, spec, host_down_s)
-        print(f"{arm}: {json.dumps({k: v for k, v in results[arm].items() if k != 'events'})}",
-              flush=True)
+    with work_dir("elastic-vs-elastic-", args.keep) as work:  # the elastic arm's
+        # quarantine out of the way: faults picked at random are not a bad host
+        spec_path = lm_job(work, "vs", args.hosts, args.checkpoint_every,
+                           "[quarantine]\nfailures = 1000000",
+                           ("--sample-log", str(work / "samples.jsonl")))
+        heartbeat_timeout_s = load_spec(spec_path).health.heartbeat_timeout_s
+        host_down_s = args.host_down_s if args.host_down_s is not None else heartbeat_timeout_s + 2
+        spec = ChaosSpec(args.mtbf, args.seed, kinds, host_down_s=host_down_s)
+        results = {}
+        for arm in arms:
+            results[arm] = run_elastic(args, spec, spec_path) if arm == "elastic" else \
+                run_restart_all(args, spec, host_down_s)
+            print(f"{arm}: {json.dumps({k: v for k, v in results[arm].items() if k != 'events'})}",
+                  flush=True)
     print(f"\n{args.hosts} processes x 2 CPU devices, {args.duration:.0f} s an arm, a fault "
           f"every {args.mtbf:.0f} s on average (seed {args.seed}, {'+'.join(kinds)}), killed "
           f"hosts down {host_down_s:.0f} s; {machine()}")
