@@ -74,7 +74,8 @@ def newest_per_host(batch: list[tuple[bytes, object]]) -> list[list[tuple[bytes,
     their last arrival; a datagram naming no host (not ours) makes a group
     of its own, after them. Header fields are not authenticated yet: a
     forged high counter only puts a datagram that will not open first.
-    Pure; O(len(batch) log len(batch))."""
+    Pure; O(len(batch)) when every host sends one datagram (the usual
+    batch: no sort), O(len(batch) log len(batch)) at worst."""
     groups: dict[str, list[tuple[int, int, tuple[bytes, object]]]] = {}
     loose: list[list[tuple[bytes, object]]] = []
     for i, item in enumerate(batch):
@@ -83,11 +84,20 @@ def newest_per_host(batch: list[tuple[bytes, object]]) -> list[list[tuple[bytes,
         except DatagramError:
             loose.append([item])
             continue
-        group = groups.pop(host, [])  # (re-inserted: the dict keeps last arrivals' order)
-        group.append((counter, i, item))
-        groups[host] = group
-    return [[item for _, _, item in sorted(group, key=lambda g: (g[0], g[1]), reverse=True)]
-            for group in groups.values()] + loose
+        group = groups.pop(host, None)  # (re-inserted: the dict keeps last arrivals' order)
+        if group is None:
+            groups[host] = [(counter, i, item)]
+        else:
+            group.append((counter, i, item))
+            groups[host] = group
+    ordered: list[list[tuple[bytes, object]]] = []
+    for group in groups.values():
+        if len(group) == 1:  # (a sort with a key costs ~1 us a host: at 10,000 hosts a
+            ordered.append([group[0][2]])  # tenth of the controller's time)
+        else:  # (counter, arrival): arrivals differ, so items are never compared
+            group.sort(reverse=True)
+            ordered.append([item for _, _, item in group])
+    return ordered + loose
 
 
 class DatagramEndpoint:
