@@ -361,6 +361,47 @@ def test_stray_worker_of_old_generation_is_stopped_once_per_timeout():
     assert not [a for a in again.actions if isinstance(a, d.StopWorker)]
 
 
+@pytest.mark.parametrize("phase, members, ran, lost, why", [
+    # a member whose worker is of an older generation
+    (Phase.RUNNING, ("h0", "h1"), 3, (), "worker of generation 3 is not part of generation 5"),
+    # a host left out of the slice whose worker still runs the current generation
+    (Phase.RUNNING, ("h0",), 5, (),
+     "host is not a member of generation 5, and its worker of generation 5 still runs"),
+    # the slice stopped: every running worker is a stray, said so
+    (Phase.WAITING, (), 5, (), "worker of generation 5 still runs, and no generation does now"),
+    # a lost host is not sent anything (its heartbeats are not heard)
+    (Phase.RUNNING, ("h0",), 3, ("h1",), None),
+])
+def test_stray_workers_table(phase, members, ran, lost, why):
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    if members:  # (h0 runs the slice's worker)
+        worker(view, "h0", T0, 5, WorkerState.RUNNING, step=7)
+    worker(view, "h1", T0, ran, WorkerState.RUNNING, step=7)
+    state = SliceState(phase=phase, generation=5, phase_since=T0, members=members,
+                       incarnations=tuple(f"inc-{h}" for h in members), progressed=True,
+                       devices_per_host=2, device_kind="cpu", lost=frozenset(lost))
+    actions = []
+    after = d._stop_strays(state, view, T0 + 0.1, spec(), actions)
+    journaled = [(a.host, a.reason) for a in actions if isinstance(a, d.Journal)]
+    stops = [(a.host, a.generation, a.reason) for a in actions if isinstance(a, d.StopWorker)]
+    if why is None:
+        assert not actions and after is state
+        return
+    assert journaled == [("h1", why)] and stops == [("h1", ran, why)]
+    assert after.stop_requested == {"h1": T0 + 0.1}
+    # not again within stop_timeout_s (10 s); again after it
+    assert d._stop_strays(after, view, T0 + 5, spec(), []) is after
+    resent = []
+    assert d._stop_strays(after, view, T0 + 10.2, spec(), resent).stop_requested == \
+        {"h1": T0 + 10.2}
+    assert [a.host for a in resent if isinstance(a, d.StopWorker)] == ["h1"]
+    # once its worker has stopped, the request is forgotten
+    worker(view, "h1", T0 + 11, ran, WorkerState.EXITED)
+    assert d._stop_strays(after, view, T0 + 11, spec(), []).stop_requested == {}
+
+
 def test_progress_of_other_generation_is_ignored():
     view = ClusterView()
     register(view, "h0")
