@@ -74,7 +74,8 @@ class Session:
     #: a command sent as a datagram whose stream copy is held back (see send)
     copy_due: pb.ControllerMessage | None = None
 
-    def send(self, message: pb.ControllerMessage, datagram: bool = False) -> None:
+    def send(self, message: pb.ControllerMessage, datagram: bool = False,
+             payload: bytes | None = None) -> None:
         """Queue `message`; past MAX_OUTBOX waiting, close the stream
         (RESOURCE_EXHAUSTED) instead. With `datagram` (a command the agent
         may get twice: a start or a stop; the executor asks only for hosts
@@ -82,14 +83,17 @@ class Session:
         host's latest came from, if it fits, and hold its stream copy back in
         `copy_due` instead (the executor queues it later, unless the host has
         acted on it by then: Executor.COPY_AFTER_INTERVALS). A later start or stop
-        supersedes a copy still held back (acks and refusals do not)."""
+        supersedes a copy still held back (acks and refusals do not).
+        `payload`: `message` already serialized (a message sent to many
+        hosts is serialized once)."""
         if self.close_status is not None:
             return
         if message.WhichOneof("body") in COMMANDS:
             self.copy_due = None
         if datagram and self.datagram_reply is not None:
             try:
-                self.datagram_reply(self.datagrams.seal(message.SerializeToString()))
+                self.datagram_reply(self.datagrams.seal(
+                    payload if payload is not None else message.SerializeToString()))
                 self.copy_due = message
                 return
             except ValueError:  # too long for a datagram: the stream only
@@ -168,10 +172,11 @@ class Executor:
         for fact in facts:
             self.record(fact.kind, fact.generation, fact.reason, fact.host, fact.fields)
 
-    def send(self, host: str, message: pb.ControllerMessage,
-             datagram: bool = False) -> Session | None:
+    def send(self, host: str, message: pb.ControllerMessage, datagram: bool = False,
+             payload: bytes | None = None) -> Session | None:
         """Send `message` on `host`'s session (with `datagram` as a datagram
-        first, its stream copy held back: Session.send); returns the
+        first, its stream copy held back: Session.send; `payload`: `message`
+        serialized, term included); returns the
         session, or None (and a warning) when the host has no registration
         (its heartbeats will show what it runs)."""
         session = self.sessions.get(host)
@@ -185,7 +190,8 @@ class Executor:
         # it every 30 s counts for three intervals, and a command sent then
         # comes a heartbeat interval late, by its stream copy.)
         session.send(message, datagram and self.clock.monotonic() - session.datagram_heard_at
-                     <= self.spec.health.heartbeat_interval_s * DATAGRAMS_HEARD_INTERVALS)
+                     <= self.spec.health.heartbeat_interval_s * DATAGRAMS_HEARD_INTERVALS,
+                     payload)
         return session
 
     def apply(self, actions: tuple[d.Action, ...]) -> None:
@@ -199,6 +205,7 @@ class Executor:
         hosts that have not acted on them by then (`send_copies`; outside
         a running event loop, which cannot time them, on the stream only)."""
         launch, held = None, []
+        stops: dict[tuple, tuple[pb.ControllerMessage, bytes]] = {}  # one message a kind
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -225,14 +232,22 @@ class Executor:
                                                generation=action.generation, start=start)
                 session = self.send(action.host, message, datagram=loop is not None)
             elif isinstance(action, d.StopWorker):
-                # A hang's stop, which first dumps the worker's stacks, goes on
-                # the stream only: dumping twice would cost seconds.
-                message = pb.ControllerMessage(
-                    job_id=self.spec.job_id, generation=action.generation,
-                    stop=pb.StopWorker(generation=action.generation, grace_s=action.grace_s,
-                                       reason=action.reason, dump_stacks=action.dump_stacks))
+                # A slice's stop is the same message to every member: built and
+                # serialized once (shared by the held copies too, which are
+                # told apart by their sessions). A hang's stop, which first
+                # dumps the worker's stacks, goes on the stream only: dumping
+                # twice would cost seconds.
+                kind = (action.generation, action.grace_s, action.reason, action.dump_stacks)
+                if kind not in stops:
+                    stop = pb.ControllerMessage(
+                        job_id=self.spec.job_id, generation=action.generation, term=self.term,
+                        stop=pb.StopWorker(generation=action.generation, grace_s=action.grace_s,
+                                           reason=action.reason, dump_stacks=action.dump_stacks))
+                    stops[kind] = stop, stop.SerializeToString()
+                message, payload = stops[kind]
                 session = self.send(action.host, message,
-                                    datagram=loop is not None and not action.dump_stacks)
+                                    datagram=loop is not None and not action.dump_stacks,
+                                    payload=payload)
             elif isinstance(action, d.Finish):
                 pass  # the loop ends on the terminal phase
             else:

@@ -335,13 +335,13 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                   waiting_journaled_at=float("-inf"))
 
 
-def _member_failure(state: SliceState, view: ClusterView, host: str,
+def _member_failure(state: SliceState, record: HostRecord | None, host: str,
                     incarnation: str) -> tuple[float, str] | None:
-    """(when, why) if `host` failed in the current generation, else None.
+    """(when, why) if member `host` (`record`: its record, None if it has
+    none) failed in the current generation, else None.
     A member whose agent now counts fewer devices than the generation puts
     in the mesh (a chip failed), or another kind, has failed too: its worker
     cannot go on, and the next plan leaves it out or shrinks the mesh."""
-    record = view.get(host)
     if record is None or host in state.lost:
         return (record.last_heartbeat_at if record else 0.0), f"host {host} lost"
     if record.incarnation != incarnation:
@@ -361,22 +361,28 @@ def _member_failure(state: SliceState, view: ClusterView, host: str,
 
 def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
              actions: list[Action]) -> SliceState:
+    # Every tick at scale: each member's record is looked up once, here (a
+    # pass over 10,000 members took ~23 ms, bench/controller_costs.py).
     failures = []
+    members: list[HostRecord] = []  # (all of them, in rank order, when none failed)
     done = 0
     first_step_at = None
+    hosts, generation = view.hosts, state.generation
     for host, incarnation in zip(state.members, state.incarnations):
-        failure = _member_failure(state, view, host, incarnation)
+        record = hosts.get(host)
+        failure = _member_failure(state, record, host, incarnation)
         if failure:
             failures.append((failure[0], host, failure[1]))
             continue
-        w = view.hosts[host].worker
-        done += w.generation == state.generation and w.succeeded
-        if w.generation == state.generation and w.step >= 0:
-            at = view.hosts[host].first_step_at
-            first_step_at = at if first_step_at is None else min(first_step_at, at)
+        members.append(record)
+        w = record.worker
+        if w.generation == generation:
+            done += w.succeeded
+            if w.step >= 0:
+                at = record.first_step_at
+                first_step_at = at if first_step_at is None else min(first_step_at, at)
     if first_step_at is not None and not state.progressed:
-        step = min(view.hosts[h].worker.step for h in state.members
-                   if view.hosts[h].worker.step >= 0)
+        step = min(r.worker.step for r in members if r.worker.step >= 0)
         began = state.restart_began if state.restart_began is not None else state.phase_since
         actions.append(Journal("first_progress", state.generation,
                                f"first step reported (step {step})", None,
@@ -396,7 +402,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                      if host not in failed and (at := view.disconnected.get(host)) is not None]
         when, host, why = min(failures)
         return _begin_stop(state, now, spec, actions, "failure", why, (host,), len(view.hosts))
-    carried = sum(h in state.carried for h in state.members)
+    carried = sum(h in state.carried for h in state.members) if state.carried else 0
     if done == len(state.members) or (carried and done and done + carried == len(state.members)):
         reason = f"all {done} workers of generation {state.generation} exited 0"
         if done < len(state.members):
@@ -410,7 +416,6 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                {"step": last.step, "metrics": dict(last.metrics)}))
         actions.append(Finish(0))
         return _enter(state, Phase.SUCCEEDED, now, reason, exit_code=0)
-    members = [view.hosts[h] for h in state.members]
     # A hang first: a slice draining for a preemption whose worker is stuck
     # will never write its emergency checkpoint. (A carried member's step
     # reports stopped with its agent; the others' steps time the slice.)
