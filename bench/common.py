@@ -92,18 +92,22 @@ def work_dir(prefix: str, keep: bool = False) -> Iterator[pathlib.Path]:
     """A new working directory for one run (tempfile.mkdtemp(prefix=prefix)):
     its job spec, state directory (journal, logs, the test certificate
     authority's private keys) and checkpoints, which can reach gigabytes.
-    Removed on exit, exception or not, so that runs do not pile private
-    keys and checkpoints up in /tmp; with `keep`, left in place and its path
-    printed. Leave the block only after everything that reads from it has
-    read, and every process started in it has stopped."""
+    Removed when the run ends, so that runs do not pile private keys and
+    checkpoints up in /tmp; kept, its path printed, with `keep` or when the
+    run ends with an exception (the journal and logs then say why, and the
+    errors raised inside name paths in it). Leave the block only after
+    everything that reads from it has read, and every process started in it
+    has stopped."""
     path = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
     try:
         yield path
-    finally:
-        if keep:
-            print(f"kept {path}", flush=True)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+    except BaseException:
+        print(f"kept {path} (the run failed)", flush=True)
+        raise
+    if keep:
+        print(f"kept {path}", flush=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def add_keep_flag(parser: argparse.ArgumentParser) -> None:

@@ -134,38 +134,38 @@ def main() -> int:
                                  f'[quarantine]\nfailures = 10000')
         spec = load_spec(spec_path)
         state = work / "state"
-        stack = contextlib.ExitStack()
-        around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
-                                                  gcs_emulator=args.gcs_emulator))
-        local = start_slice(str(spec_path), spec, args.hosts, 2, state,
-                            checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                            net=around.net, standby=args.standby,
-                            shared_cache=around.shared_cache,
-                            shared_cache_key=around.shared_cache_key)
-        chaos = Chaos(None, local.addresses, local.tls, state, lambda h: restart_agent(local, h),
-                      lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                      keep_running=True, network=around.net,
-                      controller=(lambda: kill_controller(local),
-                                  lambda: restart_controller(local)))
-        chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
-        trial_of: dict[float, str] = {}
-        try:
-            wait_full(local, args.hosts, args.warmup_steps)
-            for kind in args.kinds:
-                for trial in range(args.trials):
-                    wait_full(local, args.hosts, args.steps_between)
-                    status = chaos._status()
-                    host = next(h for h in status.hosts
-                                if h.host_id == f"host-{1 + trial % (args.hosts - 1)}")
-                    t0 = time.time()
-                    chaos.inject(kind, host, status)
-                    trial_of[t0] = kind
-                    print(f"{kind} {trial + 1}/{args.trials} on {host.host_id}", flush=True)
-            wait_full(local, args.hosts, args.steps_between)
-        finally:
-            chaos.stop()
-            stop_slice(local)
-            stack.close()
+        with contextlib.ExitStack() as stack:  # (the surroundings close last)
+            around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
+                                                      gcs_emulator=args.gcs_emulator))
+            local = start_slice(str(spec_path), spec, args.hosts, 2, state,
+                                checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
+                                net=around.net, standby=args.standby,
+                                shared_cache=around.shared_cache,
+                                shared_cache_key=around.shared_cache_key)
+            chaos = Chaos(None, local.addresses, local.tls, state,
+                          lambda h: restart_agent(local, h), lambda h: local.agents[h].pid,
+                          spec.health.heartbeat_timeout_s,
+                          keep_running=True, network=around.net,
+                          controller=(lambda: kill_controller(local),
+                                      lambda: restart_controller(local)))
+            chaos.start()  # runs the come-back actions (restarts, SIGCONT) of injected faults
+            trial_of: dict[float, str] = {}
+            try:
+                wait_full(local, args.hosts, args.warmup_steps)
+                for kind in args.kinds:
+                    for trial in range(args.trials):
+                        wait_full(local, args.hosts, args.steps_between)
+                        status = chaos._status()
+                        host = next(h for h in status.hosts
+                                    if h.host_id == f"host-{1 + trial % (args.hosts - 1)}")
+                        t0 = time.time()
+                        chaos.inject(kind, host, status)
+                        trial_of[t0] = kind
+                        print(f"{kind} {trial + 1}/{args.trials} on {host.host_id}", flush=True)
+                wait_full(local, args.hosts, args.steps_between)
+            finally:
+                chaos.stop()
+                stop_slice(local)
 
         journal = list(read_journal(journal_dir(state)))  # (a standby's own, when it holds all)
     kills = controller_kills(journal)

@@ -65,28 +65,27 @@ def main() -> int:
                            + ("" if args.quarantine else "[quarantine]\nfailures = 1000000"))
         spec = load_spec(spec_path)
         state = work / "state"
-        stack = contextlib.ExitStack()
-        around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
-                                                  gcs_emulator=False))
-        local = start_slice(str(spec_path), spec, args.hosts, 2, state,
-                            checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
-                            net=around.net, shared_cache=around.shared_cache,
-                            shared_cache_key=around.shared_cache_key)
-        chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+")),
-                                    host_down_s=args.host_down_s), local.address,
-                      local.tls, state, lambda h: restart_agent(local, h),
-                      lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
-                      network=around.net)
-        chaos.start()
-        deadline = time.monotonic() + args.duration
-        try:
-            while time.monotonic() < deadline:
-                time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
-                print(progress_line(local.address, local.tls), flush=True)
-        finally:
-            chaos.stop()
-            stop_slice(local)
-            stack.close()
+        with contextlib.ExitStack() as stack:  # (the surroundings close last)
+            around = stack.enter_context(surroundings(state, spec.job_id, args.hosts, args.isolate,
+                                                      gcs_emulator=False))
+            local = start_slice(str(spec_path), spec, args.hosts, 2, state,
+                                checkpoint_dir=around.checkpoint_dir, extra_env=around.extra_env,
+                                net=around.net, shared_cache=around.shared_cache,
+                                shared_cache_key=around.shared_cache_key)
+            chaos = Chaos(ChaosSpec(args.mtbf, args.seed, tuple(args.kinds.split("+")),
+                                        host_down_s=args.host_down_s), local.address,
+                          local.tls, state, lambda h: restart_agent(local, h),
+                          lambda h: local.agents[h].pid, spec.health.heartbeat_timeout_s,
+                          network=around.net)
+            chaos.start()
+            deadline = time.monotonic() + args.duration
+            try:
+                while time.monotonic() < deadline:
+                    time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
+                    print(progress_line(local.address, local.tls), flush=True)
+            finally:
+                chaos.stop()
+                stop_slice(local)
         goodput = account(read_journal(state))
     print(format_report(goodput))
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
