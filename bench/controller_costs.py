@@ -19,7 +19,9 @@ controller's code alone:
 - grouping: `newest_per_host` over a batch of N datagrams (how the
   endpoint reads a backlog), per datagram;
 - stop fan-out: `Executor.apply` of a slice stop to N hosts heard by
-  datagram (each stop built, sealed and sent), in all and per host;
+  datagram (the message built once, sealed and sent for each host), in
+  all and per host; start fan-out: the same for a generation's starts
+  (each host's own: its rank, its snapshot buddy, the next slices);
 - decision pass: `decide` for N registered idle hosts waiting for one more
   (every pass while a slice waits), the pass that starts a slice of the N
   (planning the mesh and the slices a lost host would leave: once per
@@ -135,10 +137,11 @@ async def measure(n: int, rounds: int) -> dict:
             per_heartbeat = []
             for round_ in range(rounds):
                 batch = heartbeats()
-                # every second heartbeat acked, as at 1 Hz with the default timeout
-                acked_at = controller.clock.monotonic() if round_ % 2 else float("-inf")
-                for session in controller.sessions.values():
-                    session.datagram_acked_at = acked_at
+                # half the hosts acked in each round, alternating: every second
+                # heartbeat of a host acked, as at 1 Hz with the default timeout
+                now = controller.clock.monotonic()
+                for i, session in enumerate(controller.sessions.values()):
+                    session.datagram_acked_at = now if (i + round_) % 2 else float("-inf")
                 t0 = time.perf_counter()
                 for data in batch:
                     servicer.datagram_received(data, reply)
@@ -173,6 +176,20 @@ async def measure(n: int, rounds: int) -> dict:
                     session.copy_due = None  # (the copies are not this figure)
             stop_fanout_s = statistics.median(fan_out)
 
+            start = tuple([d.Journal("generation_started", 2, "bench", None, {})] +
+                          [d.StartWorker(host, 2, rank, n, f"127.0.0.1:{20000 + rank % 1000}", 1,
+                                         hosts[(rank + 1) % n], "127.0.0.1:7471",
+                                         ((n - 1, 1),))
+                           for rank, host in enumerate(hosts)])
+            fan_out = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                controller.executor.apply(start)
+                fan_out.append(time.perf_counter() - t0)
+                for session in controller.sessions.values():
+                    session.copy_due = None
+            start_fanout_s = statistics.median(fan_out)
+
             for host in hosts:
                 controller.submit(v.HeartbeatReceived(
                     host, controller.view.hosts[host].incarnation,
@@ -194,6 +211,8 @@ async def measure(n: int, rounds: int) -> dict:
             "grouping_us_per_datagram": round(grouping_s * 1e6, 2),
             "stop_fanout_s": round(stop_fanout_s, 4),
             "stop_us_per_host": round(stop_fanout_s / n * 1e6, 2),
+            "start_fanout_s": round(start_fanout_s, 4),
+            "start_us_per_host": round(start_fanout_s / n * 1e6, 2),
             "waiting_pass_ms": round(waiting_pass_s * 1e3, 2),
             "start_pass_ms": round(start_pass_s * 1e3, 2),
             "running_pass_ms": round(running_pass_s * 1e3, 2)}
@@ -208,11 +227,12 @@ def main() -> int:
     args = parser.parse_args()
     rows = [asyncio.run(measure(n, args.rounds)) for n in args.hosts]
     print(f"\n{'hosts':>6} {'heartbeat':>10} {'at 1 Hz':>8} {'grouping':>9} "
-          f"{'stop fan-out':>13} {'per host':>9} {'waiting pass':>13} {'start pass':>11} {'running pass':>13}")
+          f"{'stop fan-out':>13} {'per host':>9} {'start fan-out':>14} {'per host':>9} {'waiting pass':>13} {'start pass':>11} {'running pass':>13}")
     for r in rows:
         print(f"{r['hosts']:6d} {r['heartbeat_us']:8.1f}us {100 * r['heartbeats_core_share_at_1hz']:7.1f}% "
               f"{r['grouping_us_per_datagram']:7.2f}us {r['stop_fanout_s']:12.3f}s "
-              f"{r['stop_us_per_host']:7.1f}us {r['waiting_pass_ms']:11.2f}ms "
+              f"{r['stop_us_per_host']:7.1f}us {r['start_fanout_s']:13.3f}s "
+              f"{r['start_us_per_host']:7.1f}us {r['waiting_pass_ms']:11.2f}ms "
               f"{r['start_pass_ms']:9.1f}ms {r['running_pass_ms']:11.2f}ms")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "python": sys.version.split()[0], "rows": rows})
