@@ -369,6 +369,8 @@ def test_stray_worker_of_old_generation_is_stopped_once_per_timeout():
      "host is not a member of generation 5, and its worker of generation 5 still runs"),
     # the slice stopped: every running worker is a stray, said so
     (Phase.WAITING, (), 5, (), "worker of generation 5 still runs, and no generation does now"),
+    # while the slice stops, its members still count as members
+    (Phase.STOPPING, ("h0", "h1"), 3, (), "worker of generation 3 is not part of generation 5"),
     # a lost host is not sent anything (its heartbeats are not heard)
     (Phase.RUNNING, ("h0",), 3, ("h1",), None),
 ])
@@ -400,6 +402,18 @@ def test_stray_workers_table(phase, members, ran, lost, why):
     # once its worker has stopped, the request is forgotten
     worker(view, "h1", T0 + 11, ran, WorkerState.EXITED)
     assert d._stop_strays(after, view, T0 + 11, spec(), []).stop_requested == {}
+
+
+def test_stops_requested_are_kept_for_strays_and_unknown_hosts_only():
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = dataclasses.replace(running_slice(view, ["h0", "h1"], generation=5),
+                                stop_requested={"h1": T0, "gone": T0})
+    after = d._stop_strays(state, view, T0 + 1, spec(), [])
+    # h1 runs its slice's worker now: no stray, its request is dropped; a host
+    # the view no longer knows keeps its request
+    assert after.stop_requested == {"gone": T0}
 
 
 def test_progress_of_other_generation_is_ignored():

@@ -175,11 +175,14 @@ class Executor:
     def send(self, host: str, message: pb.ControllerMessage, datagram: bool = False,
              payload: bytes | None = None) -> Session | None:
         """Send `message` on `host`'s session (with `datagram` as a datagram
-        first, its stream copy held back: Session.send; `payload`: `message`
-        serialized, term included); returns the
+        first, its stream copy held back: Session.send); returns the
         session, or None (and a warning) when the host has no registration
-        (its heartbeats will show what it runs)."""
+        (its heartbeats will show what it runs). `payload`: `message`
+        already serialized, with this executor's term in it. Raises
+        ValueError for a payload of another term."""
         session = self.sessions.get(host)
+        if payload is not None and message.term != self.term:
+            raise ValueError(f"a payload serialized with term {message.term}, not {self.term}")
         message.term = self.term
         if session is None:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
