@@ -362,7 +362,18 @@ startup_timeout_s = 600.0
             status = fetch_status(address, operator, timeout_s=30)
             silent_at = time.time()
             clients[0][0].send_signal(signal.SIGUSR1)  # sim-00000 stops heartbeating
-            lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60)
+            try:
+                lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60)
+            except TimeoutError:  # what the controller sees then, for the reader
+                seen = fetch_status(address, operator, timeout_s=30)
+                silent = next((h for h in seen.hosts if h.host_id == "sim-00000"), None)
+                print(f"sim-00000 not declared lost 60 s after it went silent: the "
+                      f"controller says {silent.state if silent else 'nothing'} of it, last "
+                      f"heartbeat {silent.heartbeat_age_s if silent else float('nan'):.1f} s "
+                      f"ago ({silent.heartbeat_path if silent else '-'}); heartbeat latency "
+                      f"p50 {seen.heartbeat_latency_p50_s:.2f} s, p99 "
+                      f"{seen.heartbeat_latency_p99_s:.2f} s", flush=True)
+                raise
             stopping = wait_entry(state, "slice_stopping", generation=1, timeout_s=60)
             wait_entry(state, "slice_stopped", generation=1, timeout_s=120)
             time.sleep(3.0)  # the last stops arrive
