@@ -10,7 +10,8 @@ import time
 import pytest
 
 from elastic.clock import FakeClock, SystemClock
-from elastic.controller.lag import NOISE_S, PAUSE_S, LagPromises, LoopLag, ReceiptDelay
+from elastic.controller.lag import (NOISE_S, PAUSE_S, LagPromises, LoopLag, ReceiptDelay,
+                                    ReceiveDrops)
 
 
 @pytest.mark.parametrize("samples,now,window_s,allowance_s", [
@@ -97,6 +98,51 @@ def test_a_controller_judges_silence_against_the_lag_its_acks_told(tmp_path):
     for at, lag_s in ((start, 2.0), (start + held_s, 2.0), (start + held_s + 0.01, 0.0)):
         controller.judge_lag(at)
         assert (controller.view.lag_s, controller.measured_lag_s) == (lag_s, 0.0), at
+
+
+@pytest.mark.parametrize("drops, at, lag_s", [
+    ((), 10.0, 0.0),                                  # none
+    (((5, 10.0),), 10.0, 1.0),                        # an episode begins: a quiet interval
+    (((5, 10.0),), 10.9, 1.9),                        # ... and lasts while drops may come
+    (((5, 10.0),), 11.1, 0.0),                        # over once a quiet interval passed
+    (((5, 10.0), (3, 10.8), (1, 11.5)), 11.5, 2.5),   # drops within an interval: one episode
+    (((5, 10.0), (3, 11.5)), 11.5, 1.0),              # after a quiet interval: a new one
+    (((0, 10.0),), 10.0, 0.0),                        # nothing dropped
+])
+def test_kernel_drops_stand_for_the_lag_of_their_episode(drops, at, lag_s):
+    """While the kernel drops heartbeat datagrams, any host may have lost
+    every one since the drops began: the lag is the episode so far plus the
+    quiet interval (1 s) that ends it."""
+    seen = ReceiveDrops(quiet_s=1.0)
+    for n, when in drops:
+        seen.dropped(n, when)
+    assert seen.lag_s(at) == pytest.approx(lag_s)
+    assert seen.total == sum(n for n, _ in drops)
+
+
+def test_a_controller_judges_silence_against_its_drops(tmp_path):
+    """Drops seen for 3 s are judged as that much lag (plus the interval),
+    held a heartbeat timeout after the last, like the loop's own lateness."""
+    from elastic.config import load_spec
+    from elastic.controller.core import Controller
+    from elastic.controller.journal import JournalWriter
+    from tests.conftest import tiny_spec
+
+    spec = load_spec(tiny_spec(tmp_path, ""))
+    clock = FakeClock()
+    controller = Controller(spec, JournalWriter(tmp_path / "state"), clock)
+    h, start = spec.health, clock.monotonic()
+    for k in range(4):  # drops at 0, 1, 2 and 3 intervals
+        controller.count_dropped(100)
+        controller.judge_lag(clock.monotonic())
+        clock.advance(h.heartbeat_interval_s)
+    episode_s = 3 * h.heartbeat_interval_s + h.heartbeat_interval_s
+    assert controller.view.lag_s == pytest.approx(episode_s)
+    assert controller.drops.total == 400
+    controller.judge_lag(start + 3 * h.heartbeat_interval_s + h.heartbeat_timeout_s)
+    assert controller.view.lag_s == pytest.approx(episode_s)  # held a timeout
+    controller.judge_lag(start + 3 * h.heartbeat_interval_s + h.heartbeat_timeout_s + 0.1)
+    assert controller.view.lag_s == 0.0
 
 
 def test_the_probe_measures_a_loop_that_was_blocked():

@@ -307,6 +307,39 @@ def test_a_batch_is_grouped_by_host_highest_counter_first_hosts_by_last_arrival(
     assert newest_per_host([]) == []
 
 
+def test_the_endpoint_counts_what_the_kernel_dropped_on_its_full_socket():
+    """A real socket on loopback, its buffer made small: datagrams sent
+    while the loop does not read overflow it, and the next read tells
+    `on_dropped` how many the kernel dropped (what it then reads is
+    handed on as usual)."""
+    from elastic.controller import datagrams as dg
+
+    async def main():
+        handed: list[bytes] = []
+        dropped: list[int] = []
+        superseded: list[int] = []
+        endpoint = dg.DatagramEndpoint("127.0.0.1", 0, lambda d, r: handed.append(d) or True,
+                                       superseded.append, dropped.append)
+        await endpoint.open()
+        endpoint.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        port = endpoint.sock.getsockname()[1]
+        channel = hd.DatagramChannel(hd.new_key(), "one", hd.TO_CONTROLLER)
+        sent = [channel.seal(b"x" * 400) for _ in range(200)]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for data in sent:  # (the loop does not run meanwhile)
+                s.sendto(data, ("127.0.0.1", port))
+        await _until(lambda: handed and dropped)
+        endpoint.close()
+        return sent, handed, dropped, superseded
+
+    sent, handed, dropped, superseded = run(main())
+    # every datagram either dropped by the kernel or read: the newest read is
+    # handed on, the others it superseded
+    assert dropped and 0 < sum(dropped) < len(sent)
+    assert len(handed) == 1 and handed[0] in sent
+    assert sum(dropped) + 1 + sum(superseded) == len(sent)
+
+
 def test_the_endpoint_takes_each_hosts_newest_datagram_and_tries_older_ones_if_refused():
     """A real socket on loopback: datagrams that wait in it while the loop
     is busy are read as one batch. Of one host's five, only the newest is

@@ -10,7 +10,7 @@ from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.executor import Executor
 from elastic.controller.journal import JournalTail, JournalWriter
-from elastic.controller.lag import LagPromises, LoopLag, ReceiptDelay
+from elastic.controller.lag import LagPromises, LoopLag, ReceiptDelay, ReceiveDrops
 from elastic.policy.adopt import Inherited
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
@@ -81,6 +81,8 @@ class Controller:
         self.promises = LagPromises()
         # seconds from an agent's send to receipt, of the last 10,000 heartbeats
         self.receipts = ReceiptDelay(keep=10_000)
+        # heartbeat datagrams the kernel dropped on the full socket
+        self.drops = ReceiveDrops(quiet_s=spec.health.heartbeat_interval_s)
         #: registrations refused while it was behind (admission control)
         self.registrations_deferred = 0
         #: heartbeat datagrams taken, dropped (malformed, forged, replayed,
@@ -100,8 +102,10 @@ class Controller:
         (controller-monotonic): the largest measured within a heartbeat
         timeout (elastic.controller.lag), or a larger one acks told agents
         and that still holds (`promise_lag`)."""
-        # what it has not read yet while behind is not the hosts' silence
-        self.lag.note(self.receipts.recent_s(now), now, can_pause=False)
+        # what it has not read yet while behind is not the hosts' silence, nor
+        # what the kernel dropped because it was behind
+        self.lag.note(max(self.receipts.recent_s(now), self.drops.lag_s(now)), now,
+                      can_pause=False)
         self.measured_lag_s = self.lag.allowance_s(now)
         self.view.lag_s = max(self.measured_lag_s, self.promises.floor(now))
 
@@ -114,6 +118,12 @@ class Controller:
         h = self.spec.health
         self.promises.promise(lag_s, self.clock.monotonic() + h.heartbeat_timeout_s + lag_s
                               + 2 * h.heartbeat_interval_s)
+
+    def count_dropped(self, datagrams: int) -> None:
+        """The kernel dropped `datagrams` heartbeat datagrams on the full
+        socket (elastic.controller.datagrams): unread, so judged as lag
+        (ReceiveDrops), not as the hosts' silence."""
+        self.drops.dropped(datagrams, self.clock.monotonic())
 
     def count_superseded(self, datagrams: int) -> None:
         """`datagrams` heartbeat datagrams were left unhandled: a newer one

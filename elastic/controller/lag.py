@@ -199,3 +199,37 @@ class LagPromises:
         while self._promises and self._promises[0][0] < now:
             self._promises.popleft()
         return self._promises[0][1] if self._promises else 0.0
+
+
+class ReceiveDrops:
+    """Heartbeats the kernel dropped because the controller's socket was
+    full: never read, so not silence of their hosts. Which hosts lost
+    datagrams is unknown (the kernel counts them per socket), so while drops
+    keep coming any host may have lost every heartbeat since they began.
+
+    `dropped(n, at)` notes `n` drops seen at `at` (controller-monotonic
+    seconds). An episode begins with drops after `quiet_s` without any (a
+    heartbeat interval), and `lag_s(at)` is, while it lasts, its length so
+    far plus `quiet_s`: the lateness the controller notes as lag, so that the
+    silence limit covers every heartbeat of the episode (and, by the
+    LoopLag window, a heartbeat timeout after it). A dead host is still
+    found, that much later. `total` counts every drop."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self.total = 0
+        self._began = self._last = float("-inf")
+
+    def dropped(self, n: int, at: float) -> None:
+        if n <= 0:
+            return
+        if at - self._last > self.quiet_s:
+            self._began = at
+        self._last = at
+        self.total += n
+
+    def lag_s(self, at: float) -> float:
+        """Seconds of lag the episode under way at `at` stands for; 0.0 if none."""
+        if at - self._last > self.quiet_s:
+            return 0.0
+        return at - self._began + self.quiet_s

@@ -15,7 +15,8 @@ State (read at each scrape from a snapshot the event loop takes, the same
   elastic_controller_lag_seconds        how late its event loop ran lately (see
                                         elastic.controller.lag)
   elastic_registrations_deferred_total  registrations refused while it was behind
-  elastic_heartbeat_datagrams_total{outcome}  heartbeat datagrams taken / dropped
+  elastic_heartbeat_datagrams_total{outcome}  heartbeat datagrams taken / dropped /
+                                        superseded / overflowed (dropped by the kernel)
   elastic_hosts_heartbeating{path}      hosts whose latest heartbeat came as a
                                         datagram / on the stream
 Events (fed by the journal as it is written):
@@ -164,11 +165,14 @@ class ControllerMetrics:
                                   value=float(self.controller.registrations_deferred))
         datagrams = CounterMetricFamily("elastic_heartbeat_datagrams", "Heartbeat datagrams "
                                         "taken; dropped (malformed, forged, replayed or "
-                                        "overtaken); or superseded (a newer one of the same "
-                                        "host read with it was taken)", labels=["outcome"])
+                                        "overtaken); superseded (a newer one of the same "
+                                        "host read with it was taken); or overflowed (the "
+                                        "kernel dropped it, the controller's socket full)",
+                                        labels=["outcome"])
         datagrams.add_metric(["taken"], float(self.controller.datagrams_received))
         datagrams.add_metric(["dropped"], float(self.controller.datagrams_refused))
         datagrams.add_metric(["superseded"], float(self.controller.datagrams_superseded))
+        datagrams.add_metric(["overflowed"], float(self.controller.drops.total))
         yield datagrams
         copies = CounterMetricFamily("elastic_command_stream_copies", "Stream copies of starts "
                                      "and stops sent as datagrams: sent (the host had not "

@@ -118,7 +118,8 @@ class ControllerServer:
         about; agents then heartbeat on their streams."""
         bind = self.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
         endpoint = DatagramEndpoint(bind, port, self.servicer.datagram_received,
-                                    self.controller.count_superseded)
+                                    self.controller.count_superseded,
+                                    self.controller.count_dropped)
         try:
             await endpoint.open()
         except OSError as e:
