@@ -25,7 +25,8 @@ mutual TLS costs. For each size:
   (every agent registered and its stream open; how many streams had sent
   their first message by then), registrations deferred by admission control,
   and hosts declared lost that were never silent (the silenced one aside:
-  should be 0; elastic.controller.lag).
+  should be 0; elastic.controller.lag); datagrams the kernel dropped for
+  full buffers, on the machine and on the controller's socket.
 
     .venv/bin/python bench/scale.py --agents 1000 5000 10000 [--insecure]
 """
@@ -292,6 +293,19 @@ def udp_receive_buffer_errors() -> int:
     return int(rows[1][rows[0].index("RcvbufErrors")])
 
 
+def socket_drops(port: int) -> int | None:
+    """Datagrams the kernel dropped on the UDP socket bound to `port` (the
+    controller's heartbeat socket: the `drops` column of /proc/net/udp);
+    None if no socket is bound to it."""
+    with open("/proc/net/udp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return int(fields[-1])
+    return None
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -340,7 +354,7 @@ startup_timeout_s = 600.0
         ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
                                 "--listen", "127.0.0.1:0", "--state-dir", str(state), *security],
                                stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
-        clients = []
+        clients, address = [], ""
         try:
             deadline = time.monotonic() + 30
             while not (state / "controller.addr").exists() and time.monotonic() < deadline:
@@ -372,12 +386,16 @@ startup_timeout_s = 600.0
                       f"heartbeat {silent.heartbeat_age_s if silent else float('nan'):.1f} s "
                       f"ago ({silent.heartbeat_path if silent else '-'}); heartbeat latency "
                       f"p50 {seen.heartbeat_latency_p50_s:.2f} s, p99 "
-                      f"{seen.heartbeat_latency_p99_s:.2f} s", flush=True)
+                      f"{seen.heartbeat_latency_p99_s:.2f} s; the kernel dropped "
+                      f"{socket_drops(int(address.rsplit(':', 1)[1]))} datagrams on its "
+                      f"socket", flush=True)
                 raise
             stopping = wait_entry(state, "slice_stopping", generation=1, timeout_s=60)
             wait_entry(state, "slice_stopped", generation=1, timeout_s=120)
             time.sleep(3.0)  # the last stops arrive
         finally:
+            port = int(address.rsplit(":", 1)[1]) if address else 0
+            controller_drops = socket_drops(port) if port else None  # (before it closes)
             for proc, _ in clients:
                 proc.send_signal(signal.SIGTERM)
             for proc, _ in clients:
@@ -404,6 +422,8 @@ startup_timeout_s = 600.0
             "datagrams_given_up": sum(received.get("datagrams_given_up", {}).values()),
             # datagrams the kernel dropped meanwhile, for full receive buffers
             "udp_receive_buffer_drops": udp_receive_buffer_errors() - dropped_before,
+            # ... of which on the controller's heartbeat socket, in the whole run
+            "controller_socket_drops": controller_drops,
             "controller_cpu_share": round(cpu_share, 3),
             "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
             "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
