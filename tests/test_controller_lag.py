@@ -108,12 +108,13 @@ def test_a_controller_judges_silence_against_the_lag_its_acks_told(tmp_path):
     (((5, 10.0), (3, 10.8), (1, 11.5)), 11.5, 2.5),   # drops within an interval: one episode
     (((5, 10.0), (3, 11.5)), 11.5, 1.0),              # after a quiet interval: a new one
     (((0, 10.0),), 10.0, 0.0),                        # nothing dropped
+    ((*((1, 10.0 + k * 0.5) for k in range(40)),), 29.5, 5.0),  # 20 s of drops: capped
 ])
 def test_kernel_drops_stand_for_the_lag_of_their_episode(drops, at, lag_s):
     """While the kernel drops heartbeat datagrams, any host may have lost
     every one since the drops began: the lag is the episode so far plus the
-    quiet interval (1 s) that ends it."""
-    seen = ReceiveDrops(quiet_s=1.0)
+    quiet interval (1 s) that ends it, at most the cap (5 s)."""
+    seen = ReceiveDrops(quiet_s=1.0, max_s=5.0)
     for n, when in drops:
         seen.dropped(n, when)
     assert seen.lag_s(at) == pytest.approx(lag_s)

@@ -82,7 +82,8 @@ class Controller:
         # seconds from an agent's send to receipt, of the last 10,000 heartbeats
         self.receipts = ReceiptDelay(keep=10_000)
         # heartbeat datagrams the kernel dropped on the full socket
-        self.drops = ReceiveDrops(quiet_s=spec.health.heartbeat_interval_s)
+        self.drops = ReceiveDrops(quiet_s=spec.health.heartbeat_interval_s,
+                                  max_s=spec.health.heartbeat_timeout_s)
         #: registrations refused while it was behind (admission control)
         self.registrations_deferred = 0
         #: heartbeat datagrams taken, dropped (malformed, forged, replayed,

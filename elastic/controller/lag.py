@@ -210,13 +210,16 @@ class ReceiveDrops:
     `dropped(n, at)` notes `n` drops seen at `at` (controller-monotonic
     seconds). An episode begins with drops after `quiet_s` without any (a
     heartbeat interval), and `lag_s(at)` is, while it lasts, its length so
-    far plus `quiet_s`: the lateness the controller notes as lag, so that the
-    silence limit covers every heartbeat of the episode (and, by the
-    LoopLag window, a heartbeat timeout after it). A dead host is still
-    found, that much later. `total` counts every drop."""
+    far plus `quiet_s`, at most `max_s`: the lateness the controller notes
+    as lag, so that the silence limit covers every heartbeat of the episode
+    (and, by the LoopLag window, a heartbeat timeout after it). With `max_s`
+    a heartbeat timeout, a dead host is still found within about twice the
+    timeout however long the drops last: a live host that lost every
+    heartbeat for that long to drops that leave the others through is
+    unlikely. `total` counts every drop."""
 
-    def __init__(self, quiet_s: float) -> None:
-        self.quiet_s = quiet_s
+    def __init__(self, quiet_s: float, max_s: float = float("inf")) -> None:
+        self.quiet_s, self.max_s = quiet_s, max_s
         self.total = 0
         self._began = self._last = float("-inf")
 
@@ -232,4 +235,4 @@ class ReceiveDrops:
         """Seconds of lag the episode under way at `at` stands for; 0.0 if none."""
         if at - self._last > self.quiet_s:
             return 0.0
-        return at - self._began + self.quiet_s
+        return min(at - self._began + self.quiet_s, self.max_s)
