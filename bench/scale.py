@@ -294,15 +294,19 @@ def udp_receive_buffer_errors() -> int:
 
 
 def socket_drops(port: int) -> int | None:
-    """Datagrams the kernel dropped on the UDP socket bound to `port` (the
-    controller's heartbeat socket: the `drops` column of /proc/net/udp);
-    None if no socket is bound to it."""
-    with open("/proc/net/udp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                return int(fields[-1])
+    """Datagrams the kernel dropped on the IPv4 UDP socket bound to `port`
+    (the controller's heartbeat socket: the `drops` column of
+    /proc/net/udp); None if none is bound to it or the table cannot be
+    read."""
+    try:
+        with open("/proc/net/udp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    return int(fields[-1])
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
     return None
 
 

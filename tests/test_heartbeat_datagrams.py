@@ -321,6 +321,9 @@ def test_the_endpoint_counts_what_the_kernel_dropped_on_its_full_socket():
         endpoint = dg.DatagramEndpoint("127.0.0.1", 0, lambda d, r: handed.append(d) or True,
                                        superseded.append, dropped.append)
         await endpoint.open()
+        if endpoint._kernel_drops() is None:
+            endpoint.close()
+            pytest.skip("this kernel does not count a socket's drops (SO_MEMINFO)")
         endpoint.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         port = endpoint.sock.getsockname()[1]
         channel = hd.DatagramChannel(hd.new_key(), "one", hd.TO_CONTROLLER)
@@ -328,16 +331,15 @@ def test_the_endpoint_counts_what_the_kernel_dropped_on_its_full_socket():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for data in sent:  # (the loop does not run meanwhile)
                 s.sendto(data, ("127.0.0.1", port))
-        await _until(lambda: handed and dropped)
+        # every datagram is accounted for: dropped by the kernel, or read (each
+        # batch's newest handed on, the others superseded by it)
+        await _until(lambda: sum(dropped) + len(handed) + sum(superseded) == len(sent))
         endpoint.close()
         return sent, handed, dropped, superseded
 
     sent, handed, dropped, superseded = run(main())
-    # every datagram either dropped by the kernel or read: the newest read is
-    # handed on, the others it superseded
-    assert dropped and 0 < sum(dropped) < len(sent)
-    assert len(handed) == 1 and handed[0] in sent
-    assert sum(dropped) + 1 + sum(superseded) == len(sent)
+    assert dropped and 0 < sum(dropped) < len(sent) - 1
+    assert handed and set(handed) <= set(sent)
 
 
 def test_the_endpoint_takes_each_hosts_newest_datagram_and_tries_older_ones_if_refused():

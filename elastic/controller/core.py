@@ -82,8 +82,7 @@ class Controller:
         # seconds from an agent's send to receipt, of the last 10,000 heartbeats
         self.receipts = ReceiptDelay(keep=10_000)
         # heartbeat datagrams the kernel dropped on the full socket
-        self.drops = ReceiveDrops(quiet_s=spec.health.heartbeat_interval_s,
-                                  max_s=spec.health.heartbeat_timeout_s)
+        self.drops = ReceiveDrops(hold_s=spec.health.heartbeat_timeout_s)
         #: registrations refused while it was behind (admission control)
         self.registrations_deferred = 0
         #: heartbeat datagrams taken, dropped (malformed, forged, replayed,
@@ -102,13 +101,15 @@ class Controller:
         """Set the lag (seconds) silence is judged against at `now`
         (controller-monotonic): the largest measured within a heartbeat
         timeout (elastic.controller.lag), or a larger one acks told agents
-        and that still holds (`promise_lag`)."""
+        and that still holds (`promise_lag`), or the timeout itself while the
+        kernel drops heartbeats on the full socket (ReceiveDrops; not told
+        to agents, and not counted as being behind by admission control)."""
         # what it has not read yet while behind is not the hosts' silence, nor
         # what the kernel dropped because it was behind
-        self.lag.note(max(self.receipts.recent_s(now), self.drops.lag_s(now)), now,
-                      can_pause=False)
+        self.lag.note(self.receipts.recent_s(now), now, can_pause=False)
         self.measured_lag_s = self.lag.allowance_s(now)
-        self.view.lag_s = max(self.measured_lag_s, self.promises.floor(now))
+        self.view.lag_s = max(self.measured_lag_s, self.promises.floor(now),
+                              self.drops.lag_s(now))
 
     def promise_lag(self, lag_s: float) -> None:
         """An ack told an agent that this controller runs `lag_s` seconds

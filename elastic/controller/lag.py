@@ -12,7 +12,9 @@ asyncio's debug mode do (how late a timer fires), and the policy judges
 silence against `heartbeat_timeout_s + lag` (ClusterView.lag_s).
 
 Two measures: the loop's own lateness, and how late heartbeats reach it
-(ReceiptDelay: messages can also wait in gRPC's core, unseen by the loop).
+(ReceiptDelay: messages can also wait in gRPC's core, unseen by the loop);
+and heartbeats the kernel dropped on the full socket count as lag of
+their own (ReceiveDrops).
 A probe task sleeps PROBE_S and records how much later than asked it woke;
 the reconcile loop records its own wake-lateness too (it may run before the
 probe after a pause). Two kinds of lateness:
@@ -204,35 +206,29 @@ class LagPromises:
 class ReceiveDrops:
     """Heartbeats the kernel dropped because the controller's socket was
     full: never read, so not silence of their hosts. Which hosts lost
-    datagrams is unknown (the kernel counts them per socket), so while drops
-    keep coming any host may have lost every heartbeat since they began.
+    datagrams is unknown (the kernel counts them per socket), and the
+    endpoint sees drops only when it reads, which a controller this busy
+    does seldom; so drops within `hold_s` (a heartbeat timeout) of each
+    other are one episode, and while one lasts, and `hold_s` after its last
+    drop, any host may have lost its heartbeats: `lag_s(at)` is then
+    `hold_s`, added to every silence limit (ClusterView.lag_s) beside the
+    loop's own lag. A dead host is still found, within about twice the
+    timeout. Unlike the loop's lag it is not told to agents in acks (their
+    datagrams being dropped, they should move to their streams as soon as
+    ever) and does not defer registrations (elastic.controller.admission).
 
     `dropped(n, at)` notes `n` drops seen at `at` (controller-monotonic
-    seconds). An episode begins with drops after `quiet_s` without any (a
-    heartbeat interval), and `lag_s(at)` is, while it lasts, its length so
-    far plus `quiet_s`, at most `max_s`: the lateness the controller notes
-    as lag, so that the silence limit covers every heartbeat of the episode
-    (and, by the LoopLag window, a heartbeat timeout after it). With `max_s`
-    a heartbeat timeout, a dead host is still found within about twice the
-    timeout however long the drops last: a live host that lost every
-    heartbeat for that long to drops that leave the others through is
-    unlikely. `total` counts every drop."""
+    seconds). `total` counts every drop."""
 
-    def __init__(self, quiet_s: float, max_s: float = float("inf")) -> None:
-        self.quiet_s, self.max_s = quiet_s, max_s
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
         self.total = 0
-        self._began = self._last = float("-inf")
+        self._last = float("-inf")
 
     def dropped(self, n: int, at: float) -> None:
-        if n <= 0:
-            return
-        if at - self._last > self.quiet_s:
-            self._began = at
-        self._last = at
-        self.total += n
+        if n > 0:
+            self._last, self.total = max(self._last, at), self.total + n
 
     def lag_s(self, at: float) -> float:
-        """Seconds of lag the episode under way at `at` stands for; 0.0 if none."""
-        if at - self._last > self.quiet_s:
-            return 0.0
-        return min(at - self._began + self.quiet_s, self.max_s)
+        """`hold_s` within `hold_s` of the last drop seen before `at`; else 0.0."""
+        return self.hold_s if 0.0 <= at - self._last <= self.hold_s else 0.0
