@@ -227,9 +227,11 @@ def main() -> int:
     args = parser.parse_args()
     rows = [asyncio.run(measure(n, args.rounds)) for n in args.hosts]
     print(f"\n{'hosts':>6} {'heartbeat':>10} {'at 1 Hz':>8} {'grouping':>9} "
-          f"{'stop fan-out':>13} {'per host':>9} {'start fan-out':>14} {'per host':>9} {'waiting pass':>13} {'start pass':>11} {'running pass':>13}")
+          f"{'stop fan-out':>13} {'per host':>9} {'start fan-out':>14} {'per host':>9} "
+          f"{'waiting pass':>13} {'start pass':>11} {'running pass':>13}")
     for r in rows:
-        print(f"{r['hosts']:6d} {r['heartbeat_us']:8.1f}us {100 * r['heartbeats_core_share_at_1hz']:7.1f}% "
+        share = 100 * r["heartbeats_core_share_at_1hz"]
+        print(f"{r['hosts']:6d} {r['heartbeat_us']:8.1f}us {share:7.1f}% "
               f"{r['grouping_us_per_datagram']:7.2f}us {r['stop_fanout_s']:12.3f}s "
               f"{r['stop_us_per_host']:7.1f}us {r['start_fanout_s']:13.3f}s "
               f"{r['start_us_per_host']:7.1f}us {r['waiting_pass_ms']:11.2f}ms "

@@ -123,8 +123,8 @@ class DatagramEndpoint:
     `on_superseded(n)` is told of the n datagrams of a host never handed on
     because a newer one of it was taken; `on_dropped(n)` of n datagrams the
     kernel dropped since the last read while the socket's buffer was at
-    least half full (Linux: SO_MEMINFO; elsewhere never told). `await open()` binds it; `close()`
-    stops it (idempotent)."""
+    least half full (Linux: SO_MEMINFO; elsewhere never told). `await
+    open()` binds it; `close()` stops it (idempotent)."""
 
     def __init__(self, host: str, port: int, on_datagram: OnDatagram,
                  on_superseded: Callable[[int], None] = lambda n: None,

@@ -208,12 +208,10 @@ class ReceiveDrops:
     full: never read, so not silence of their hosts. Which hosts lost
     datagrams is unknown (the kernel counts them per socket), and the
     endpoint sees drops only when it reads, which a controller this busy
-    does seldom; so drops within `hold_s` (a heartbeat timeout) of each
-    other are one episode, and while one lasts, and `hold_s` after its last
-    drop, any host may have lost its heartbeats: `lag_s(at)` is then
-    `hold_s`, added to every silence limit (ClusterView.lag_s) beside the
-    loop's own lag. A dead host is still found, within about twice the
-    timeout. Unlike the loop's lag it is not told to agents in acks (their
+    does seldom; so until `hold_s` (a heartbeat timeout) after the last drop
+    seen any host may have lost its heartbeats, and `lag_s(at)` is `hold_s`,
+    added to every silence limit (ClusterView.lag_s) beside the loop's own
+    lag. A dead host is still found, within about twice the timeout. Unlike the loop's lag it is not told to agents in acks (their
     datagrams being dropped, they should move to their streams as soon as
     ever) and does not defer registrations (elastic.controller.admission).
 
