@@ -662,12 +662,8 @@ def _stop_strays(state: SliceState, view: ClusterView, now: float, spec: JobSpec
                  actions: list[Action]) -> SliceState:
     """Stop workers that run outside the current generation (a returning host's
     old worker, a worker the previous controller started). Resent at most once
-    per `stop_timeout_s`.
-
-    Every pass runs this over every host, so the scan is one comprehension
-    (at 10,000 registered hosts waiting for a slice: 0.6 ms a pass, against
-    2.1 ms for the per-host loop it replaces, and passes come after every
-    registration); the rest is O(strays + stops requested)."""
+    per `stop_timeout_s`. Every pass scans every host: one comprehension (0.6 ms
+    at 10,000 idle hosts, 2.1 ms as a loop); the rest is O(strays + stops)."""
     running_phase = state.phase in (Phase.STARTING, Phase.RUNNING, Phase.STOPPING)
     members = frozenset(state.members) if running_phase else frozenset()
     generation, lost, RUNNING = state.generation, state.lost, WorkerState.RUNNING
