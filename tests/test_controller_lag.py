@@ -148,6 +148,51 @@ def test_a_controller_judges_silence_against_its_drops_without_telling_agents(tm
     assert controller.view.lag_s == 0.0 and controller.drops.total == 300
 
 
+def test_heartbeats_queued_on_a_stream_before_it_was_taken_up_are_not_lag(tmp_path):
+    """A stream waits in gRPC's queue of calls until the controller takes it
+    up, and the agent's heartbeats queue on it meanwhile: read then, their
+    delay is that stream's wait, not the controller's lag (a wave of such
+    streams made it judge every host's silence 70 s behind). Heartbeats sent
+    once the stream was taken up count as before; both show as latency."""
+    from elastic.config import load_spec
+    from elastic.controller.core import Controller
+    from elastic.controller.executor import Session
+    from elastic.controller.journal import JournalWriter
+    from elastic.controller.servicer import ControllerServicer
+    from elastic.policy import view as v
+    from elastic.v1 import control_pb2 as pb
+    from tests.conftest import tiny_spec
+
+    spec = load_spec(tiny_spec(tmp_path, ""))
+    clock = FakeClock()
+    controller = Controller(spec, JournalWriter(tmp_path / "state"), clock)
+    latencies: list[float] = []
+    controller.on_heartbeat_latency = latencies.append
+    servicer = ControllerServicer(controller, authenticated=False)
+    session = controller.sessions["h0"] = Session("h0", "inc-h0")
+    controller.submit(v.Registered("h0", "inc-h0", 1, "127.0.0.1", "h0", 1, 0, v.WorkerObs()))
+    clock.advance(60.0)  # the stream waited a minute to be taken up
+    session.attached, session.attached_at = True, clock.time()
+
+    def heartbeat(seq: int, sent_at: float) -> pb.AgentMessage:
+        return pb.AgentMessage(
+            header=pb.Header(job_id=spec.job_id, host_id="h0", incarnation="inc-h0", seq=seq),
+            heartbeat=pb.Heartbeat(seq=seq, sent_at=sent_at, worker=pb.WorkerStatus(
+                state=pb.WORKER_IDLE, step=-1, committed_step=-1)))
+
+    for seq, age_s in enumerate((59.0, 40.0, 1.0), start=1):  # queued while it waited
+        servicer._handle(session, heartbeat(seq, clock.time() - age_s))
+    assert controller.receipts.latencies() == []
+    assert latencies == [59.0, 40.0, 1.0]
+    clock.advance(0.5)
+    servicer._handle(session, heartbeat(4, clock.time() - 0.2))  # sent after the take-up
+    assert controller.receipts.latencies() == [pytest.approx(0.2)]
+    for seq in range(5, 8):
+        servicer._handle(session, heartbeat(seq, clock.time() - 0.2))
+    controller.judge_lag(clock.monotonic())
+    assert controller.view.lag_s == pytest.approx(0.2)
+
+
 def test_the_probe_measures_a_loop_that_was_blocked():
     async def main():
         lag = LoopLag(SystemClock(), window_s=5.0)

@@ -59,6 +59,9 @@ class Session:
     outbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     close_status: tuple | None = None
     attached: bool = False
+    #: when the controller took its stream up: read its first message
+    #: (controller wall-clock seconds; 0.0 until then)
+    attached_at: float = 0.0
     #: when its latest heartbeat ack was queued (controller-monotonic seconds)
     acked_at: float = float("-inf")
     #: its heartbeat datagrams (elastic.heartbeat_datagram; None: stream only),

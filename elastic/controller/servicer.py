@@ -331,7 +331,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             await self._refuse(context, host, adm.Refusal(
                 "denied", f"the stream's certificate (sha256 {peer.fingerprint[:16]}) is not the "
                           f"one host {host} registered with"))
-        session.attached = True
+        session.attached, session.attached_at = True, c.clock.time()
         reader = asyncio.create_task(self._read(context, session, first))
         try:
             while True:
@@ -426,7 +426,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             session.heartbeat_path = "stream" if datagram_reply is None else "datagram"
             hb = message.heartbeat
             worker = self._observed(h.host_id, hb.worker, refusal)
-            latency = c.receipts.heard(hb.sent_at, c.clock.time(), c.clock.monotonic())
+            now_s = c.clock.time()
+            if datagram_reply is None and 0 < hb.sent_at < session.attached_at:
+                # Sent on its stream before the controller took the stream up: it
+                # waited in gRPC's queue of calls, which is that stream's wait
+                # (judged by STREAM_OPEN_S), not the controller's lag. A wave of
+                # streams taken up at once, each with a minute of heartbeats
+                # queued on it, made the controller judge every host's silence
+                # 70 s behind (bench/scale.py, 10,000 agents, 2026-11-26).
+                latency = now_s - hb.sent_at
+            else:
+                latency = c.receipts.heard(hb.sent_at, now_s, c.clock.monotonic())
             if latency is not None and c.on_heartbeat_latency is not None:
                 c.on_heartbeat_latency(latency)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
