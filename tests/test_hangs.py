@@ -49,7 +49,10 @@ def test_sigstop_agent_is_lost_then_rejoins(tmp_path, local_job):
                          '[restart]\ngrow = "immediately"\n')
     job = local_job(spec)
     job.wait_for("first_progress", generation=1)
-    victim = job.host("host-1")
+    # (the first step may be reported before host-1's heartbeat names its worker:
+    # its pid of 0 then failed the check of the worker below, in a fresh clone's run)
+    victim = wait_until(lambda: (h := job.host("host-1")).get("workerPid") and h, 10,
+                        "host-1 to report its worker's pid")
     os.kill(victim["agentPid"], signal.SIGSTOP)
     try:
         job.wait_for("host_lost", host="host-1")
