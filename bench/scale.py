@@ -358,12 +358,13 @@ startup_timeout_s = 600.0
         ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
                                 "--listen", "127.0.0.1:0", "--state-dir", str(state), *security],
                                stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
-        clients, address = [], ""
+        clients, address, port = [], "", 0
         try:
             deadline = time.monotonic() + 30
             while not (state / "controller.addr").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             address = (state / "controller.addr").read_text().strip()
+            port = int(address.rsplit(":", 1)[1])  # (its heartbeat socket's too)
             per = -(-n // CLIENT_PROCESSES)
             for k in range(CLIENT_PROCESSES):
                 count = min(per, n - k * per)
@@ -391,14 +392,13 @@ startup_timeout_s = 600.0
                       f"ago ({silent.heartbeat_path if silent else '-'}); heartbeat latency "
                       f"p50 {seen.heartbeat_latency_p50_s:.2f} s, p99 "
                       f"{seen.heartbeat_latency_p99_s:.2f} s; the kernel dropped "
-                      f"{socket_drops(int(address.rsplit(':', 1)[1]))} datagrams on its "
+                      f"{socket_drops(port)} datagrams on its "
                       f"socket", flush=True)
                 raise
             stopping = wait_entry(state, "slice_stopping", generation=1, timeout_s=60)
             wait_entry(state, "slice_stopped", generation=1, timeout_s=120)
             time.sleep(3.0)  # the last stops arrive
         finally:
-            port = int(address.rsplit(":", 1)[1]) if address else 0
             controller_drops = socket_drops(port) if port else None  # (before it closes)
             for proc, _ in clients:
                 proc.send_signal(signal.SIGTERM)
