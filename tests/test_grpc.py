@@ -178,3 +178,57 @@ def test_agent_retries_until_controller_appears(tmp_path, tagged, pki):
         return code
 
     assert run(main()) == 0
+
+
+def test_a_controller_ending_the_job_first_reads_what_agents_queued(tmp_path, pki):
+    """A controller that ends the job (here: it came back after the workers
+    had finished) reads on until each open session has delivered what its
+    agent queued while no controller listened (sent first, then a
+    heartbeat, elastic.agent.session): the restore and the startup phases
+    reach the journal. A session that never delivers is given up on after
+    the limit."""
+    import dataclasses
+
+    from elastic.policy.state import Phase
+
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        address = await server.start()
+        controller = server.controller
+        async with transport.aio_channel(address, pki.host("h0")) as ch0, \
+                transport.aio_channel(address, pki.host("h1")) as ch1:
+            streams = {}
+            for host, ch in (("h0", ch0), ("h1", ch1)):
+                stub = pb_grpc.ControllerStub(ch)
+                await stub.Register(register_request(host=host), timeout=5)
+                streams[host] = stub.Connect()
+                # what it queued: a restore, not yet followed by a heartbeat
+                await streams[host].write(pb.AgentMessage(
+                    header=header(host=host), worker_event=pb.WorkerEvent(
+                        kind="checkpoint_restored", reason=f"{host} restored step 20",
+                        fields_json='{"step": 20}')))
+            assert await controller.hear_out(0.2) == ["h0", "h1"]
+            await streams["h0"].write(pb.AgentMessage(header=header(host="h0", generation=0),
+                                                      heartbeat=pb.Heartbeat(seq=1)))
+            assert (await streams["h0"].read()).WhichOneof("body") == "ack"
+            assert controller.unheard() == ["h1"]
+
+            controller.state = dataclasses.replace(controller.state, phase=Phase.SUCCEEDED,
+                                                   exit_code=0)
+            run_task = asyncio.create_task(server.run())
+            done, _ = await asyncio.wait([run_task], timeout=0.5)
+            assert not done, "the job ended without h1's queued report"
+            await streams["h1"].write(pb.AgentMessage(header=header(host="h1"),
+                                                      heartbeat=pb.Heartbeat(seq=1)))
+            assert await asyncio.wait_for(run_task, 5) == 0
+            assert controller.unheard() == []
+            began = time.monotonic()
+            assert await controller.hear_out(0.3) == []
+            assert time.monotonic() - began < 0.3
+        await server.stop("test over")
+
+    run(main())
+    restored = [e for e in read_journal(tmp_path / "state") if e["kind"] == "checkpoint_restored"]
+    assert sorted(e["host"] for e in restored) == ["h0", "h1"], restored

@@ -25,6 +25,15 @@ PASS_SPACING = 2.0
 #: the ticks: one that took longer was paused or starved (SIGSTOP, a
 #: suspended VM), not slow, and must not hold back the next decisions.
 PASS_COST_CAP_S = 0.2
+#: When the job ends, the controller reads on for at most this long
+#: (seconds) until every open session has delivered what its agent queued
+#: while no controller listened (a controller that came back after the
+#: workers finished ends the job the instant they register: their restores
+#: and startup phases would never reach the journal otherwise). The agents'
+#: reconnects take at most elastic.policy.adopt.AGENT_RECONNECT_MAX_S.
+HEAR_OUT_S = 2.0
+#: How often (seconds) it looks while it reads on.
+HEAR_OUT_POLL_S = 0.02
 
 
 class Controller:
@@ -179,7 +188,28 @@ class Controller:
                 pass_s = await self._pass(pass_s)
         finally:
             probe.cancel()
+        await self.hear_out(HEAR_OUT_S)
         return self.state.exit_code or 0
+
+    def unheard(self) -> list[str]:
+        """The hosts (sorted) whose open session has not yet delivered a
+        heartbeat. An agent sends what it queued while no controller
+        listened first, then a heartbeat (elastic.agent.session): a session
+        whose heartbeat was read has delivered its queue."""
+        return sorted(host for host, s in self.sessions.items()
+                      if s.close_status is None and not s.heartbeat_path)
+
+    async def hear_out(self, limit_s: float) -> list[str]:
+        """Wait (at most `limit_s` seconds, of the event loop's clock) until
+        `unheard()` is empty; returns the hosts still unheard (logged)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        while (unheard := self.unheard()) and loop.time() < deadline:
+            await asyncio.sleep(HEAR_OUT_POLL_S)
+        if unheard:
+            log.warning("ending without what %d host(s) queued while no controller listened: "
+                        "%s", len(unheard), ", ".join(unheard[:10]))
+        return unheard
 
     def behind_s(self) -> float:
         """Seconds this controller's loop has lately run late (the largest
