@@ -127,6 +127,41 @@ def test_registrations_wait_while_the_controller_is_behind(behind_s, jitter, wai
     assert adm.registration_wait_s(behind_s, jitter) == wait_s
 
 
+FREE = adm.STREAMS_AWAITED_FREELY
+
+
+@pytest.mark.parametrize("awaiting, taken_per_s, jitter, wait_s", [
+    (0, 0.0, 0.0, None),
+    (FREE, 0.0, 1.0, None),                   # a few always: no rate needed
+    (FREE + 1, 0.0, 0.0, 30.0),               # none taken up lately: the longest
+    (1000, 200.0, 0.0, None),                 # 5 s at 200 a second
+    (1000, 100.0, 0.0, 5.0),                  # 10 s: 5 s too many
+    (1000, 100.0, 0.5, 10.0),                 # ... stretched 2x
+    (1000, 190.0, 0.0, 1.0),                  # at least 1 s
+    (10_000, 60.0, 1.0, 30.0),                # at most 30 s
+])
+def test_registrations_wait_while_streams_wait_to_be_taken_up(awaiting, taken_per_s, jitter,
+                                                              wait_s):
+    assert adm.stream_wait_s(awaiting, taken_per_s, jitter) == pytest.approx(wait_s)
+
+
+def test_stream_intake_counts_registrations_until_taken_up_replaced_or_expired():
+    intake = adm.StreamIntake(expire_s=60.0, window_s=10.0)
+    a, b, c, d = object(), object(), object(), object()
+    for at, token in ((0.0, a), (1.0, b), (2.0, c), (30.0, d)):
+        intake.registered(token, at)
+    assert intake.awaiting(30.0) == 4 and intake.taken_per_s(30.0) == 0.0
+    intake.taken_up(b, 31.0)            # out of order
+    intake.gone(c)                      # its host registered again
+    intake.taken_up(c, 31.5)            # (a replaced one is not counted as taken up)
+    assert intake.awaiting(31.0) == 2 and intake.taken_per_s(32.0) == pytest.approx(0.1)
+    assert intake.awaiting(60.0) == 2 and intake.awaiting(60.1) == 1   # a expired
+    assert intake.taken_per_s(41.1) == 0.0                             # b out of the window
+    intake.taken_up(a, 61.0)            # (an expired one is not counted either)
+    assert intake.taken_per_s(61.0) == 0.0 and intake.awaiting(90.0) == 1
+    assert intake.awaiting(90.1) == 0
+
+
 def test_budget_refills_at_its_rate_and_counts_what_it_refused():
     budget = adm.Budget(rate_per_s=1.0, burst=2)
     assert [budget.take("h", 0.0) for _ in range(4)] == [(True, 0), (True, 0), (False, 1),

@@ -232,3 +232,48 @@ def test_a_controller_ending_the_job_first_reads_what_agents_queued(tmp_path, pk
     run(main())
     restored = [e for e in read_journal(tmp_path / "state") if e["kind"] == "checkpoint_restored"]
     assert sorted(e["host"] for e in restored) == ["h0", "h1"], restored
+
+
+def test_registrations_wait_while_their_streams_wait_to_be_taken_up(tmp_path, pki,
+                                                                   monkeypatch):
+    """Admission control on the streams: past the registrations admitted
+    freely (2 here), one more is refused with RESOURCE_EXHAUSTED and a
+    retry-after hint while the admitted ones' streams have not been taken up
+    (none was lately: the longest hint); once they are, it is admitted."""
+    from elastic.controller import admission as adm
+
+    monkeypatch.setattr(adm, "STREAMS_AWAITED_FREELY", 2)
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=4, max_hosts=4))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        address = await server.start()
+        loop_task = asyncio.create_task(server.run())
+        hosts = ("h0", "h1", "h2", "h3")
+        channels = [transport.aio_channel(address, pki.host(h)) for h in hosts]
+        stubs = [pb_grpc.ControllerStub(ch) for ch in channels]
+        for host, stub in zip(hosts[:3], stubs):
+            await stub.Register(register_request(host=host), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as deferred:
+            await stubs[3].Register(register_request(host="h3"), timeout=5)
+        assert deferred.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the streams of 3 registrations wait to be taken up" in deferred.value.details()
+        assert transport.retry_after_s(deferred.value) == 30.0
+        assert server.controller.registrations_deferred == 1
+        streams = []
+        for host, stub in zip(hosts[:3], stubs):
+            call = stub.Connect()
+            await call.write(pb.AgentMessage(header=header(host=host),
+                                             heartbeat=pb.Heartbeat(seq=1)))
+            assert (await call.read()).WhichOneof("body") == "ack"  # taken up
+            streams.append(call)
+        reply = await stubs[3].Register(register_request(host="h3"), timeout=5)
+        assert reply.job_id == "test" and server.controller.view.get("h3") is not None
+        for call in streams:
+            call.cancel()
+        for ch in channels:
+            await ch.close()
+        loop_task.cancel()
+        await server.stop("test over")
+
+    run(main())

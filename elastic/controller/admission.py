@@ -26,6 +26,7 @@ capped, so it cannot forge log lines or drive an operator's terminal.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -302,6 +303,16 @@ def check_rebind(bound: str | None, fingerprint: str, incarnation: str,
 #: Seconds of lag above which registrations are refused for a while (with a
 #: hint when to come back) instead of adding to the backlog.
 ADMIT_LAG_S = 1.0
+#: Registrations whose streams wait to be taken up (see StreamIntake) that
+#: are always admitted: a slice of up to this many hosts never waits.
+STREAMS_AWAITED_FREELY = 256
+#: Above that, a registration is admitted while the streams already waiting
+#: would be taken up within this many seconds, at the rate streams were
+#: lately taken up: well within an agent's wait for its stream's first
+#: answer (elastic.agent.session: at least 15 s with the default lease).
+STREAM_WAIT_S = 5.0
+#: The window (seconds) over which that rate is measured.
+INTAKE_WINDOW_S = 10.0
 
 
 def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = ADMIT_LAG_S
@@ -318,6 +329,71 @@ def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = ADM
     if behind_s < admit_lag_s:
         return None
     return min(30.0, max(1.0, behind_s * (1.0 + 2.0 * jitter)))
+
+
+def stream_wait_s(awaiting: int, taken_per_s: float, jitter: float) -> float | None:
+    """Admission control on the streams of admitted registrations: None
+    (admit) while at most STREAMS_AWAITED_FREELY streams wait to be taken
+    up, or while those `awaiting` would be taken up within STREAM_WAIT_S at
+    `taken_per_s` (streams taken up a second, lately); else the seconds the
+    agent should wait before registering again: the excess wait, stretched
+    by `jitter` (0..1) to between 1x and 3x, between 1 and 30 s.
+
+    Why: gRPC's asyncio server takes up a few new calls per turn of the
+    controller's event loop, and a registration's stream queues behind every
+    call made before it. At 10,000 agents registering at once, streams
+    waited over a minute; their hosts were declared lost (no heartbeat
+    within elastic.policy.silence.STREAM_OPEN_S) and their agents, without
+    an answer, registered again: a storm, and no generation started in
+    600 s (bench/scale.py, 2026-11-26). A deferred registration costs one
+    short call, and the streams of admitted ones are taken up in time."""
+    if awaiting <= STREAMS_AWAITED_FREELY:
+        return None
+    expected_s = awaiting / taken_per_s if taken_per_s > 0 else math.inf
+    if expected_s <= STREAM_WAIT_S:
+        return None
+    return min(30.0, max(1.0, (expected_s - STREAM_WAIT_S) * (1.0 + 2.0 * jitter)))
+
+
+class StreamIntake:
+    """How many admitted registrations' streams wait to be taken up, and
+    how fast streams are taken up (for stream_wait_s). Times: the caller's
+    monotonic seconds. A registration counts from `registered(token, now)`
+    until `taken_up(token, now)`, `gone(token)` (replaced by a newer one)
+    or `expire_s` seconds (its agent gave up on it). `token`: any hashable,
+    the same object for one registration (the controller's Session). O(1)
+    amortized per call."""
+
+    def __init__(self, expire_s: float, window_s: float = INTAKE_WINDOW_S) -> None:
+        self.expire_s, self.window_s = expire_s, window_s
+        self._awaiting: dict = {}  # token -> registered at (insertion order: oldest first)
+        self._taken: collections.deque[float] = collections.deque()
+
+    def registered(self, token, now: float) -> None:
+        self._awaiting[token] = now
+
+    def taken_up(self, token, now: float) -> None:
+        if self._awaiting.pop(token, None) is not None:
+            self._taken.append(now)
+
+    def gone(self, token) -> None:
+        self._awaiting.pop(token, None)
+
+    def awaiting(self, now: float) -> int:
+        """Registrations whose streams have not been taken up (of the last
+        `expire_s` seconds)."""
+        while self._awaiting:
+            token, at = next(iter(self._awaiting.items()))
+            if now - at <= self.expire_s:
+                break
+            del self._awaiting[token]
+        return len(self._awaiting)
+
+    def taken_per_s(self, now: float) -> float:
+        """Streams taken up a second over the last `window_s` seconds."""
+        while self._taken and now - self._taken[0] > self.window_s:
+            self._taken.popleft()
+        return len(self._taken) / self.window_s
 
 
 class Budget:

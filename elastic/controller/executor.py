@@ -45,11 +45,12 @@ COPY_AFTER_INTERVALS = 1.0
 DATAGRAMS_HEARD_INTERVALS = 3.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Session:
     """One agent registration: the incarnation it belongs to, the SHA-256
     of the certificate it registered with ("" without TLS) and the outbox its
-    stream (Connect, at most one) drains.
+    stream (Connect, at most one) drains. Compared and hashed by identity:
+    two registrations are never the same one.
 
     `close(code, details)` ends the stream with that gRPC status."""
 

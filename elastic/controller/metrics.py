@@ -161,7 +161,8 @@ class ControllerMetrics:
                                 "event loop ran lately (silence is judged against it)",
                                 value=self.controller.view.lag_s)
         yield CounterMetricFamily("elastic_registrations_deferred", "Registrations refused "
-                                  "with a retry-after hint while the controller was behind",
+                                  "with a retry-after hint while the controller was behind "
+                                  "or admitted ones' streams waited to be taken up",
                                   value=float(self.controller.registrations_deferred))
         datagrams = CounterMetricFamily("elastic_heartbeat_datagrams", "Heartbeat datagrams "
                                         "taken; dropped (malformed, forged, replayed or "

@@ -135,6 +135,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self._journal_budget = adm.Budget(1.0 / REFUSAL_JOURNAL_INTERVAL_S, 1)
         self._report_budget = adm.Budget(adm.REPORTS_PER_S, adm.REPORT_BURST)
         self._known_step, self._known_at = -1, float("-inf")
+        #: admitted registrations whose streams gRPC has not handed over yet
+        self.intake = adm.StreamIntake(expire_s=silence.STREAM_OPEN_S)
         #: the UDP port taking heartbeat datagrams (0: none; set by the server)
         self.heartbeat_port = 0
 
@@ -213,11 +215,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         peer, key = await self._peer(context)
         behind_s = self.controller.behind_s()
         wait_s = adm.registration_wait_s(behind_s, random.random())
+        why = f"the controller is {behind_s:.1f} s behind"
+        if wait_s is None:
+            now = self.controller.clock.monotonic()
+            awaiting, taken_per_s = self.intake.awaiting(now), self.intake.taken_per_s(now)
+            wait_s = adm.stream_wait_s(awaiting, taken_per_s, random.random())
+            why = (f"the streams of {awaiting} registrations wait to be taken up "
+                   f"({taken_per_s:.0f} a second lately)")
         if wait_s is not None:
             self.controller.registrations_deferred += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the controller is {behind_s:.1f} s behind; "
-                                f"register again in {wait_s:.1f} s",
+                                f"{why}; register again in {wait_s:.1f} s",
                                 trailing_metadata=((transport.RETRY_AFTER_KEY,
                                                     str(int(wait_s * 1000))),))
         if not self.calls.acquire(key):
@@ -254,7 +262,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
                            f"host {h.host_id} registered again (incarnation {h.incarnation})")
+            self.intake.gone(previous)
         session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint)
+        self.intake.registered(session, c.clock.monotonic())
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
             address=request.address, failure_domain=request.failure_domain or h.host_id,
@@ -332,6 +342,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 "denied", f"the stream's certificate (sha256 {peer.fingerprint[:16]}) is not the "
                           f"one host {host} registered with"))
         session.attached, session.attached_at = True, c.clock.time()
+        self.intake.taken_up(session, c.clock.monotonic())
         reader = asyncio.create_task(self._read(context, session, first))
         try:
             while True:
