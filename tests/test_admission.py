@@ -130,19 +130,40 @@ def test_registrations_wait_while_the_controller_is_behind(behind_s, jitter, wai
 FREE = adm.STREAMS_AWAITED_FREELY
 
 
-@pytest.mark.parametrize("awaiting, taken_per_s, jitter, wait_s", [
+@pytest.mark.parametrize("awaiting, taken_per_s, booked_s, turn_s", [
     (0, 0.0, 0.0, None),
-    (FREE, 0.0, 1.0, None),                   # a few always: no rate needed
-    (FREE + 1, 0.0, 0.0, 30.0),               # none taken up lately: the longest
+    (FREE, 0.0, 0.0, None),                   # a few always: no rate needed
+    (FREE + 1, 0.0, 0.0, 30.0),               # none taken up lately: the longest first turn
+    (FREE + 1, 0.0, 40.0, 40.1),              # ... or after the last turn given (10 a second)
     (1000, 200.0, 0.0, None),                 # 5 s at 200 a second
-    (1000, 100.0, 0.0, 5.0),                  # 10 s: 5 s too many
-    (1000, 100.0, 0.5, 10.0),                 # ... stretched 2x
+    (1000, 100.0, 0.0, 5.0),                  # 10 s: the 5 s too many
+    (1000, 100.0, 7.0, 7.01),                 # after the last turn given, at 100 a second
     (1000, 190.0, 0.0, 1.0),                  # at least 1 s
-    (10_000, 60.0, 1.0, 30.0),                # at most 30 s
+    (10_000, 60.0, 0.0, 30.0),                # the excess counts up to 30 s
+    (10_000, 60.0, 900.0, 600.0),             # at most 600 s
 ])
-def test_registrations_wait_while_streams_wait_to_be_taken_up(awaiting, taken_per_s, jitter,
-                                                              wait_s):
-    assert adm.stream_wait_s(awaiting, taken_per_s, jitter) == pytest.approx(wait_s)
+def test_registrations_wait_for_a_turn_while_streams_wait_to_be_taken_up(
+        awaiting, taken_per_s, booked_s, turn_s):
+    assert adm.stream_wait_s(awaiting, taken_per_s, booked_s) == pytest.approx(turn_s)
+
+
+def test_deferred_registrations_get_turns_spaced_at_the_rate_streams_are_taken_up():
+    """A deferral is a call too: each deferred agent gets its own turn, one
+    after the other at the take-up rate, so it is deferred about once."""
+    intake = adm.StreamIntake(expire_s=60.0, window_s=10.0)
+    for i in range(1000):
+        intake.registered(("old", i), 0.0)
+    for i in range(500):                        # 50 a second taken up lately
+        intake.taken_up(("old", i), 5.0)
+    assert intake.defer(9.0, jitter=0.0) == (pytest.approx(5.0), 500, 50.0)  # 10 s: 5 too many
+    turns = [intake.defer(9.0, jitter=0.0)[0] for _ in range(3)]
+    assert turns == [pytest.approx(5.02), pytest.approx(5.04), pytest.approx(5.06)]
+    wait_s, _, _ = intake.defer(9.0, jitter=1.0)
+    assert wait_s == pytest.approx(5.08 + 0.02)   # jitter: within its turn's spacing
+    assert intake.defer(9.0, jitter=0.0)[0] == pytest.approx(5.10)  # (not booked)
+    for i in range(500, 1000):                 # all taken up: admitted again
+        intake.taken_up(("old", i), 9.5)
+    assert intake.defer(10.0, jitter=0.0) is None
 
 
 def test_stream_intake_counts_registrations_until_taken_up_replaced_or_expired():

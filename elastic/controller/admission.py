@@ -313,6 +313,11 @@ STREAMS_AWAITED_FREELY = 256
 STREAM_WAIT_S = 5.0
 #: The window (seconds) over which that rate is measured.
 INTAKE_WINDOW_S = 10.0
+#: Deferred registrations are given turns at least this many a second
+#: apart (while no stream was taken up lately), and at most MAX_TURN_S
+#: seconds away.
+MIN_TURNS_PER_S = 10.0
+MAX_TURN_S = 600.0
 
 
 def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = ADMIT_LAG_S
@@ -331,13 +336,16 @@ def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = ADM
     return min(30.0, max(1.0, behind_s * (1.0 + 2.0 * jitter)))
 
 
-def stream_wait_s(awaiting: int, taken_per_s: float, jitter: float) -> float | None:
+def stream_wait_s(awaiting: int, taken_per_s: float, booked_s: float) -> float | None:
     """Admission control on the streams of admitted registrations: None
     (admit) while at most STREAMS_AWAITED_FREELY streams wait to be taken
     up, or while those `awaiting` would be taken up within STREAM_WAIT_S at
-    `taken_per_s` (streams taken up a second, lately); else the seconds the
-    agent should wait before registering again: the excess wait, stretched
-    by `jitter` (0..1) to between 1x and 3x, between 1 and 30 s.
+    `taken_per_s` (streams taken up a second, lately); else the seconds
+    until the agent's turn to register again. Turns are spaced at the rate
+    streams are taken up (at least MIN_TURNS_PER_S a second) after the last
+    one given, `booked_s` seconds from now (0: none), and come no sooner
+    than the excess wait (at most 30 s of it); between 1 and MAX_TURN_S
+    seconds. (StreamIntake.defer books the turn and adds jitter.)
 
     Why: gRPC's asyncio server takes up a few new calls per turn of the
     controller's event loop, and a registration's stream queues behind every
@@ -345,19 +353,28 @@ def stream_wait_s(awaiting: int, taken_per_s: float, jitter: float) -> float | N
     waited over a minute; their hosts were declared lost (no heartbeat
     within elastic.policy.silence.STREAM_OPEN_S) and their agents, without
     an answer, registered again: a storm, and no generation started in
-    600 s (bench/scale.py, 2026-11-26). A deferred registration costs one
-    short call, and the streams of admitted ones are taken up in time."""
+    600 s (bench/scale.py, 2026-11-26). A deferral is a call too: with
+    hints of 1 to 30 s regardless of the others, 10,000 agents were deferred
+    60,483 times in 600 s, and those calls took the place of the streams'.
+    Spaced turns defer an agent about once."""
     if awaiting <= STREAMS_AWAITED_FREELY:
         return None
     expected_s = awaiting / taken_per_s if taken_per_s > 0 else math.inf
     if expected_s <= STREAM_WAIT_S:
         return None
-    return min(30.0, max(1.0, (expected_s - STREAM_WAIT_S) * (1.0 + 2.0 * jitter)))
+    turn_s = max(min(30.0, expected_s - STREAM_WAIT_S), booked_s + turn_spacing_s(taken_per_s))
+    return min(MAX_TURN_S, max(1.0, turn_s))
+
+
+def turn_spacing_s(taken_per_s: float) -> float:
+    """Seconds between two deferred registrations' turns."""
+    return 1.0 / max(taken_per_s, MIN_TURNS_PER_S)
 
 
 class StreamIntake:
-    """How many admitted registrations' streams wait to be taken up, and
-    how fast streams are taken up (for stream_wait_s). Times: the caller's
+    """How many admitted registrations' streams wait to be taken up, how
+    fast streams are taken up, and the last turn given to a deferred
+    registration (for stream_wait_s). Times: the caller's
     monotonic seconds. A registration counts from `registered(token, now)`
     until `taken_up(token, now)`, `gone(token)` (replaced by a newer one)
     or `expire_s` seconds (its agent gave up on it). `token`: any hashable,
@@ -368,6 +385,7 @@ class StreamIntake:
         self.expire_s, self.window_s = expire_s, window_s
         self._awaiting: dict = {}  # token -> registered at (insertion order: oldest first)
         self._taken: collections.deque[float] = collections.deque()
+        self._booked_until = float("-inf")
 
     def registered(self, token, now: float) -> None:
         self._awaiting[token] = now
@@ -378,6 +396,18 @@ class StreamIntake:
 
     def gone(self, token) -> None:
         self._awaiting.pop(token, None)
+
+    def defer(self, now: float, jitter: float) -> tuple[float, int, float] | None:
+        """Whether a registration at `now` waits (stream_wait_s): None to
+        admit it, else (seconds until its turn, plus `jitter` (0..1) of a
+        turn's spacing; the streams awaited; streams taken up a second), and
+        the turn is booked."""
+        awaiting, taken_per_s = self.awaiting(now), self.taken_per_s(now)
+        turn_s = stream_wait_s(awaiting, taken_per_s, max(0.0, self._booked_until - now))
+        if turn_s is None:
+            return None
+        self._booked_until = max(self._booked_until, now + turn_s)
+        return turn_s + jitter * turn_spacing_s(taken_per_s), awaiting, taken_per_s
 
     def awaiting(self, now: float) -> int:
         """Registrations whose streams have not been taken up (of the last

@@ -213,16 +213,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def Register(self, request: pb.RegisterRequest | None, context
                        ) -> pb.RegisterResponse:
         peer, key = await self._peer(context)
-        behind_s = self.controller.behind_s()
-        wait_s = adm.registration_wait_s(behind_s, random.random())
-        why = f"the controller is {behind_s:.1f} s behind"
-        if wait_s is None:
-            now = self.controller.clock.monotonic()
-            awaiting, taken_per_s = self.intake.awaiting(now), self.intake.taken_per_s(now)
-            wait_s = adm.stream_wait_s(awaiting, taken_per_s, random.random())
-            why = (f"the streams of {awaiting} registrations wait to be taken up "
-                   f"({taken_per_s:.0f} a second lately)")
-        if wait_s is not None:
+        deferral = self._deferral(request)
+        if deferral is not None:
+            wait_s, why = deferral
             self.controller.registrations_deferred += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{why}; register again in {wait_s:.1f} s",
@@ -235,6 +228,26 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             return await self._register(request, context, peer, key)
         finally:
             self.calls.release(key)
+
+    def _deferral(self, request: pb.RegisterRequest | None) -> tuple[float, str] | None:
+        """Admission control (elastic.controller.admission): (seconds to wait,
+        why) while the controller is behind, or while the streams of the
+        registrations it admitted wait to be taken up; None: admit. An agent
+        whose worker runs is always admitted: a wait could outlast the
+        controller lease, and it would stop a training worker
+        (elastic.agent.fence) that a restarted controller is about to adopt."""
+        if request is not None and request.worker.state == pb.WORKER_RUNNING:
+            return None
+        behind_s = self.controller.behind_s()
+        wait_s = adm.registration_wait_s(behind_s, random.random())
+        if wait_s is not None:
+            return wait_s, f"the controller is {behind_s:.1f} s behind"
+        deferred = self.intake.defer(self.controller.clock.monotonic(), random.random())
+        if deferred is not None:
+            wait_s, awaiting, taken_per_s = deferred
+            return wait_s, (f"the streams of {awaiting} registrations wait to be taken up "
+                            f"({taken_per_s:.0f} a second lately)")
+        return None
 
     async def _register(self, request, context, peer: Identity | None,
                         key: str) -> pb.RegisterResponse:
