@@ -133,11 +133,11 @@ FREE = adm.STREAMS_AWAITED_FREELY
 @pytest.mark.parametrize("awaiting, taken_per_s, booked_s, turn_s", [
     (0, 0.0, 0.0, None),
     (FREE, 0.0, 0.0, None),                   # a few always: no rate needed
-    (FREE + 1, 0.0, 0.0, 30.0),               # none taken up lately: the longest first turn
-    (FREE + 1, 0.0, 40.0, 40.1),              # ... or after the last turn given (10 a second)
+    (FREE + 1, 0.0, 0.0, 1.0),                # none taken up yet: at least 1 s,
+    (FREE + 1, 0.0, 40.0, 40.02),             # ... after the last turn given (50 a second)
     (1000, 200.0, 0.0, None),                 # 5 s at 200 a second
     (1000, 100.0, 0.0, 5.0),                  # 10 s: the 5 s too many
-    (1000, 100.0, 7.0, 7.01),                 # after the last turn given, at 100 a second
+    (1000, 100.0, 7.0, 7.005),                # after the last turn given, at 2 x 100 a second
     (1000, 190.0, 0.0, 1.0),                  # at least 1 s
     (10_000, 60.0, 0.0, 30.0),                # the excess counts up to 30 s
     (10_000, 60.0, 900.0, 600.0),             # at most 600 s
@@ -153,17 +153,29 @@ def test_deferred_registrations_get_turns_spaced_at_the_rate_streams_are_taken_u
     intake = adm.StreamIntake(expire_s=60.0, window_s=10.0)
     for i in range(1000):
         intake.registered(("old", i), 0.0)
-    for i in range(500):                        # 50 a second taken up lately
+    intake.taken_up(("old", 0), 0.0)
+    for i in range(1, 500):                     # 50 a second taken up lately
         intake.taken_up(("old", i), 5.0)
-    assert intake.defer(9.0, jitter=0.0) == (pytest.approx(5.0), 500, 50.0)  # 10 s: 5 too many
-    turns = [intake.defer(9.0, jitter=0.0)[0] for _ in range(3)]
-    assert turns == [pytest.approx(5.02), pytest.approx(5.04), pytest.approx(5.06)]
-    wait_s, _, _ = intake.defer(9.0, jitter=1.0)
-    assert wait_s == pytest.approx(5.08 + 0.02)   # jitter: within its turn's spacing
-    assert intake.defer(9.0, jitter=0.0)[0] == pytest.approx(5.10)  # (not booked)
+    assert intake.defer(10.0, jitter=0.0) == (pytest.approx(5.0), 500, 50.0)  # 10 s: 5 too many
+    turns = [intake.defer(10.0, jitter=0.0)[0] for _ in range(3)]  # 2 x 50 a second
+    assert turns == [pytest.approx(5.01), pytest.approx(5.02), pytest.approx(5.03)]
+    wait_s, _, _ = intake.defer(10.0, jitter=1.0)
+    assert wait_s == pytest.approx(5.04 + 0.01)   # jitter: within its turn's spacing
+    assert intake.defer(10.0, jitter=0.0)[0] == pytest.approx(5.05)  # (not booked)
     for i in range(500, 1000):                 # all taken up: admitted again
-        intake.taken_up(("old", i), 9.5)
-    assert intake.defer(10.0, jitter=0.0) is None
+        intake.taken_up(("old", i), 10.5)
+    assert intake.defer(11.0, jitter=0.0) is None
+
+
+def test_the_take_up_rate_counts_from_the_first_stream_until_the_window_is_full():
+    intake = adm.StreamIntake(expire_s=60.0, window_s=10.0)
+    assert intake.taken_per_s(0.0) == 0.0
+    for i in range(20):
+        intake.registered(i, 0.0)
+        intake.taken_up(i, 100.0 + 0.1 * i)
+    assert intake.taken_per_s(100.5) == 20.0     # 20 in under a second: over 1 s
+    assert intake.taken_per_s(102.0) == 10.0     # over 2 s
+    assert intake.taken_per_s(110.0) == 2.0      # over the window
 
 
 def test_stream_intake_counts_registrations_until_taken_up_replaced_or_expired():
@@ -175,7 +187,7 @@ def test_stream_intake_counts_registrations_until_taken_up_replaced_or_expired()
     intake.taken_up(b, 31.0)            # out of order
     intake.gone(c)                      # its host registered again
     intake.taken_up(c, 31.5)            # (a replaced one is not counted as taken up)
-    assert intake.awaiting(31.0) == 2 and intake.taken_per_s(32.0) == pytest.approx(0.1)
+    assert intake.awaiting(31.0) == 2 and intake.taken_per_s(32.0) == 1.0  # (1 in 1 s)
     assert intake.awaiting(60.0) == 2 and intake.awaiting(60.1) == 1   # a expired
     assert intake.taken_per_s(41.1) == 0.0                             # b out of the window
     intake.taken_up(a, 61.0)            # (an expired one is not counted either)

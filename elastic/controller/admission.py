@@ -313,10 +313,15 @@ STREAMS_AWAITED_FREELY = 256
 STREAM_WAIT_S = 5.0
 #: The window (seconds) over which that rate is measured.
 INTAKE_WINDOW_S = 10.0
-#: Deferred registrations are given turns at least this many a second
-#: apart (while no stream was taken up lately), and at most MAX_TURN_S
-#: seconds away.
-MIN_TURNS_PER_S = 10.0
+#: Deferred registrations are given turns at TURNS_PER_TAKEN times the rate
+#: streams were taken up lately (more than that rate, so that a rate held
+#: down by the turns themselves can grow: those that come too soon are
+#: deferred again), at least MIN_TURNS_PER_S a second, at most MAX_TURN_S
+#: seconds away. (At 10 a second, 10,000 agents' turns spread over 1,000 s,
+#: and a run's registrations crawled at ~15 a second with the controller
+#: at 40 % of a core: bench/scale.py, 2026-11-26.)
+TURNS_PER_TAKEN = 2.0
+MIN_TURNS_PER_S = 50.0
 MAX_TURN_S = 600.0
 
 
@@ -341,11 +346,12 @@ def stream_wait_s(awaiting: int, taken_per_s: float, booked_s: float) -> float |
     (admit) while at most STREAMS_AWAITED_FREELY streams wait to be taken
     up, or while those `awaiting` would be taken up within STREAM_WAIT_S at
     `taken_per_s` (streams taken up a second, lately); else the seconds
-    until the agent's turn to register again. Turns are spaced at the rate
-    streams are taken up (at least MIN_TURNS_PER_S a second) after the last
-    one given, `booked_s` seconds from now (0: none), and come no sooner
-    than the excess wait (at most 30 s of it); between 1 and MAX_TURN_S
-    seconds. (StreamIntake.defer books the turn and adds jitter.)
+    until the agent's turn to register again. Turns are spaced at twice the
+    rate streams are taken up (TURNS_PER_TAKEN; at least MIN_TURNS_PER_S a
+    second) after the last one given, `booked_s` seconds from now (0: none),
+    and come no sooner than the excess wait (at most 30 s of it; none
+    while no stream was taken up yet); between 1 and MAX_TURN_S seconds.
+    (StreamIntake.defer books the turn and adds jitter.)
 
     Why: gRPC's asyncio server takes up a few new calls per turn of the
     controller's event loop, and a registration's stream queues behind every
@@ -362,13 +368,14 @@ def stream_wait_s(awaiting: int, taken_per_s: float, booked_s: float) -> float |
     expected_s = awaiting / taken_per_s if taken_per_s > 0 else math.inf
     if expected_s <= STREAM_WAIT_S:
         return None
-    turn_s = max(min(30.0, expected_s - STREAM_WAIT_S), booked_s + turn_spacing_s(taken_per_s))
+    excess_s = min(30.0, expected_s - STREAM_WAIT_S) if taken_per_s > 0 else 0.0
+    turn_s = max(excess_s, booked_s + turn_spacing_s(taken_per_s))
     return min(MAX_TURN_S, max(1.0, turn_s))
 
 
 def turn_spacing_s(taken_per_s: float) -> float:
     """Seconds between two deferred registrations' turns."""
-    return 1.0 / max(taken_per_s, MIN_TURNS_PER_S)
+    return 1.0 / max(TURNS_PER_TAKEN * taken_per_s, MIN_TURNS_PER_S)
 
 
 class StreamIntake:
@@ -386,6 +393,7 @@ class StreamIntake:
         self._awaiting: dict = {}  # token -> registered at (insertion order: oldest first)
         self._taken: collections.deque[float] = collections.deque()
         self._booked_until = float("-inf")
+        self._first_taken_at: float | None = None
 
     def registered(self, token, now: float) -> None:
         self._awaiting[token] = now
@@ -393,6 +401,8 @@ class StreamIntake:
     def taken_up(self, token, now: float) -> None:
         if self._awaiting.pop(token, None) is not None:
             self._taken.append(now)
+            if self._first_taken_at is None:
+                self._first_taken_at = now
 
     def gone(self, token) -> None:
         self._awaiting.pop(token, None)
@@ -420,10 +430,13 @@ class StreamIntake:
         return len(self._awaiting)
 
     def taken_per_s(self, now: float) -> float:
-        """Streams taken up a second over the last `window_s` seconds."""
+        """Streams taken up a second over the last `window_s` seconds (or
+        since the first was, at least a second, when that is shorter)."""
         while self._taken and now - self._taken[0] > self.window_s:
             self._taken.popleft()
-        return len(self._taken) / self.window_s
+        if self._first_taken_at is None:
+            return 0.0
+        return len(self._taken) / min(self.window_s, max(1.0, now - self._first_taken_at))
 
 
 class Budget:
