@@ -134,7 +134,7 @@ FREE = adm.STREAMS_AWAITED_FREELY
     (0, 0.0, 0.0, None),
     (FREE, 0.0, 0.0, None),                   # a few always: no rate needed
     (FREE + 1, 0.0, 0.0, 1.0),                # none taken up yet: at least 1 s,
-    (FREE + 1, 0.0, 40.0, 40.02),             # ... after the last turn given (50 a second)
+    (FREE + 1, 0.0, 40.0, 40.0 + 1 / adm.MIN_TURNS_PER_S),  # ... after the last turn given
     (1000, 200.0, 0.0, None),                 # 5 s at 200 a second
     (1000, 100.0, 0.0, 5.0),                  # 10 s: the 5 s too many
     (1000, 100.0, 7.0, 7.005),                # after the last turn given, at 2 x 100 a second
