@@ -167,15 +167,21 @@ def test_deferred_registrations_get_turns_spaced_at_the_rate_streams_are_taken_u
     assert intake.defer(11.0, jitter=0.0) is None
 
 
-def test_the_take_up_rate_counts_from_the_first_stream_until_the_window_is_full():
+def test_the_take_up_rate_is_measured_over_the_burst_until_the_window_is_full():
+    """A burst after a quiet spell (a controller up for hours, then its
+    agents re-registering at once) is measured by itself, not spread over
+    the whole window."""
     intake = adm.StreamIntake(expire_s=60.0, window_s=10.0)
     assert intake.taken_per_s(0.0) == 0.0
-    for i in range(20):
-        intake.registered(i, 0.0)
-        intake.taken_up(i, 100.0 + 0.1 * i)
-    assert intake.taken_per_s(100.5) == 20.0     # 20 in under a second: over 1 s
-    assert intake.taken_per_s(102.0) == 10.0     # over 2 s
-    assert intake.taken_per_s(110.0) == 2.0      # over the window
+    intake.registered("early", 0.0)
+    intake.taken_up("early", 0.0)
+    for i in range(50):                          # 50 taken up in 0.5 s, 1,000 s later
+        intake.registered(i, 1000.0)
+        intake.taken_up(i, 1000.0 + 0.01 * i)
+    assert intake.taken_per_s(1000.5) == 50.0    # over the burst's first second
+    assert intake.taken_per_s(1002.0) == 25.0    # over its 2 s
+    assert intake.taken_per_s(1010.0) == 5.0     # over the window
+    assert intake.taken_per_s(1011.0) == 0.0     # nothing in the window
 
 
 def test_stream_intake_counts_registrations_until_taken_up_replaced_or_expired():

@@ -195,8 +195,9 @@ class ControllerSession:
         (0.1 s doubling to AGENT_RECONNECT_MAX_S, tenacity's
         wait_random_exponential: thousands of agents do not come back in
         step) and go round again. A session that ended starts a new round at
-        once; a controller that is behind may ask for a longer wait
-        (elastic.controller.admission.registration_wait_s). The worker
+        once; a controller that is behind, or whose admitted registrations'
+        streams still wait, may ask for a longer wait (seconds to minutes:
+        elastic.controller.admission). The worker
         trains on meanwhile, for the controller lease."""
         addresses = [a.strip() for a in self.settings.controller.split(",") if a.strip()]
         backoff = tenacity.wait_random_exponential(multiplier=0.1, max=AGENT_RECONNECT_MAX_S)

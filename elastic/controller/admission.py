@@ -382,28 +382,33 @@ def turn_spacing_s(taken_per_s: float) -> float:
 class StreamIntake:
     """How many admitted registrations' streams wait to be taken up, how
     fast streams are taken up, and the last turn given to a deferred
-    registration (for stream_wait_s). Times: the caller's
-    monotonic seconds. A registration counts from `registered(token, now)`
-    until `taken_up(token, now)`, `gone(token)` (replaced by a newer one)
-    or `expire_s` seconds (its agent gave up on it). `token`: any hashable,
-    the same object for one registration (the controller's Session). O(1)
-    amortized per call."""
+    registration (for stream_wait_s). Times: the caller's monotonic
+    seconds. A registration counts from `registered(token, now)` until
+    `taken_up(token, now)`, `gone(token)` (replaced by a newer one, or its
+    agent registering again: it gave up on that stream) or `expire_s`
+    seconds (its stream never came). `token`: any hashable, the same object
+    for one registration (the controller's Session). O(1) amortized per
+    call; every call trims what has expired."""
 
     def __init__(self, expire_s: float, window_s: float = INTAKE_WINDOW_S) -> None:
         self.expire_s, self.window_s = expire_s, window_s
         self._awaiting: dict = {}  # token -> registered at (insertion order: oldest first)
         self._taken: collections.deque[float] = collections.deque()
         self._booked_until = float("-inf")
-        self._first_taken_at: float | None = None
+        #: when the first stream of the current burst was taken up (None: no
+        #: stream in the window; the next one starts a burst)
+        self._burst_from: float | None = None
 
     def registered(self, token, now: float) -> None:
+        self._trim(now)
         self._awaiting[token] = now
 
     def taken_up(self, token, now: float) -> None:
+        self._trim(now)
         if self._awaiting.pop(token, None) is not None:
+            if not self._taken:
+                self._burst_from = now
             self._taken.append(now)
-            if self._first_taken_at is None:
-                self._first_taken_at = now
 
     def gone(self, token) -> None:
         self._awaiting.pop(token, None)
@@ -423,21 +428,26 @@ class StreamIntake:
     def awaiting(self, now: float) -> int:
         """Registrations whose streams have not been taken up (of the last
         `expire_s` seconds)."""
+        self._trim(now)
+        return len(self._awaiting)
+
+    def taken_per_s(self, now: float) -> float:
+        """Streams taken up a second over the last `window_s` seconds, or
+        since the first of this burst was (at least a second) when that is
+        shorter: a burst after a quiet spell is measured by itself."""
+        self._trim(now)
+        if not self._taken:
+            return 0.0
+        return len(self._taken) / min(self.window_s, max(1.0, now - self._burst_from))
+
+    def _trim(self, now: float) -> None:
         while self._awaiting:
             token, at = next(iter(self._awaiting.items()))
             if now - at <= self.expire_s:
                 break
             del self._awaiting[token]
-        return len(self._awaiting)
-
-    def taken_per_s(self, now: float) -> float:
-        """Streams taken up a second over the last `window_s` seconds (or
-        since the first was, at least a second, when that is shorter)."""
         while self._taken and now - self._taken[0] > self.window_s:
             self._taken.popleft()
-        if self._first_taken_at is None:
-            return 0.0
-        return len(self._taken) / min(self.window_s, max(1.0, now - self._first_taken_at))
 
 
 class Budget:

@@ -26,11 +26,11 @@ PASS_SPACING = 2.0
 #: suspended VM), not slow, and must not hold back the next decisions.
 PASS_COST_CAP_S = 0.2
 #: When the job ends, the controller reads on for at most this long
-#: (seconds) until every open session has delivered what its agent queued
-#: while no controller listened (a controller that came back after the
-#: workers finished ends the job the instant they register: their restores
-#: and startup phases would never reach the journal otherwise). The agents'
-#: reconnects take at most elastic.policy.adopt.AGENT_RECONNECT_MAX_S.
+#: (seconds, in all) until every session open then has delivered what its
+#: agent queued while no controller listened (a controller that came back
+#: after the workers finished ends the job the instant they register: their
+#: restores and startup phases would never reach the journal otherwise).
+#: Agents still reconnecting then are not waited for.
 HEAR_OUT_S = 2.0
 #: How often (seconds) it looks while it reads on.
 HEAR_OUT_POLL_S = 0.02
@@ -92,7 +92,8 @@ class Controller:
         self.receipts = ReceiptDelay(keep=10_000)
         # heartbeat datagrams the kernel dropped on the full socket
         self.drops = ReceiveDrops(hold_s=spec.health.heartbeat_timeout_s)
-        #: registrations refused while it was behind (admission control)
+        #: registrations refused while it was behind or admitted ones' streams
+        #: waited (admission control, elastic.controller.admission)
         self.registrations_deferred = 0
         #: heartbeat datagrams taken, dropped (malformed, forged, replayed,
         #: overtaken: elastic.controller.servicer.datagram_received), and not
@@ -168,7 +169,9 @@ class Controller:
                 return
 
     async def run(self) -> int:
-        """Reconcile until the job ends; returns the exit code (0 or 1)."""
+        """Reconcile until the job ends, then read on for at most HEAR_OUT_S
+        (seconds) what the agents of open sessions queued; returns the exit
+        code (0 or 1)."""
         inherited = self.state.inherited
         adopting = (f"; adopting generation {inherited.generation} on "
                     f"{', '.join(inherited.hosts)}" if inherited else "")

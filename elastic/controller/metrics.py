@@ -14,7 +14,8 @@ State (read at each scrape from a snapshot the event loop takes, the same
   elastic_slice_restarts_total          restarts of the slice in the job
   elastic_controller_lag_seconds        how late its event loop ran lately (see
                                         elastic.controller.lag)
-  elastic_registrations_deferred_total  registrations refused while it was behind
+  elastic_registrations_deferred_total  registrations refused while it was behind,
+                                        or while admitted ones' streams waited
   elastic_heartbeat_datagrams_total{outcome}  heartbeat datagrams taken / dropped /
                                         superseded / overflowed (dropped by the kernel)
   elastic_hosts_heartbeating{path}      hosts whose latest heartbeat came as a

@@ -369,6 +369,9 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
         if run.done():
             code = run.result()
             reason = f"job {'succeeded' if code == 0 else 'failed'}"
+        elif server.controller.state.phase.terminal:  # (stopped while it read on)
+            code = server.controller.state.exit_code or 0
+            reason = f"job {'succeeded' if code == 0 else 'failed'}"
         elif deposed:
             code, reason = DEPOSED_EXIT, f"controller stepped down: {deposed[0]}"
         else:

@@ -213,7 +213,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def Register(self, request: pb.RegisterRequest | None, context
                        ) -> pb.RegisterResponse:
         peer, key = await self._peer(context)
-        deferral = self._deferral(request)
+        deferral = self._deferral(request, peer)
         if deferral is not None:
             wait_s, why = deferral
             self.controller.registrations_deferred += 1
@@ -229,13 +229,19 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         finally:
             self.calls.release(key)
 
-    def _deferral(self, request: pb.RegisterRequest | None) -> tuple[float, str] | None:
+    def _deferral(self, request: pb.RegisterRequest | None, peer: Identity | None
+                  ) -> tuple[float, str] | None:
         """Admission control (elastic.controller.admission): (seconds to wait,
         why) while the controller is behind, or while the streams of the
         registrations it admitted wait to be taken up; None: admit. An agent
-        whose worker runs is always admitted: a wait could outlast the
-        controller lease, and it would stop a training worker
+        whose worker runs is always admitted, whatever the load: a wait could
+        outlast the controller lease, and it would stop a training worker
         (elastic.agent.fence) that a restarted controller is about to adopt."""
+        host = peer.name if peer is not None else \
+            request.header.host_id if request is not None else ""
+        earlier = self.controller.sessions.get(host)
+        if earlier is not None and not earlier.attached:
+            self.intake.gone(earlier)  # (its agent registers again: it gave up on that stream)
         if request is not None and request.worker.state == pb.WORKER_RUNNING:
             return None
         behind_s = self.controller.behind_s()
