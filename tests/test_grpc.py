@@ -157,6 +157,33 @@ def test_a_controller_behind_defers_registrations_with_a_hint(tmp_path, pki):
     run(main())
 
 
+def test_an_agent_whose_worker_runs_is_admitted_however_far_behind(tmp_path, pki):
+    """Admission control never defers an agent that reports a running
+    worker: a wait could outlast the controller lease and fence a worker a
+    restarted controller is about to adopt. An idle one is deferred."""
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        server.controller.behind_s = lambda: 5.0  # far behind, for the whole test
+        address = await server.start()
+        async with transport.aio_channel(address, pki.host("h0")) as ch0, \
+                transport.aio_channel(address, pki.host("h1")) as ch1:
+            with pytest.raises(grpc.aio.AioRpcError) as deferred:
+                await pb_grpc.ControllerStub(ch0).Register(register_request(), timeout=5)
+            assert deferred.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "5.0 s behind" in deferred.value.details()
+            running = register_request(host="h1")
+            running.worker.CopyFrom(pb.WorkerStatus(state=pb.WORKER_RUNNING, generation=3,
+                                                    pid=7, step=40))
+            reply = await pb_grpc.ControllerStub(ch1).Register(running, timeout=5)
+            assert reply.job_id == "test" and server.controller.view.get("h1") is not None
+            assert server.controller.registrations_deferred == 1
+        await server.stop("test over")
+
+    run(main())
+
+
 def test_agent_retries_until_controller_appears(tmp_path, tagged, pki):
     """The agent is a systemd unit: it dials with backoff until a controller listens."""
     spec = load_spec(tiny_spec(tmp_path, "--steps 5 --step-time-s 0.01", max_hosts=1))
