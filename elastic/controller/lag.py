@@ -211,9 +211,10 @@ class ReceiveDrops:
     does seldom; so until `hold_s` (a heartbeat timeout) after the last drop
     seen any host may have lost its heartbeats, and `lag_s(at)` is `hold_s`,
     added to every silence limit (ClusterView.lag_s) beside the loop's own
-    lag. A dead host is still found, within about twice the timeout. Unlike the loop's lag it is not told to agents in acks (their
-    datagrams being dropped, they should move to their streams as soon as
-    ever) and does not defer registrations (elastic.controller.admission).
+    lag. A dead host is still found, within about twice the timeout. Unlike
+    the loop's lag it is not told to agents in acks (their datagrams being
+    dropped, they should move to their streams as soon as ever) and does not
+    defer registrations (elastic.controller.admission).
 
     `dropped(n, at)` notes `n` drops seen at `at` (controller-monotonic
     seconds). `total` counts every drop."""

@@ -241,7 +241,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             request.header.host_id if request is not None else ""
         earlier = self.controller.sessions.get(host)
         if earlier is not None and not earlier.attached:
-            self.intake.gone(earlier)  # (its agent registers again: it gave up on that stream)
+            # Its agent registers again: it gave up on that stream. (The one
+            # place a replaced registration is counted out: one whose stream
+            # was taken up no longer counts.)
+            self.intake.gone(earlier)
         if request is not None and request.worker.state == pb.WORKER_RUNNING:
             return None
         behind_s = self.controller.behind_s()
@@ -281,7 +284,6 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
                            f"host {h.host_id} registered again (incarnation {h.incarnation})")
-            self.intake.gone(previous)
         session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint)
         self.intake.registered(session, c.clock.monotonic())
         c.submit(v.Registered(
