@@ -277,6 +277,55 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
 
 # --- the benchmark driver ------------------------------------------------------------------
 
+class IntakeProbe:
+    """How long a new call waits before the controller answers it, once a
+    second, from the benchmark's driver (a process of its own): a
+    grpc.health.v1 Check on one connection, each call started whether or not
+    the one before was answered, so a stall of gRPC's intake shows as a run
+    of slow answers rather than one. `samples`: (start, seconds to answer or
+    None if it failed), wall-clock starts."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, address: str, tls) -> None:
+        import threading
+
+        from elastic import transport
+        self.samples: list[tuple[float, float | None]] = []
+        self._channel = transport.channel(address, tls)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        check = health_pb2_grpc.HealthStub(self._channel).Check
+        while not self._stop.wait(self.EVERY_S):
+            started, index = time.time(), len(self.samples)
+            self.samples.append((started, None))
+
+            def done(future, started=started, index=index) -> None:
+                ok = future.exception() is None
+                self.samples[index] = (started, time.time() - started if ok else None)
+            check.future(health_pb2.HealthCheckRequest(), timeout=STATUS_TIMEOUT_S
+                         ).add_done_callback(done)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+    def summary(self, since: float) -> dict:
+        """Median and largest wait (seconds), and the calls that waited over
+        2 s: [start - `since`, wait] (None: failed or still waiting)."""
+        answered = sorted(w for _, w in self.samples if w is not None)
+        return {"calls": len(self.samples),
+                "p50_s": round(answered[len(answered) // 2], 3) if answered else None,
+                "max_s": round(answered[-1], 3) if answered else None,
+                "slow": [[round(t - since, 1), None if w is None else round(w, 2)]
+                         for t, w in self.samples if w is None or w > 2.0]}
+
+
 def _last(times: dict, since: float) -> float | None:
     """Seconds from `since` to the latest of `times` (None if empty)."""
     return round(max(times.values()) - since, 3) if times else None
@@ -364,13 +413,14 @@ startup_timeout_s = 600.0
         ctl = subprocess.Popen([sys.executable, "-m", "elastic.cli", "start", "--config", str(spec),
                                 "--listen", "127.0.0.1:0", "--state-dir", str(state), *security],
                                stdout=subprocess.DEVNULL, stderr=open(work / "controller.log", "w"))
-        clients, address, port = [], "", 0
+        clients, address, port, probe = [], "", 0, None
         try:
             deadline = time.monotonic() + 30
             while not (state / "controller.addr").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             address = (state / "controller.addr").read_text().strip()
             port = int(address.rsplit(":", 1)[1])  # (its heartbeat socket's too)
+            probe = IntakeProbe(address, operator)
             per = -(-n // CLIENT_PROCESSES)
             for k in range(CLIENT_PROCESSES):
                 count = min(per, n - k * per)
@@ -408,6 +458,8 @@ startup_timeout_s = 600.0
             time.sleep(3.0)  # the last stops arrive
         finally:
             controller_drops = socket_drops(port) if port else None  # (before it closes)
+            if probe is not None:
+                probe.close()
             for proc, _ in clients:
                 proc.send_signal(signal.SIGTERM)
             for proc, _ in clients:
@@ -427,6 +479,13 @@ startup_timeout_s = 600.0
                    for kind, handled in (("start", starts), ("stop", stops))}
         journal = list(read_journal(state))
         first_ts = journal[0]["ts"]
+        per = -(-n // CLIENT_PROCESSES)
+        falsely_lost = [e for e in journal
+                        if e["kind"] == "host_lost" and e.get("host") != "sim-00000"]
+        by_client: dict[str, int] = {}
+        for e in falsely_lost:
+            k = str(int(e["host"].removeprefix("sim-")) // per)
+            by_client[k] = by_client.get(k, 0) + 1
         return {
             "agents": n,
             "tls": not insecure,
@@ -459,8 +518,11 @@ startup_timeout_s = 600.0
             "sessions_ended": _by_code(received.get("session_ended", {})),
             "session_end_details": received.get("first_details", {}),
             "client_max_lag_s": round(max(received.get("client_max_lag_s", {"": 0.0}).values()), 3),
-            "false_host_lost": sum(e["kind"] == "host_lost" and e.get("host") != "sim-00000"
-                                   for e in journal),
+            "false_host_lost": len(falsely_lost),
+            # ... by the client process that simulated them (is one client stalled?)
+            "false_host_lost_by_client": by_client,
+            # a new call once a second from a third process (is gRPC's intake stalled?)
+            "intake_probe": probe.summary(first_ts),
             "max_controller_lag_s": max((e.get("controller_lag_s", 0.0) for e in journal
                                          if e["kind"] == "host_lost"), default=0.0),
         }
