@@ -282,8 +282,9 @@ class IntakeProbe:
     second, from the benchmark's driver (a process of its own): a
     grpc.health.v1 Check on one connection, each call started whether or not
     the one before was answered, so a stall of gRPC's intake shows as a run
-    of slow answers rather than one. `samples`: (start, seconds to answer or
-    None if it failed), wall-clock starts."""
+    of slow answers rather than one. `samples`: (start, seconds to answer,
+    or the status code's name if it failed: CANCELLED for calls still
+    waiting at close), wall-clock starts."""
 
     EVERY_S = 1.0
 
@@ -291,7 +292,7 @@ class IntakeProbe:
         import threading
 
         from elastic import transport
-        self.samples: list[tuple[float, float | None]] = []
+        self.samples: list[tuple[float, float | str | None]] = []
         self._channel = transport.channel(address, tls)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -305,8 +306,9 @@ class IntakeProbe:
             self.samples.append((started, None))
 
             def done(future, started=started, index=index) -> None:
-                ok = future.exception() is None
-                self.samples[index] = (started, time.time() - started if ok else None)
+                failed = future.exception()
+                self.samples[index] = (started, time.time() - started if failed is None
+                                       else failed.code().name)
             check.future(health_pb2.HealthCheckRequest(), timeout=STATUS_TIMEOUT_S
                          ).add_done_callback(done)
 
@@ -317,13 +319,13 @@ class IntakeProbe:
 
     def summary(self, since: float) -> dict:
         """Median and largest wait (seconds), and the calls that waited over
-        2 s: [start - `since`, wait] (None: failed or still waiting)."""
-        answered = sorted(w for _, w in self.samples if w is not None)
+        2 s or failed: [start - `since`, wait or status code]."""
+        answered = sorted(w for _, w in self.samples if isinstance(w, float))
         return {"calls": len(self.samples),
                 "p50_s": round(answered[len(answered) // 2], 3) if answered else None,
                 "max_s": round(answered[-1], 3) if answered else None,
-                "slow": [[round(t - since, 1), None if w is None else round(w, 2)]
-                         for t, w in self.samples if w is None or w > 2.0]}
+                "slow": [[round(t - since, 1), round(w, 2) if isinstance(w, float) else w]
+                         for t, w in self.samples if not isinstance(w, float) or w > 2.0]}
 
 
 def _last(times: dict, since: float) -> float | None:
