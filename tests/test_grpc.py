@@ -318,3 +318,39 @@ def test_registrations_wait_while_their_streams_wait_to_be_taken_up(tmp_path, pk
         await server.stop("test over")
 
     run(main())
+
+
+def test_a_stream_taken_up_late_is_logged_with_where_its_time_went(tmp_path, pki, caplog):
+    """A stream taken up more than STREAM_LATE_S after its registration is
+    logged, split into the wait before gRPC handed the call over and the
+    wait for its first message (at 10,000 agents some streams waited over a
+    minute, and which of the two it was could not be told)."""
+    from elastic.clock import FakeClock
+    from elastic.controller.servicer import STREAM_LATE_S
+
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2))
+    clock = FakeClock()
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller,
+                                  clock=clock)
+        address = await server.start()
+        async with transport.aio_channel(address, pki.host("h0")) as ch0, \
+                transport.aio_channel(address, pki.host("h1")) as ch1:
+            for host, ch, waited in (("h0", ch0, 1.0), ("h1", ch1, STREAM_LATE_S + 2.5)):
+                stub = pb_grpc.ControllerStub(ch)
+                await stub.Register(register_request(host=host), timeout=5)
+                clock.advance(waited)
+                call = stub.Connect()
+                await call.write(pb.AgentMessage(header=header(host=host),
+                                                 heartbeat=pb.Heartbeat(seq=1)))
+                assert (await call.read()).WhichOneof("body") == "ack"  # taken up
+                call.cancel()
+        await server.stop("test over")
+
+    with caplog.at_level("WARNING", logger="elasticd"):
+        run(main())
+    late = [r.getMessage() for r in caplog.records if "was taken up" in r.getMessage()]
+    assert late == [f"the stream of host h1 was taken up {STREAM_LATE_S + 2.5:.1f} s after it "
+                    f"registered: gRPC handed the call over after {STREAM_LATE_S + 2.5:.1f} s, "
+                    f"its first message was read 0.0 s later"], late

@@ -57,6 +57,8 @@ class Session:
     host_id: str
     incarnation: str
     fingerprint: str = ""
+    #: when it registered (controller-monotonic seconds)
+    registered_at: float = 0.0
     outbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     close_status: tuple | None = None
     attached: bool = False

@@ -49,6 +49,11 @@ _CODES = {"denied": grpc.StatusCode.PERMISSION_DENIED,
 #: Streams one peer may hold at once (an agent needs one; a reconnect may
 #: overlap the old stream's end).
 STREAMS_PER_PEER = 4
+#: Seconds after its registration past which a stream taken up is logged,
+#: with where the time went: before gRPC handed the call over (the agent, the
+#: network, gRPC's queue), or before its first message was read. At 10,000
+#: agents some streams waited over STREAM_OPEN_S (bench/scale.py, 2026-11-26).
+STREAM_LATE_S = 10.0
 #: Unary calls (Register, GetStatus) one peer may have in flight at once.
 CALLS_PER_PEER = 8
 #: A heartbeat is acked when the session's last ack that way is this fraction
@@ -284,8 +289,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
                            f"host {h.host_id} registered again (incarnation {h.incarnation})")
-        session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint)
-        self.intake.registered(session, c.clock.monotonic())
+        session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint,
+                                                  registered_at=c.clock.monotonic())
+        self.intake.registered(session, session.registered_at)
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
             address=request.address, failure_domain=request.failure_domain or h.host_id,
@@ -321,17 +327,19 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             self.calls.release(key)
 
     async def Connect(self, request_iterator, context):
+        handed_over = self.controller.clock.monotonic()  # (gRPC handed the call over)
         peer, key = await self._peer(context)
         if not self.streams.acquire(key):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many streams: at most {STREAMS_PER_PEER} per peer and "
                                 f"{self.streams.total} in all")
         try:
-            await self._connect(context, peer, key)
+            await self._connect(context, peer, key, handed_over)
         finally:
             self.streams.release(key)
 
-    async def _connect(self, context, peer: Identity | None, key: str) -> None:
+    async def _connect(self, context, peer: Identity | None, key: str,
+                       handed_over: float) -> None:
         c = self.controller
         who = peer.name if peer else key
         try:
@@ -363,7 +371,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 "denied", f"the stream's certificate (sha256 {peer.fingerprint[:16]}) is not the "
                           f"one host {host} registered with"))
         session.attached, session.attached_at = True, c.clock.time()
-        self.intake.taken_up(session, c.clock.monotonic())
+        now = c.clock.monotonic()
+        self.intake.taken_up(session, now)
+        if now - session.registered_at > STREAM_LATE_S:
+            log.warning("the stream of host %s was taken up %.1f s after it registered: gRPC "
+                        "handed the call over after %.1f s, its first message was read %.1f s "
+                        "later", host, now - session.registered_at,
+                        handed_over - session.registered_at, now - handed_over)
         reader = asyncio.create_task(self._read(context, session, first))
         try:
             while True:
