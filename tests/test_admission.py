@@ -127,17 +127,14 @@ def test_registrations_wait_while_the_controller_is_behind(behind_s, jitter, wai
     assert adm.registration_wait_s(behind_s, jitter) == wait_s
 
 
-FREE, UNMEASURED = adm.STREAMS_AWAITED_FREELY, adm.STREAMS_AWAITED_UNMEASURED
+FREE = adm.STREAMS_AWAITED_FREELY
 
 
 @pytest.mark.parametrize("awaiting, taken_per_s, booked_s, turn_s", [
     (0, 0.0, 0.0, None),
-    (FREE, 0.5, 0.0, None),                   # a few always, whatever the rate
-    (FREE + 1, 0.5, 0.0, 30.0),               # more: by the rate (66 s: 61 too many)
-    (UNMEASURED, 0.0, 0.0, None),             # the rate not known yet: more
-    (UNMEASURED, 10.0, 0.0, 20.6),            # known: 25.6 s is 20.6 s too many
-    (UNMEASURED + 1, 0.0, 0.0, 1.0),          # none taken up yet: at least 1 s,
-    (UNMEASURED + 1, 0.0, 40.0, 40.0 + 1 / adm.MIN_TURNS_PER_S),  # ... after the last turn
+    (FREE, 0.0, 0.0, None),                   # a few always: no rate needed
+    (FREE + 1, 0.0, 0.0, 1.0),                # none taken up yet: at least 1 s,
+    (FREE + 1, 0.0, 40.0, 40.0 + 1 / adm.MIN_TURNS_PER_S),  # ... after the last turn given
     (1000, 200.0, 0.0, None),                 # 5 s at 200 a second
     (1000, 100.0, 0.0, 5.0),                  # 10 s: the 5 s too many
     (1000, 100.0, 7.0, 7.005),                # after the last turn given, at 2 x 100 a second

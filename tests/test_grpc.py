@@ -271,7 +271,6 @@ def test_registrations_wait_while_their_streams_wait_to_be_taken_up(tmp_path, pk
     from elastic.controller import admission as adm
 
     monkeypatch.setattr(adm, "STREAMS_AWAITED_FREELY", 2)
-    monkeypatch.setattr(adm, "STREAMS_AWAITED_UNMEASURED", 2)
     spec = load_spec(tiny_spec(tmp_path, min_hosts=4, max_hosts=4))
 
     async def main():

@@ -305,18 +305,11 @@ def check_rebind(bound: str | None, fingerprint: str, incarnation: str,
 ADMIT_LAG_S = 1.0
 #: Registrations whose streams wait to be taken up (see StreamIntake) that
 #: are always admitted: a slice of up to this many hosts never waits.
-STREAMS_AWAITED_FREELY = 32
-#: ... and while no stream was taken up lately (the rate is not known yet:
-#: a job's first registrations, a controller just started).
-STREAMS_AWAITED_UNMEASURED = 256
-#: Otherwise a registration is admitted while the streams already waiting
+STREAMS_AWAITED_FREELY = 256
+#: Above that, a registration is admitted while the streams already waiting
 #: would be taken up within this many seconds, at the rate streams were
 #: lately taken up: well within an agent's wait for its stream's first
 #: answer (elastic.agent.session: at least 15 s with the default lease).
-#: (256 places free whatever the rate kept a queue of ~200 streams waiting
-#: at 10,000 agents, and at the 3 to 15 a second gRPC took them up then,
-#: they waited 10 to 60 s: bench/scale.py, 2026-11-26, the controller's
-#: "was taken up" log lines.)
 STREAM_WAIT_S = 5.0
 #: The window (seconds) over which that rate is measured.
 INTAKE_WINDOW_S = 10.0
@@ -352,9 +345,8 @@ def registration_wait_s(behind_s: float, jitter: float, admit_lag_s: float = ADM
 def stream_wait_s(awaiting: int, taken_per_s: float, booked_s: float) -> float | None:
     """Admission control on the streams of admitted registrations: None
     (admit) while at most STREAMS_AWAITED_FREELY streams wait to be taken
-    up (STREAMS_AWAITED_UNMEASURED while none was taken up lately:
-    `taken_per_s` 0), or while those `awaiting` would be taken up within
-    STREAM_WAIT_S at `taken_per_s` (streams taken up a second, lately); else the seconds
+    up, or while those `awaiting` would be taken up within STREAM_WAIT_S at
+    `taken_per_s` (streams taken up a second, lately); else the seconds
     until the agent's turn to register again. Turns are spaced at twice the
     rate streams are taken up (TURNS_PER_TAKEN; at least MIN_TURNS_PER_S a
     second) after the last one given, `booked_s` seconds from now (0: none),
@@ -372,7 +364,7 @@ def stream_wait_s(awaiting: int, taken_per_s: float, booked_s: float) -> float |
     hints of 1 to 30 s regardless of the others, 10,000 agents were deferred
     60,483 times in 600 s, and those calls took the place of the streams'.
     Spaced turns defer an agent about once."""
-    if awaiting <= (STREAMS_AWAITED_FREELY if taken_per_s > 0 else STREAMS_AWAITED_UNMEASURED):
+    if awaiting <= STREAMS_AWAITED_FREELY:
         return None
     expected_s = awaiting / taken_per_s if taken_per_s > 0 else math.inf
     if expected_s <= STREAM_WAIT_S:
