@@ -373,6 +373,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         session.attached, session.attached_at = True, c.clock.time()
         now = c.clock.monotonic()
         self.intake.taken_up(session, now)
+        c.stream_waits.taken_up(now - session.registered_at, now)
         if now - session.registered_at > STREAM_LATE_S:
             log.warning("the stream of host %s was taken up %.1f s after it registered: gRPC "
                         "handed the call over after %.1f s, its first message was read %.1f s "
