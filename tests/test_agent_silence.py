@@ -23,8 +23,8 @@ class QuietController(pb_grpc.ControllerServicer):
     `answers` messages on its stream and nothing more (a stream still held
     in gRPC's queue, answers=0, or a controller that stopped)."""
 
-    def __init__(self, answers: int, lease_s: float) -> None:
-        self.answers, self.lease_s = answers, lease_s
+    def __init__(self, answers: int, lease_s: float, stream_wait_s: float = 0.0) -> None:
+        self.answers, self.lease_s, self.stream_wait_s = answers, lease_s, stream_wait_s
         self.registered_at: list[float] = []
         self.again = asyncio.Event()  # the agent registered a second time
 
@@ -33,7 +33,8 @@ class QuietController(pb_grpc.ControllerServicer):
         if len(self.registered_at) >= 2:
             self.again.set()
         return pb.RegisterResponse(job_id="test", heartbeat_interval_s=0.1,
-                                   heartbeat_timeout_s=0.5, controller_lease_s=self.lease_s)
+                                   heartbeat_timeout_s=0.5, controller_lease_s=self.lease_s,
+                                   stream_wait_s=self.stream_wait_s)
 
     async def Connect(self, request_iterator, context):
         for _ in range(self.answers):
@@ -44,20 +45,35 @@ class QuietController(pb_grpc.ControllerServicer):
             pass
 
 
-@pytest.mark.parametrize("answers, lease_s, waited", [
-    (0, 30.0, 2.0),  # STREAM_OPEN_S (here 2 s)
-    (0, 3.0, 1.5),   # half the controller lease, which only a registration renews
-    (1, 30.0, 0.5),  # answered: the heartbeat timeout
+@pytest.mark.parametrize("silence_s, stream_wait_s, lease_s, wait_s", [
+    (5.0, 0.0, None, 60.0),       # STREAM_OPEN_S
+    (5.0, 40.0, None, 100.0),     # + what the controller said its streams wait
+    (5.0, 900.0, None, 300.0),    # at most as long as gRPC holds a call
+    (5.0, float("nan"), None, 60.0),
+    (5.0, -3.0, None, 60.0),
+    (5.0, 40.0, 30.0, 15.0),      # a worker runs: half the lease, which only
+    (20.0, 40.0, 30.0, 20.0),     # a registration renews; never below the silence
+])
+def test_how_long_an_agent_waits_for_its_streams_first_answer(silence_s, stream_wait_s,
+                                                             lease_s, wait_s):
+    assert agent_session.first_answer_wait_s(silence_s, stream_wait_s, lease_s) == wait_s
+
+
+@pytest.mark.parametrize("answers, stream_wait_s, waited", [
+    (0, 0.0, 2.0),   # STREAM_OPEN_S (here 2 s)
+    (0, 1.5, 3.5),   # + the wait the controller said its streams have
+    (1, 0.0, 0.5),   # answered: the heartbeat timeout
 ])
 def test_an_agent_waits_for_its_streams_first_answer_as_long_as_the_controller_waits_for_it(
-        tmp_path, pki, caplog, monkeypatch, answers, lease_s, waited):
+        tmp_path, pki, caplog, monkeypatch, answers, stream_wait_s, waited):
     """Before the controller's first answer on the stream the agent waits
-    STREAM_OPEN_S (here 2 s), at most half the controller lease, before it
-    registers again, as the controller waits that long for the stream (with
-    thousands of agents connecting it sits in gRPC's queue meanwhile);
-    after it, the heartbeat timeout."""
+    STREAM_OPEN_S (here 2 s) plus the wait its registration's reply named,
+    before it registers again, as the controller waits that long for the
+    stream (with thousands of agents connecting it sits in gRPC's queue
+    meanwhile); after it, the heartbeat timeout. (An agent without a worker:
+    the lease bounds the wait only while one runs, see above.)"""
     monkeypatch.setattr(agent_session, "STREAM_OPEN_S", 2.0)
-    fake = QuietController(answers, lease_s)
+    fake = QuietController(answers, lease_s=3.0, stream_wait_s=stream_wait_s)
 
     async def main():
         server = transport.aio_server()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 
@@ -32,6 +33,23 @@ log = logging.getLogger("elastic-agent")
 #: With several controller addresses, a registration that takes longer
 #: (seconds) moves on to the next: a frozen or cut-off leader never answers.
 REGISTER_TIMEOUT_S = 2.0
+
+
+def first_answer_wait_s(silence_s: float, stream_wait_s: float, lease_s: float | None) -> float:
+    """Seconds an agent waits for its stream's first answer before it
+    registers again: as long as the controller waits for the stream
+    (STREAM_OPEN_S plus `stream_wait_s`, what the registration's reply said
+    of the controller's lag and its streams' wait; at most SERVER_CALL_WAIT_S
+    in all, after which gRPC drops a call the controller has not taken up;
+    a value that is not a finite number >= 0 counts as 0), at most half
+    `lease_s` (the controller lease, given while a worker runs; None: no
+    worker to fence), and never less than `silence_s` (the heartbeat
+    silence that ends an answered stream)."""
+    extra_s = stream_wait_s if math.isfinite(stream_wait_s) and stream_wait_s > 0 else 0.0
+    wait_s = min(STREAM_OPEN_S + extra_s, float(transport.SERVER_CALL_WAIT_S))
+    if lease_s is not None:
+        wait_s = min(wait_s, lease_s / 2)
+    return max(silence_s, wait_s)
 
 
 class _NoController(Exception):
@@ -135,12 +153,14 @@ class ControllerSession:
         # the stream itself: with thousands of agents connecting, gRPC holds a
         # new stream in its queue until the controller's loop takes it up,
         # and ending the session then would only register the agent again,
-        # adding to that queue (elastic.policy.silence.STREAM_OPEN_S). At most
-        # half the controller lease: a registration renews the lease, a
-        # stream not yet answered does not, and the worker must not be
-        # fenced meanwhile (a new leader adopting a running slice).
-        first_answer_s = max(silence_s, STREAM_OPEN_S if self._lease_s is None
-                             else min(STREAM_OPEN_S, self._lease_s / 2))
+        # adding to that queue (elastic.policy.silence.STREAM_OPEN_S, plus
+        # what the controller said its lag and its streams' wait were). With a
+        # worker running, at most half the controller lease: a registration
+        # renews the lease, a stream not yet answered does not, and the
+        # worker must not be fenced meanwhile (a new leader adopting a
+        # running slice).
+        first_answer_s = first_answer_wait_s(silence_s, reply.stream_wait_s,
+                                             self._lease_s if self.supervisor.running else None)
         answered = False
 
         async def read() -> None:

@@ -304,7 +304,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                                     heartbeat_interval_s=health.heartbeat_interval_s,
                                     heartbeat_timeout_s=health.heartbeat_timeout_s,
                                     controller_lease_s=health.controller_lease_s,
-                                    term=c.executor.term)
+                                    term=c.executor.term,
+                                    stream_wait_s=c.view.lag_s + c.view.stream_wait_s)
         if self.heartbeat_port:
             key = hd.new_key()
             session.datagrams = hd.DatagramChannel(key, h.host_id, hd.TO_AGENT)

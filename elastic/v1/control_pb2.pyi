@@ -96,7 +96,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., device_kind: _Optional[str] = ..., fenced: _Optional[str] = ..., service_port: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term", "heartbeat_port", "heartbeat_key")
+    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term", "heartbeat_port", "heartbeat_key", "stream_wait_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class RegisterResponse(_message.Message):
     TERM_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_PORT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     heartbeat_interval_s: float
@@ -115,7 +116,8 @@ class RegisterResponse(_message.Message):
     term: int
     heartbeat_port: int
     heartbeat_key: bytes
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ..., heartbeat_port: _Optional[int] = ..., heartbeat_key: _Optional[bytes] = ...) -> None: ...
+    stream_wait_s: float
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ..., heartbeat_port: _Optional[int] = ..., heartbeat_key: _Optional[bytes] = ..., stream_wait_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "worker", "free_port", "preemption", "sent_at", "devices", "device_kind")
