@@ -96,7 +96,9 @@ async def simulated_agent(stub, pb, address: str, host_id: str, job_id: str, rec
     """One agent: registers, streams, heartbeats (as datagrams when the
     controller offers them, with the real agent's elastic.agent.datagrams);
     like a real agent it registers again whenever its session ends (counted
-    by status code in received["session_ended"])."""
+    by status code in received["session_ended"]), and when its stream has
+    no first answer for as long as a real agent waits (counted in
+    received["streams_given_up"])."""
     import grpc
 
     from elastic import transport
@@ -139,6 +141,7 @@ async def simulated_agent(stub, pb, address: str, host_id: str, job_id: str, rec
 async def session(stub, pb, address: str, reply, header, status, host_id: str, received: dict,
                   silence: asyncio.Event | None) -> None:
     from elastic.agent.datagrams import open_datagrams
+    from elastic.agent.session import first_answer_wait_s
 
     call = stub.Connect()
     acks: asyncio.Queue = asyncio.Queue()
@@ -190,12 +193,21 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
             await command(await acks.get())
 
     task, drainer = asyncio.create_task(beat()), asyncio.create_task(drain())
+    # like the real agent, no first answer on the stream this long: register again
+    first_answer_s = first_answer_wait_s(reply.heartbeat_timeout_s, reply.stream_wait_s, None)
+    answered = False
     try:
         while True:
-            message = await call.read()
+            try:
+                message = await (call.read() if answered else
+                                 asyncio.wait_for(call.read(), first_answer_s))
+            except TimeoutError:
+                gave_up = received.setdefault("streams_given_up", {})
+                gave_up[host_id] = gave_up.get(host_id, 0) + 1
+                return
             if message is None or not hasattr(message, "WhichOneof"):
                 return
-            streamed = datagrams is not None  # the controller has taken the stream up
+            answered, streamed = True, datagrams is not None  # it has taken the stream up
             await command(message)
     finally:
         task.cancel()
@@ -517,6 +529,9 @@ startup_timeout_s = 600.0
             "streams_open_at_start": sum(t <= started["ts"]
                                          for t in received.get("stream_opened", {}).values()),
             "registrations_deferred": sum(received.get("deferred", {}).values()),
+            # streams without a first answer for as long as a real agent waits
+            # (elastic.agent.session.first_answer_wait_s): registered again
+            "streams_given_up": sum(received.get("streams_given_up", {}).values()),
             "sessions_ended": _by_code(received.get("session_ended", {})),
             "session_end_details": received.get("first_details", {}),
             "client_max_lag_s": round(max(received.get("client_max_lag_s", {"": 0.0}).values()), 3),
