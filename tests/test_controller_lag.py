@@ -11,7 +11,7 @@ import pytest
 
 from elastic.clock import FakeClock, SystemClock
 from elastic.controller.lag import (NOISE_S, PAUSE_S, LagPromises, LoopLag, ReceiptDelay,
-                                    ReceiveDrops, StreamWaits)
+                                    ReceiveDrops)
 
 
 @pytest.mark.parametrize("samples,now,window_s,allowance_s", [
@@ -51,34 +51,6 @@ def test_allowance_matches_a_brute_force_maximum():
             expected = max((x for t, x in kept if t >= at - window_s and x >= NOISE_S),
                            default=0.0)
             assert lag.allowance_s(at, window_s) == expected
-
-
-@pytest.mark.parametrize("waits,now,recent_s", [
-    ([], 100.0, 0.0),
-    ([(50.0, 30.0)], 100.0, 30.0),                 # taken up 50 s ago: within the window,
-    ([(39.0, 30.0)], 100.0, 0.0),                  # 61 s ago: not
-    ([(50.0, 30.0), (90.0, 2.0)], 100.0, 30.0),    # the longest,
-    ([(50.0, 30.0), (90.0, 2.0)], 111.0, 2.0),     # then the next while it is recent
-    ([(50.0, 2.0), (90.0, 30.0)], 100.0, 30.0),    # a longer one later replaces it
-])
-def test_the_streams_recent_wait_is_the_longest_within_the_window(waits, now, recent_s):
-    streams = StreamWaits(window_s=60.0)
-    for at, waited_s in waits:
-        streams.taken_up(waited_s, at)
-    assert streams.recent_s(now) == recent_s
-
-
-def test_the_streams_recent_wait_matches_a_brute_force_maximum():
-    rng = random.Random(11)
-    streams, kept, at = StreamWaits(window_s=20.0), [], 0.0
-    for _ in range(2_000):
-        at += rng.uniform(0.0, 3.0)
-        if rng.random() < 0.7:  # (else only asked, as a pass without new streams does)
-            waited_s = rng.choice([0.0, rng.uniform(0.0, 90.0)])
-            streams.taken_up(waited_s, at)
-            kept.append((at, waited_s))
-        expected = max((w for t, w in kept if at - t <= 20.0), default=0.0)
-        assert streams.recent_s(at) == expected
 
 
 @pytest.mark.parametrize("promises,now,floor", [

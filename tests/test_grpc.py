@@ -320,7 +320,7 @@ def test_registrations_wait_while_their_streams_wait_to_be_taken_up(tmp_path, pk
     run(main())
 
 
-def test_a_stream_taken_up_late_is_logged_and_extends_the_wait_for_others(tmp_path, pki, caplog):
+def test_a_stream_taken_up_late_is_logged_with_where_its_time_went(tmp_path, pki, caplog):
     """A stream taken up more than STREAM_LATE_S after its registration is
     logged, split into the wait before gRPC handed the call over and the
     wait for its first message (at 10,000 agents some streams waited over a
@@ -346,11 +346,6 @@ def test_a_stream_taken_up_late_is_logged_and_extends_the_wait_for_others(tmp_pa
                                                  heartbeat=pb.Heartbeat(seq=1)))
                 assert (await call.read()).WhichOneof("body") == "ack"  # taken up
                 call.cancel()
-            # a stream not come yet is given the longest wait lately
-            controller = server.controller
-            assert controller.stream_waits.recent_s(clock.monotonic()) == STREAM_LATE_S + 2.5
-            controller.judge_lag(clock.monotonic())
-            assert controller.view.stream_wait_s == STREAM_LATE_S + 2.5
         await server.stop("test over")
 
     with caplog.at_level("WARNING", logger="elasticd"):

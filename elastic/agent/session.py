@@ -39,7 +39,7 @@ def first_answer_wait_s(silence_s: float, stream_wait_s: float, lease_s: float |
     """Seconds an agent waits for its stream's first answer before it
     registers again: as long as the controller waits for the stream
     (STREAM_OPEN_S plus `stream_wait_s`, what the registration's reply said
-    of the controller's lag and its streams' wait; at most SERVER_CALL_WAIT_S
+    of the controller's lag; at most SERVER_CALL_WAIT_S
     in all, after which gRPC drops a call the controller has not taken up;
     a value that is not a finite number >= 0 counts as 0), at most half
     `lease_s` (the controller lease, given while a worker runs; None: no
@@ -154,7 +154,7 @@ class ControllerSession:
         # new stream in its queue until the controller's loop takes it up,
         # and ending the session then would only register the agent again,
         # adding to that queue (elastic.policy.silence.STREAM_OPEN_S, plus
-        # what the controller said its lag and its streams' wait were). With a
+        # what the controller said its lag was). With a
         # worker running, at most half the controller lease: a registration
         # renews the lease, a stream not yet answered does not, and the
         # worker must not be fenced meanwhile (a new leader adopting a

@@ -10,8 +10,7 @@ from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.executor import Executor
 from elastic.controller.journal import JournalTail, JournalWriter
-from elastic.controller.lag import LagPromises, LoopLag, ReceiptDelay, ReceiveDrops, StreamWaits
-from elastic.policy import silence
+from elastic.controller.lag import LagPromises, LoopLag, ReceiptDelay, ReceiveDrops
 from elastic.policy.adopt import Inherited
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Event, observe
@@ -93,8 +92,6 @@ class Controller:
         self.receipts = ReceiptDelay(keep=10_000)
         # heartbeat datagrams the kernel dropped on the full socket
         self.drops = ReceiveDrops(hold_s=spec.health.heartbeat_timeout_s)
-        #: how long the streams taken up lately had waited (the servicer notes them)
-        self.stream_waits = StreamWaits(window_s=silence.STREAM_OPEN_S)
         #: registrations refused while it was behind or admitted ones' streams
         #: waited (admission control, elastic.controller.admission)
         self.registrations_deferred = 0
@@ -111,8 +108,7 @@ class Controller:
         self.on_heartbeat_latency = None
 
     def judge_lag(self, now: float) -> None:
-        """Set the lag (seconds) silence is judged against at `now`, and the
-        streams' recent wait a stream not yet come is judged against
+        """Set the lag (seconds) silence is judged against at `now`
         (controller-monotonic): the largest measured within a heartbeat
         timeout (elastic.controller.lag), or a larger one acks told agents
         and that still holds (`promise_lag`), or the timeout itself while the
@@ -124,7 +120,6 @@ class Controller:
         self.measured_lag_s = self.lag.allowance_s(now)
         self.view.lag_s = max(self.measured_lag_s, self.promises.floor(now),
                               self.drops.lag_s(now))
-        self.view.stream_wait_s = self.stream_waits.recent_s(now)
 
     def promise_lag(self, lag_s: float) -> None:
         """An ack told an agent that this controller runs `lag_s` seconds

@@ -14,8 +14,7 @@ silence against `heartbeat_timeout_s + lag` (ClusterView.lag_s).
 Two measures: the loop's own lateness, and how late heartbeats reach it
 (ReceiptDelay: messages can also wait in gRPC's core, unseen by the loop);
 and heartbeats the kernel dropped on the full socket count as lag of
-their own (ReceiveDrops). A registered host's first stream is judged by a
-third: how long the streams taken up lately had waited (StreamWaits).
+their own (ReceiveDrops).
 A probe task sleeps PROBE_S and records how much later than asked it woke;
 the reconcile loop records its own wake-lateness too (it may run before the
 probe after a pause). Two kinds of lateness:
@@ -232,42 +231,3 @@ class ReceiveDrops:
     def lag_s(self, at: float) -> float:
         """`hold_s` within `hold_s` of the last drop seen before `at`; else 0.0."""
         return self.hold_s if 0.0 <= at - self._last <= self.hold_s else 0.0
-
-
-class StreamWaits:
-    """How long the streams taken up lately had waited since their hosts
-    registered (seconds), for `window_s` seconds after each was taken up.
-
-    gRPC's asyncio server hands the controller new calls of a method one at
-    a time, each after a turn or two of the controller's loop, and a
-    registered agent's stream waits behind every stream opened before it.
-    At 10,000 agents such a queue drained at 3 to 15 streams a second and
-    streams waited 10 to 60 s (bench/scale.py, 2026-11-26, the servicer's
-    "was taken up" log lines); hosts whose streams waited past
-    elastic.policy.silence.STREAM_OPEN_S were declared lost, and returned a
-    second later. A host whose stream has not come is judged against
-    STREAM_OPEN_S plus the longest wait lately (ClusterView.stream_wait_s):
-    while the streams taken up just before it had waited nearly as long, its
-    own is most likely in the same queue. A host that registered and died is
-    still found, that much later. O(1) amortized per call (a sliding-window
-    maximum)."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        # (taken up at, waited s), the waits decreasing: a wait is dropped
-        # once a longer one was taken up after it
-        self._waits: collections.deque[tuple[float, float]] = collections.deque()
-
-    def taken_up(self, waited_s: float, at: float) -> None:
-        """A stream was taken up at `at` (controller-monotonic), `waited_s`
-        after its host registered."""
-        while self._waits and self._waits[-1][1] <= waited_s:
-            self._waits.pop()
-        self._waits.append((at, waited_s))
-
-    def recent_s(self, now: float) -> float:
-        """The longest wait of the streams taken up within `window_s` of
-        `now` (0.0 if none)."""
-        while self._waits and now - self._waits[0][0] > self.window_s:
-            self._waits.popleft()
-        return self._waits[0][1] if self._waits else 0.0

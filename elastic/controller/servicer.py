@@ -305,7 +305,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                                     heartbeat_timeout_s=health.heartbeat_timeout_s,
                                     controller_lease_s=health.controller_lease_s,
                                     term=c.executor.term,
-                                    stream_wait_s=c.view.lag_s + c.view.stream_wait_s)
+                                    stream_wait_s=c.view.lag_s)
         if self.heartbeat_port:
             key = hd.new_key()
             session.datagrams = hd.DatagramChannel(key, h.host_id, hd.TO_AGENT)
@@ -374,7 +374,6 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         session.attached, session.attached_at = True, c.clock.time()
         now = c.clock.monotonic()
         self.intake.taken_up(session, now)
-        c.stream_waits.taken_up(now - session.registered_at, now)
         if now - session.registered_at > STREAM_LATE_S:
             log.warning("the stream of host %s was taken up %.1f s after it registered: gRPC "
                         "handed the call over after %.1f s, its first message was read %.1f s "

@@ -126,8 +126,7 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         actions.append(Journal("host_lost", state.generation, reason, host, fields))
 
     silent = [r for r in view.silent(cutoff)
-              if r.host_id not in lost
-              and not silence.opening(r, now, view.lag_s, view.stream_wait_s)]
+              if r.host_id not in lost and not silence.opening(r, now, view.lag_s)]
     # the slice's front step, O(members): only read when someone is silent
     front = _carry_front(state, view, now, spec) if silent or state.carried else None
     for record in silent:
@@ -207,10 +206,10 @@ def _usable(record: HostRecord, state: SliceState, view: ClusterView) -> bool:
 
 
 def _opening(state: SliceState, view: ClusterView, now: float) -> int:
-    """How many hosts registered and still wait, within silence.opening's
-    limit, for their stream's first message (then silence counts). O(hosts)."""
-    return sum(silence.opening(r, now, view.lag_s, view.stream_wait_s)
-               and r.host_id not in state.lost
+    """Hosts that registered and whose stream has not sent its first message
+    yet, for at most silence.STREAM_OPEN_S (+ the controller's lag): then
+    their silence counts and they are lost. O(hosts)."""
+    return sum(silence.opening(r, now, view.lag_s) and r.host_id not in state.lost
                for r in view.hosts.values())
 
 

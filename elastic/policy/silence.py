@@ -44,13 +44,10 @@ CARRY_LEAD_STEPS = 3
 STREAM_OPEN_S = 60.0
 
 
-def opening(record: HostRecord, now: float, lag_s: float, stream_wait_s: float = 0.0) -> bool:
+def opening(record: HostRecord, now: float, lag_s: float) -> bool:
     """True while `record` registered less than STREAM_OPEN_S (+ the
-    controller's lag, + how long the streams taken up lately had waited:
-    elastic.controller.lag.StreamWaits) ago and nothing came on its stream
-    since (seconds)."""
-    return not record.streamed and \
-        now - record.registered_at <= STREAM_OPEN_S + lag_s + stream_wait_s
+    controller's lag) ago and nothing came on its stream since."""
+    return not record.streamed and now - record.registered_at <= STREAM_OPEN_S + lag_s
 
 
 def slice_front(members: Iterable[HostRecord], generation: int, now: float,

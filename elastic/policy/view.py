@@ -256,10 +256,6 @@ class ClusterView:
         # elastic.controller.lag): what it has not read yet is not silence, so
         # every silence limit is judged against limit + lag_s.
         self.lag_s = 0.0
-        # Seconds the streams taken up lately had waited since their hosts
-        # registered (elastic.controller.lag.StreamWaits): a stream not come
-        # yet is judged against silence.STREAM_OPEN_S + lag_s + this.
-        self.stream_wait_s = 0.0
 
     def forgive_pause(self, pause_s: float, now: float,
                       lost: Collection[str] = frozenset()) -> None:
