@@ -47,7 +47,7 @@ class QuietController(pb_grpc.ControllerServicer):
 
 @pytest.mark.parametrize("silence_s, stream_wait_s, lease_s, wait_s", [
     (5.0, 0.0, None, 60.0),       # STREAM_OPEN_S
-    (5.0, 40.0, None, 100.0),     # + what the controller said its streams wait
+    (5.0, 40.0, None, 100.0),     # + the lag the registration's reply named
     (5.0, 900.0, None, 300.0),    # at most as long as gRPC holds a call
     (5.0, float("nan"), None, 60.0),
     (5.0, -3.0, None, 60.0),
@@ -61,7 +61,7 @@ def test_how_long_an_agent_waits_for_its_streams_first_answer(silence_s, stream_
 
 @pytest.mark.parametrize("answers, stream_wait_s, waited", [
     (0, 0.0, 2.0),   # STREAM_OPEN_S (here 2 s)
-    (0, 1.5, 3.5),   # + the wait the controller said its streams have
+    (0, 1.5, 3.5),   # + the lag the registration's reply named
     (1, 0.0, 0.5),   # answered: the heartbeat timeout
 ])
 def test_an_agent_waits_for_its_streams_first_answer_as_long_as_the_controller_waits_for_it(

@@ -153,12 +153,9 @@ class ControllerSession:
         # the stream itself: with thousands of agents connecting, gRPC holds a
         # new stream in its queue until the controller's loop takes it up,
         # and ending the session then would only register the agent again,
-        # adding to that queue (elastic.policy.silence.STREAM_OPEN_S, plus
-        # what the controller said its lag was). With a
-        # worker running, at most half the controller lease: a registration
-        # renews the lease, a stream not yet answered does not, and the
-        # worker must not be fenced meanwhile (a new leader adopting a
-        # running slice).
+        # adding to that queue (first_answer_wait_s; the lease bounds it while
+        # a worker runs: a registration renews the lease, a stream not yet
+        # answered does not).
         first_answer_s = first_answer_wait_s(silence_s, reply.stream_wait_s,
                                              self._lease_s if self.supervisor.running else None)
         answered = False
