@@ -53,13 +53,15 @@ def test_killed_runner_takes_everything_with_it(tmp_path, local_job, proc_env):
 
 
 def _poll_bucket(url: str, stop: threading.Event, seen: dict) -> None:
-    """Record every object of the run's bucket with its creation time."""
+    """Record every object of the run's bucket with its creation time. Each
+    listing is tried once (the client's default retry would go on for 120 s
+    against an emulator gone at the end, and outlive the test)."""
     from elastic.checkpoint.emulator import anonymous_client
 
     client = anonymous_client(url)
     while not stop.wait(0.3):
         try:
-            for blob in client.list_blobs("elastic-local"):
+            for blob in client.list_blobs("elastic-local", retry=None, timeout=5):
                 seen.setdefault(blob.name, blob.time_created.timestamp())
         except Exception:  # noqa: BLE001 - the emulator goes away at the end
             pass
