@@ -268,3 +268,16 @@ def test_clean_text_keeps_newlines_only_when_asked():
     assert clean_text("a\nb\x00c\x1b", 100) == "a b\ufffdc\ufffd"
     assert clean_text("a\nb\tc\u2028", 100, keep_newlines=True) == "a\nb\tc\ufffd"
     assert clean_text("0123456789", 4) == "6789"
+
+
+def test_late_streams_are_logged_at_most_once_an_interval_counting_those_left_out():
+    """(now, waited) -> what LateStreamLog.note says, interval 5 s: the first
+    is logged; the next two within 5 s are left out; the one after carries
+    them and the longer of their waits."""
+    from elastic.controller.servicer import LateStreamLog
+
+    late = LateStreamLog(interval_s=5.0)
+    table = [(100.0, 12.0, (0, 0.0)), (101.0, 30.0, None), (104.9, 20.0, None),
+             (105.0, 11.0, (2, 30.0)), (109.0, 40.0, None), (200.0, 15.0, (1, 40.0)),
+             (205.0, 15.0, (0, 0.0))]
+    assert [late.note(now, waited) for now, waited, _ in table] == [e for _, _, e in table]

@@ -54,6 +54,9 @@ STREAMS_PER_PEER = 4
 #: network, gRPC's queue), or before its first message was read. At 10,000
 #: agents some streams waited over STREAM_OPEN_S (bench/scale.py, 2026-11-26).
 STREAM_LATE_S = 10.0
+#: At most one late stream is logged this often (seconds); the next line
+#: counts those left out (2,387 late streams in one 10,000-agent run).
+LATE_STREAM_LOG_INTERVAL_S = 5.0
 #: Unary calls (Register, GetStatus) one peer may have in flight at once.
 CALLS_PER_PEER = 8
 #: A heartbeat is acked when the session's last ack that way is this fraction
@@ -120,6 +123,30 @@ def fence(controller: Controller, header: pb.Header) -> str | None:
     return None
 
 
+class LateStreamLog:
+    """Which late stream take-ups are logged: the first, then at most one
+    every `interval_s` seconds; the one logged carries how many were left
+    out since the line before and the longest wait among them (seconds)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._next_at = float("-inf")
+        self._left_out = 0
+        self._longest_s = 0.0
+
+    def note(self, now: float, waited_s: float) -> tuple[int, float] | None:
+        """A stream taken up at `now` (monotonic seconds) `waited_s` seconds
+        after its registration: None if it is not to be logged, else (late
+        streams left out before it, the longest wait among them)."""
+        if now < self._next_at:
+            self._left_out += 1
+            self._longest_s = max(self._longest_s, waited_s)
+            return None
+        left_out = (self._left_out, self._longest_s)
+        self._next_at, self._left_out, self._longest_s = now + self.interval_s, 0, 0.0
+        return left_out
+
+
 class ControllerServicer(pb_grpc.ControllerServicer):
     """Serves Register, Connect and GetStatus for one Controller.
 
@@ -142,6 +169,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self._known_step, self._known_at = -1, float("-inf")
         #: admitted registrations whose streams gRPC has not handed over yet
         self.intake = adm.StreamIntake(expire_s=silence.STREAM_OPEN_S)
+        self._late_streams = LateStreamLog(LATE_STREAM_LOG_INTERVAL_S)
         #: the UDP port taking heartbeat datagrams (0: none; set by the server)
         self.heartbeat_port = 0
 
@@ -374,11 +402,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         session.attached, session.attached_at = True, c.clock.time()
         now = c.clock.monotonic()
         self.intake.taken_up(session, now)
-        if now - session.registered_at > STREAM_LATE_S:
+        waited_s = now - session.registered_at
+        left_out = self._late_streams.note(now, waited_s) if waited_s > STREAM_LATE_S else None
+        if left_out is not None:
             log.warning("the stream of host %s was taken up %.1f s after it registered: gRPC "
                         "handed the call over after %.1f s, its first message was read %.1f s "
-                        "later", host, now - session.registered_at,
-                        handed_over - session.registered_at, now - handed_over)
+                        "later%s", host, waited_s, handed_over - session.registered_at,
+                        now - handed_over,
+                        f" ({left_out[0]} more late since the last such line, the longest "
+                        f"{left_out[1]:.1f} s)" if left_out[0] else "")
         reader = asyncio.create_task(self._read(context, session, first))
         try:
             while True:
