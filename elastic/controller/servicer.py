@@ -77,7 +77,15 @@ _parse_agent_message = transport.lenient(pb.AgentMessage)
 def add_servicer(servicer: "ControllerServicer", server) -> None:
     """Serve `servicer` on `server` as the generated
     add_ControllerServicer_to_server does, with lenient deserializers:
-    bytes that are no message reach the servicer as None."""
+    bytes that are no message reach the servicer as None.
+
+    The methods are registered with gRPC core, not only handled
+    generically: grpcio's asyncio server asks core for one call at a time
+    per registered method and one for all unregistered ones, and hands the
+    next over only after its serving loop has taken up the last. Unregistered,
+    Register, Connect and GetStatus waited in one queue: at 10,000 agents an
+    `elasticd status` waited 123 s behind the streams (bench/scale.py,
+    2026-11-26), while a health check, registered, waited seconds."""
     handlers = {
         "Register": grpc.unary_unary_rpc_method_handler(
             servicer.Register, request_deserializer=transport.lenient(pb.RegisterRequest),
@@ -91,6 +99,7 @@ def add_servicer(servicer: "ControllerServicer", server) -> None:
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("elastic.v1.Controller", handlers),))
+    server.add_registered_method_handlers("elastic.v1.Controller", handlers)
 
 
 def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
