@@ -11,8 +11,10 @@ mutual TLS costs. For each size:
 - controller CPU share over 20 s of steady heartbeats (its process's
   user+system time / wall time; 100 % = one core);
 - heartbeat latency p50/p99 (controller receipt - agent send, from status),
-  and how long that status call took (an operator's new connection and call,
-  taken up behind the agents' traffic);
+  and how long the status call took two ways, one after the other: on the
+  probe's connection, open since the start, and on a new connection (as
+  `elasticd status` makes), both taken up behind the agents' traffic (a
+  call that fails is recorded with its status code; the run goes on);
 - detection: one agent goes silent -> `host_lost`, minus the silence start
   (target: within heartbeat_timeout_s + 1 s = 6 s);
 - fan-out: `generation_started` -> the last agent received its start, and
@@ -324,6 +326,11 @@ class IntakeProbe:
             check.future(health_pb2.HealthCheckRequest(), timeout=STATUS_TIMEOUT_S
                          ).add_done_callback(done)
 
+    def status_call(self) -> tuple[float | str, object]:
+        """A GetStatus on this probe's connection, open since the start:
+        (seconds it took or the status code's name, the JobStatus or None)."""
+        return timed_status_call(lambda: pb_grpc_status(self._channel))
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
@@ -338,6 +345,31 @@ class IntakeProbe:
                 "max_s": round(answered[-1], 3) if answered else None,
                 "slow": [[round(t - since, 1), round(w, 2) if isinstance(w, float) else w]
                          for t, w in self.samples if not isinstance(w, float) or w > 2.0]}
+
+
+def pb_grpc_status(channel):
+    """GetStatus on `channel`, waiting up to STATUS_TIMEOUT_S."""
+    from elastic.v1 import control_pb2 as pb
+    from elastic.v1 import control_pb2_grpc as pb_grpc
+    return pb_grpc.ControllerStub(channel).GetStatus(pb.StatusRequest(),
+                                                     timeout=STATUS_TIMEOUT_S)
+
+
+def timed_status_call(call) -> tuple[float | str, object]:
+    """(seconds `call()` took, its result), or (the status code's name,
+    None) if it failed with a gRPC error."""
+    import grpc
+    asked = time.monotonic()
+    try:
+        status = call()
+    except grpc.RpcError as e:
+        return e.code().name, None
+    return round(time.monotonic() - asked, 3), status
+
+
+def _ms(seconds: float | None) -> str:
+    """Seconds as milliseconds for the table ("-": not measured)."""
+    return "-" if seconds is None else f"{1000 * seconds:.1f}ms"
 
 
 def _last(times: dict, since: float) -> float | None:
@@ -448,9 +480,14 @@ startup_timeout_s = 600.0
             c0, t0 = cpu_seconds(ctl.pid), time.monotonic()
             time.sleep(steady_s)
             cpu_share = (cpu_seconds(ctl.pid) - c0) / (time.monotonic() - t0)
-            asked = time.monotonic()  # (an operator's call, new, behind the agents' traffic)
-            status = fetch_status(address, operator, timeout_s=STATUS_TIMEOUT_S)
-            status_call_s = time.monotonic() - asked
+            # an operator's call behind the agents' traffic, on an open
+            # connection, then on a new one
+            status_call_s, status = probe.status_call()
+            new_status_call_s, new_status = timed_status_call(
+                lambda: fetch_status(address, operator, timeout_s=STATUS_TIMEOUT_S))
+            status = status or new_status
+            stopped_early = any(e["kind"] == "slice_stopping" and e.get("generation") == 1
+                                for e in read_journal(state))
             silent_at = time.time()
             clients[0][0].send_signal(signal.SIGUSR1)  # sim-00000 stops heartbeating
             try:
@@ -510,9 +547,13 @@ startup_timeout_s = 600.0
             # ... of which on the controller's heartbeat socket, in the whole run
             "controller_socket_drops": controller_drops,
             "controller_cpu_share": round(cpu_share, 3),
-            "status_call_s": round(status_call_s, 3),
-            "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4),
-            "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4),
+            "status_call_s": status_call_s,
+            "status_call_new_connection_s": new_status_call_s,
+            "heartbeat_latency_p50_s": round(status.heartbeat_latency_p50_s, 4) if status else None,
+            "heartbeat_latency_p99_s": round(status.heartbeat_latency_p99_s, 4) if status else None,
+            # generation 1 stopped (a host lost) before the benchmark silenced
+            # its agent: the stop fan-out below is that stop's
+            "stopped_before_silence": stopped_early,
             "detection_s": round(lost["ts"] - silent_at, 3),
             "start_fanout_s": _last(arrived["start"], started["ts"]),
             "start_fanout_handled_s": _last(starts, started["ts"]),
@@ -576,7 +617,7 @@ def main() -> int:
           f"{'false lost':>11}   (fan-out: arrived / handled by the clients)")
     for r in rows:
         print(f"{r['agents']:>7} {100 * r['controller_cpu_share']:7.1f}% "
-              f"{1000 * r['heartbeat_latency_p50_s']:6.1f}ms {1000 * r['heartbeat_latency_p99_s']:6.1f}ms "
+              f"{_ms(r['heartbeat_latency_p50_s']):>8} {_ms(r['heartbeat_latency_p99_s']):>8} "
               f"{r['detection_s']:7.2f}s {r['start_fanout_s']:5.2f} / {r['start_fanout_handled_s']:5.2f}s "
               f"{r['stop_fanout_s']:4.2f} / {r['stop_fanout_handled_s']:4.2f}s "
               f"{r['all_registered_s']:10.1f}s {r['registrations_deferred']:9d} "
