@@ -1,8 +1,9 @@
 """Benchmark: one `elasticd` against 1,000 / 5,000 / 10,000 simulated agents.
 
 Simulated agents are `grpc.aio` clients (many per process, no workers), each
-with a connection of its own and, with TLS (the default), a host certificate
-of its own from the benchmark's CA: each registers, opens its stream,
+with a connection of its own (with the real agents' channel options, their
+keepalive pings too) and, with TLS (the default), a host certificate of its
+own from the benchmark's CA: each registers, opens its stream,
 heartbeats once a second (with its send time) and answers start/stop
 commands as a real agent would (a stop is acknowledged with a worker exit
 report at once). `--insecure` runs the same in plaintext, to measure what
@@ -240,8 +241,11 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     # holds its own host certificate (the controller binds a host id to the
     # certificate of the connection), issued here from the benchmark's CA
     import grpc
+    from elastic.transport import CHANNEL_OPTIONS
     hosts = [f"sim-{first + i:05d}" for i in range(count)]
-    options = [("grpc.use_local_subchannel_pool", 1)]
+    # (and the real agents' options: their keepalive pings, which close a
+    # connection whose pings go unanswered, are part of the load)
+    options = [("grpc.use_local_subchannel_pool", 1), *CHANNEL_OPTIONS]
     if ca_dir == "-":
         channels = [grpc.aio.insecure_channel(address, options=options) for _ in hosts]
     else:

@@ -15,9 +15,10 @@ from elastic.security.certs import HOST_SERVER_NAME
 from elastic.security.identity import Role
 from elastic.security.tls import TLSFiles
 
-# Keepalives notice a dead peer on an idle stream (a host that vanished
-# without closing its TCP connection) without waiting for the OS.
-_CHANNEL_OPTIONS = [
+#: Every client channel's options (bench/scale.py's simulated agents use
+#: them too). Keepalives notice a dead peer on an idle stream (a host that
+#: vanished without closing its TCP connection) without waiting for the OS.
+CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -102,8 +103,8 @@ def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str,
 
 def _client(tls: TLSFiles | None, roles: tuple[Role, ...]):
     if tls is None:
-        return None, list(_CHANNEL_OPTIONS)
-    return tls_.channel_credentials(tls, roles), [*_CHANNEL_OPTIONS, *tls_.SERVER_NAME_OPTIONS]
+        return None, list(CHANNEL_OPTIONS)
+    return tls_.channel_credentials(tls, roles), [*CHANNEL_OPTIONS, *tls_.SERVER_NAME_OPTIONS]
 
 
 def aio_channel(target: str, tls: TLSFiles | None,
@@ -125,10 +126,10 @@ def aio_agent_channel(target: str, tls: TLSFiles | None,
     the host certificates' name, elastic-host; plaintext if None. Raises
     TLSError when the files cannot be used."""
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=list(_CHANNEL_OPTIONS))
+        return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
     return grpc.aio.secure_channel(
         target, tls_.channel_credentials(tls, roles),
-        options=[*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", HOST_SERVER_NAME)])
+        options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", HOST_SERVER_NAME)])
 
 
 def channel(target: str, tls: TLSFiles | None,
