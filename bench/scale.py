@@ -256,6 +256,10 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
             channels.append(grpc.aio.secure_channel(
                 address, grpc.ssl_channel_credentials(authority.ca_pem, key, cert),
                 options=[*options, *tls.SERVER_NAME_OPTIONS]))
+    # (thousands of calls in one process: gRPC's wake-ups must keep up, as in
+    # the controller; a real agent has one connection)
+    from elastic.grpc_wakeups import drain_wakeups
+    drain_wakeups(loop)
     worst = [0.0]  # this process's own loop lag: are the simulated agents behind?
 
     async def probe() -> None:

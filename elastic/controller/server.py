@@ -20,6 +20,7 @@ from elastic.controller.journal import JournalWriter, recorded
 from elastic.controller.bucket_lease import PROMPT_KINDS, BucketLease
 from elastic.controller.leadership import Leadership, LeadershipTaken
 from elastic.controller.servicer import ControllerServicer, add_servicer
+from elastic.grpc_wakeups import drain_wakeups
 from elastic.health import SERVING, add_health_and_reflection
 from elastic.security.files import private_dir
 from elastic.security.tls import TLSError, TLSFiles
@@ -94,6 +95,10 @@ class ControllerServer:
             host = "127.0.0.1"
         self.address = f"{host}:{port}"
         await self.server.start()
+        if not drain_wakeups(asyncio.get_running_loop()):
+            log.warning("gRPC's asyncio wake-ups could not be wrapped (another grpcio?): "
+                        "with thousands of agents, calls may wait for the event loop's turns "
+                        "(elastic.grpc_wakeups)")
         if self.spec.health.datagram_heartbeats:
             await self._take_datagrams(port)
         for name in ("", CONTROLLER_SERVICE):
