@@ -9,11 +9,11 @@ turns, the unread bytes pile up. Each one-byte write takes about 768 bytes
 of the pair's send buffer (212,992 bytes by default on Linux), so after
 about 277 unread bytes the poller thread blocks in write(), and from then on
 one completion gets through per turn of the loop: for every call of the
-process at once (reads, writes, new calls, answers). At 10,000 agents the
-controller's pair stood at 240-276 unread bytes through registration
-(bench/scale.py, 2026-11-26, sampled with `ss -x`), while streams waited
-tens of seconds to be taken up and gRPC answered nothing for minutes after
-a start.
+process at once (reads, writes, new calls, answers). At 10,000 agents
+(bench/scale.py, 2026-11-26, `ss -x` every 5 s) the controller's pair held
+200 or more unread bytes in 26 of 88 samples, up to 278, while streams
+waited tens of seconds to be taken up and, in other runs, gRPC answered
+nothing for minutes after a start.
 
 `drain_wakeups(loop)` wraps that reader callback: it reads every unread
 byte but one, then lets gRPC's callback read the last and handle the
