@@ -82,10 +82,11 @@ def add_servicer(servicer: "ControllerServicer", server) -> None:
     The methods are registered with gRPC core, not only handled
     generically: grpcio's asyncio server asks core for one call at a time
     per registered method and one for all unregistered ones, and hands the
-    next over only after its serving loop has taken up the last. Unregistered,
-    Register, Connect and GetStatus waited in one queue: at 10,000 agents an
-    `elasticd status` waited 123 s behind the streams (bench/scale.py,
-    2026-11-26), while a health check, registered, waited seconds."""
+    next over only after its serving loop has taken up the last. Before they
+    were registered, Register, Connect and GetStatus waited in one queue: at
+    10,000 agents an `elasticd status` waited 123 s behind the streams
+    (bench/scale.py, 2026-11-26), while a health check, registered, waited
+    seconds."""
     handlers = {
         "Register": grpc.unary_unary_rpc_method_handler(
             servicer.Register, request_deserializer=transport.lenient(pb.RegisterRequest),
