@@ -499,7 +499,8 @@ startup_timeout_s = 600.0
             silent_at = time.time()
             clients[0][0].send_signal(signal.SIGUSR1)  # sim-00000 stops heartbeating
             try:
-                lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60)
+                lost = wait_entry(state, "host_lost", host="sim-00000", timeout_s=60,
+                                  after_ts=silent_at)
             except TimeoutError:  # what the controller sees then, for the reader
                 seen = fetch_status(address, operator, timeout_s=STATUS_TIMEOUT_S)
                 silent = next((h for h in seen.hosts if h.host_id == "sim-00000"), None)
@@ -539,8 +540,9 @@ startup_timeout_s = 600.0
         journal = list(read_journal(state))
         first_ts = journal[0]["ts"]
         per = -(-n // CLIENT_PROCESSES)
-        falsely_lost = [e for e in journal
-                        if e["kind"] == "host_lost" and e.get("host") != "sim-00000"]
+        # (the silenced agent too, if it was declared lost before its silence)
+        falsely_lost = [e for e in journal if e["kind"] == "host_lost"
+                        and not (e.get("host") == "sim-00000" and e["ts"] >= silent_at)]
         by_client: dict[str, int] = {}
         for e in falsely_lost:
             k = str(int(e["host"].removeprefix("sim-")) // per)
