@@ -14,7 +14,7 @@ from tests.conftest import tiny_spec
 
 
 def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
-    spec = tiny_spec(tmp_path, "--steps 320 --step-time-s 0.04 --checkpoint-every 100 "
+    spec = tiny_spec(tmp_path, "--steps 240 --step-time-s 0.04 --checkpoint-every 100 "
                      "--save-time-s 1.5",
                      min_hosts=2, max_hosts=3)
     job = local_job(spec, hosts=3, faults=(
@@ -61,7 +61,7 @@ def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
     stopped = [e for e in journal if e["kind"] == "slice_stopped"]
     assert stopped[0]["generation"] == 1 and stopped[0]["ts"] <= started[1]["ts"]
     assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
-    assert journal[-2]["step"] == 319
+    assert journal[-2]["step"] == 239
     # every exit of a controller but the kills journaled controller_stopped
     assert kinds.count("controller_stopped") == 1
 
