@@ -15,11 +15,14 @@ process at once (reads, writes, new calls, answers). At 10,000 agents
 waited tens of seconds to be taken up and, in other runs, gRPC answered
 nothing for minutes after a start.
 
-`drain_wakeups(loop)` wraps that reader callback: it reads every unread
-byte but one, then lets gRPC's callback read the last and handle the
-queue. A completion is queued before its byte is written, so every
-completion whose byte was read is in the queue that call handles: none is
-left waiting, and the poller thread no longer blocks. The cost: one turn of
+`drain_wakeups(loop)` wraps that reader callback: it reads the unread bytes
+but KEEP_UNREAD, then lets gRPC's callback read one and handle the queue.
+A completion is queued before its byte is written, so every completion
+whose byte was read is in the queue that call handles: none is left
+waiting, and the poller thread, far from its ~277, no longer blocks. The
+bytes kept are spares: should gRPC's callback raise halfway through its
+queue (a completion for another, closed loop), they wake it again for the
+rest, as every byte does without the wrapper. The cost: one turn of
 the loop now handles every completion that is ready, so under heavy gRPC
 traffic a turn takes longer (the blocked thread throttled gRPC instead).
 Measured with bench/scale.py (2026-11-26, one run each way): at 7,500
@@ -37,6 +40,8 @@ import struct
 import termios
 
 _GRPC_READER = ("PollerCompletionQueue", "_handle_events")
+#: Wake-up bytes left unread at each turn (see the module's docstring).
+KEEP_UNREAD = 32
 
 
 def drain_wakeups(loop: asyncio.AbstractEventLoop) -> bool:
@@ -65,12 +70,17 @@ def drain_wakeups(loop: asyncio.AbstractEventLoop) -> bool:
 
 
 def _drain_then(fd: int, handle_events):
-    """A reader callback for `fd` that reads all unread bytes but one,
-    then calls gRPC's `handle_events` (which reads the last)."""
+    """A reader callback for `fd` that reads its unread bytes but
+    KEEP_UNREAD, then calls gRPC's `handle_events` (which reads one). (A
+    loop in another thread may read the same socket meanwhile: then there
+    is less to read, or nothing.)"""
     def drain_then_handle() -> None:
         unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-        if unread > 1:
-            os.read(fd, unread - 1)
+        if unread > KEEP_UNREAD:
+            try:
+                os.read(fd, unread - KEEP_UNREAD)
+            except BlockingIOError:
+                pass
         handle_events()
 
     drain_then_handle.drains_wakeups = True
