@@ -337,7 +337,8 @@ class IntakeProbe:
     def status_call(self) -> tuple[float | str, object]:
         """A GetStatus on this probe's connection, open since the start:
         (seconds it took or the status code's name, the JobStatus or None)."""
-        return timed_status_call(lambda: pb_grpc_status(self._channel))
+        from elastic.controller.status import status_on
+        return timed_status_call(lambda: status_on(self._channel, STATUS_TIMEOUT_S))
 
     def close(self) -> None:
         self._stop.set()
@@ -353,14 +354,6 @@ class IntakeProbe:
                 "max_s": round(answered[-1], 3) if answered else None,
                 "slow": [[round(t - since, 1), round(w, 2) if isinstance(w, float) else w]
                          for t, w in self.samples if not isinstance(w, float) or w > 2.0]}
-
-
-def pb_grpc_status(channel):
-    """GetStatus on `channel`, waiting up to STATUS_TIMEOUT_S."""
-    from elastic.v1 import control_pb2 as pb
-    from elastic.v1 import control_pb2_grpc as pb_grpc
-    return pb_grpc.ControllerStub(channel).GetStatus(pb.StatusRequest(),
-                                                     timeout=STATUS_TIMEOUT_S)
 
 
 def timed_status_call(call) -> tuple[float | str, object]:

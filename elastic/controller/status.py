@@ -11,10 +11,16 @@ from elastic.v1 import control_pb2_grpc as pb_grpc
 
 def fetch_status(address: str, tls: TLSFiles | None, timeout_s: float = 5.0) -> pb.JobStatus:
     """GetStatus from the controller at "HOST:PORT" with an operator's (or
-    the controller's) TLS files, plaintext if None. Raises grpc.RpcError,
-    TLSError when the files cannot be used."""
+    the controller's) TLS files, plaintext if None, on a new connection.
+    Raises grpc.RpcError, TLSError when the files cannot be used."""
     with transport.channel(address, tls) as ch:
-        return pb_grpc.ControllerStub(ch).GetStatus(pb.StatusRequest(), timeout=timeout_s)
+        return status_on(ch, timeout_s)
+
+
+def status_on(channel, timeout_s: float = 5.0) -> pb.JobStatus:
+    """GetStatus on an open blocking `channel` to the controller, waiting
+    up to `timeout_s` seconds. Raises grpc.RpcError."""
+    return pb_grpc.ControllerStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout_s)
 
 
 def slice_step(status: pb.JobStatus) -> int:
