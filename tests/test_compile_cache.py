@@ -102,6 +102,9 @@ def test_a_shared_directory_compiles_once_per_slice(tmp_path):
     # process 0 compiled; process 1 waited for its entry and ran it
     assert [r["hit"] for r in first] == [False, True]
     assert len(list(cache.glob("f-*.xla"))) == 1 and not list(cache.glob("*.claim"))
+    # a program that gave its lowered program, not a function, keeps no
+    # launch memo (elastic.worker.launch_memo): it did not opt in
+    assert not list(cache.glob("*.launch"))
     assert [r["hit"] for r in _slice_compiles(tmp_path, cache, "again")] == [True, True]
 
 

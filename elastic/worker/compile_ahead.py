@@ -103,13 +103,15 @@ def processes_not_sharing(tiers: list, process_index: int, process_count: int, c
     return missing
 
 
-def compile_for_next_slices(next_slices, programs: list[tuple[Callable[[Any], Any], str, Any]],
+def compile_for_next_slices(next_slices,
+                            programs: list[tuple[Callable[[Any], Any], str, str | None]],
                             env, devices: list, tiers: list,
                             not_sharing: list[int] = ()) -> list[dict]:
     """For each (process count, devices per host) of `next_slices`, and
-    each (lower_for, name, lowered) of `programs` (`lowered`: the program
-    as this slice compiled it), make sure the executable cache `tiers`
-    (compile_cache.cache_tiers) holds the program compiled for that slice.
+    each (lower_for, name, entry) of `programs` (`entry`: the program's
+    executable in the cache for this slice, None if it has none), make
+    sure the executable cache `tiers` (compile_cache.cache_tiers) holds
+    the program compiled for that slice.
     Runs on process 0.
 
     A note in the cache, named after this slice's entry of the program and
@@ -133,11 +135,9 @@ def compile_for_next_slices(next_slices, programs: list[tuple[Callable[[Any], An
     from elastic.worker.runtime import build_mesh
 
     records = []
-    current_ids = [d.id for d in devices]
-    process_count = len({d.process_index for d in devices})
     for processes, per_host in next_slices:
         chosen = slice_devices(devices, processes)
-        for lower_for, name, lowered in programs:
+        for lower_for, name, current in programs:
             record = {"slice": f"{processes}x{per_host}", "name": name, "outcome": "no cache"}
             records.append(record)
             t0 = time.perf_counter()
@@ -148,9 +148,8 @@ def compile_for_next_slices(next_slices, programs: list[tuple[Callable[[Any], An
                     record["outcome"] = (f"skipped: process(es) "
                                          f"{', '.join(map(str, not_sharing))} do not read "
                                          f"process 0's executable cache")
-                elif tiers:
+                elif tiers and current:
                     # (named after this slice's entry of the program)
-                    current = cache.entry_name(name, lowered, process_count, current_ids)
                     record["outcome"] = ensure_cached(
                         cache, tiers, f"{current}.ahead-{record['slice']}",
                         lambda: entry_and_lowered(cache, name, lower_for(

@@ -305,18 +305,20 @@ def _try(what: str, t, call, default=None):
         return default
 
 
-def _load(tiers: list, entry: str, lowered):
+def _load(tiers: list, entry: str, lowered=None, trees=None):
     """The executable from the first tier that holds a loadable `entry`,
-    copied into the tiers before it; None if none does."""
+    copied into the tiers before it; None if none does. Its input and
+    output pytree structures are `lowered`'s, or `trees` (in_tree,
+    out_tree) when it was not lowered (elastic.worker.launch_memo)."""
     from jax.experimental import serialize_executable
 
+    in_tree, out_tree = trees if lowered is None else (lowered.in_tree, lowered.out_tree)
     for i, t in enumerate(tiers):
         payload = _try(f"read {entry}", t, lambda: t.read(entry))
         if payload is None:
             continue
         try:
-            compiled = serialize_executable.deserialize_and_load(payload, lowered.in_tree,
-                                                                 lowered.out_tree)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # a stale or damaged entry: compile again
             log.warning("cannot load cached executable %s/%s (%s)", t, entry, e)
             continue
@@ -429,29 +431,87 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     than 0 waits up to SHARED_WAIT_S seconds for process 0, then compiles
     for itself. Raises ValueError for a `name` that is not 1 to 100 of
     [A-Za-z0-9_.-] (it names files and objects)."""
-    import jax
+    t0 = time.perf_counter()
+    compiled, hit, _, _ = _compile_cached(lowered, cache_tiers(cache_dir, shared, shared_key),
+                                          _checked_name(name))
+    return compiled, hit, time.perf_counter() - t0
 
+
+def _checked_name(name: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", name):
         raise ValueError(f"executable name {name[:100]!r}: use 1 to 100 letters, digits, "
                          f"'_', '.' or '-'")
-    t0 = time.perf_counter()
-    tiers = cache_tiers(cache_dir, shared, shared_key)
+    return name
+
+
+def _compile_cached(lowered, tiers: list, name: str):
+    """compile_cached's work: (compiled, hit, entry, key); entry and key
+    are None without tiers."""
+    import jax
+
     if not tiers:
-        return lowered.compile(), False, time.perf_counter() - t0
+        return lowered.compile(), False, None, None
     key = cache_key(lowered, jax.process_count(), [d.id for d in jax.devices()])
     entry = f"{name}-{key}.xla"
     compiled = _load(tiers, entry, lowered)
     client = _coordination_client() if jax.process_count() > 1 else None
     if client is not None and jax.process_index() == 0:
         if compiled is None:
-            return _compile_as_process_0(client, key, tiers, entry, lowered), False, \
-                time.perf_counter() - t0
+            return _compile_as_process_0(client, key, tiers, entry, lowered), False, entry, key
         _post(client, key, "claim", "loaded")
     elif client is not None and compiled is None:
         compiled = _wait_for_process_0(client, key, tiers, entry, lowered)
     if compiled is not None:
-        return compiled, True, time.perf_counter() - t0
-    return compile_and_store(tiers, entry, lowered), False, time.perf_counter() - t0
+        return compiled, True, entry, key
+    return compile_and_store(tiers, entry, lowered), False, entry, key
+
+
+def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: str = "",
+                     shared: str | None = None, shared_key: str | None = None,
+                     per_generation: tuple[str, ...] = (), memo: bool = True):
+    """As `compile_cached(lower(), ...)`, without calling `lower` when this
+    host's `cache_dir` keeps a memo of the same launch
+    (elastic.worker.launch_memo: the same argv, working directory,
+    environment but `per_generation`, program files and slice of `mesh`,
+    and `trace_key`) whose entry loads; after a compile or a load through
+    `lower()`, the memo is written for the next generation. With `memo`
+    False (a program that gave its lowered program, not a function: it
+    did not agree to the memo's contract), no memo is read or written.
+
+    Returns (compiled, hit, seconds, entry): `entry` the executable's name
+    in the cache (None without tiers), for compiling ahead. Process 0
+    posts that it loaded the entry, as compile_cached does, so that a
+    process without the memo that lowers does not wait for a compile.
+    Raises ValueError for a bad `name` (compile_cached), TypeError for a
+    `trace_key` that is not a string, and what `lower` or compiling
+    raises."""
+    from elastic.worker import launch_memo
+
+    t0 = time.perf_counter()
+    name = _checked_name(name)
+    if not isinstance(trace_key, str):
+        raise TypeError(f"trace_key must be a string (it is hashed into the launch memo's "
+                        f"key), not {type(trace_key).__name__}")
+    tiers = cache_tiers(cache_dir, shared, shared_key)
+    own = tier(cache_dir) if memo else None
+    launch = None
+    if own is not None:
+        launch = launch_memo.current_launch(name, trace_key, mesh, per_generation,
+                                            machine_type())
+        known = launch_memo.read(own, name, launch)
+        if known is not None:
+            compiled = _load(tiers, known["entry"], trees=(known["in_tree"], known["out_tree"]))
+            if compiled is not None:
+                import jax
+
+                if jax.process_count() > 1 and jax.process_index() == 0:
+                    _post(_coordination_client(), known["cache_key"], "claim", "loaded")
+                return compiled, True, time.perf_counter() - t0, known["entry"]
+    lowered = lower()
+    compiled, hit, entry, key = _compile_cached(lowered, tiers, name)
+    if launch is not None and entry is not None and has_entry(tiers[:1], entry):
+        launch_memo.write(own, name, launch, entry, key, lowered)
+    return compiled, hit, time.perf_counter() - t0, entry
 
 
 def cache_tiers(cache_dir: str | None, shared: str | None = None,

@@ -89,7 +89,7 @@ class WorkerContext:
     _last_step_at: float = 0.0
     _step_times: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=50))
-    _ahead: list = dataclasses.field(default_factory=list)  # (lower_for, name, lowered)
+    _ahead: list = dataclasses.field(default_factory=list)  # (lower_for, name, entry)
     ahead_thread: Any = None  # (the thread compiling ahead, on process 0)
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
@@ -162,12 +162,22 @@ class WorkerContext:
             time.sleep(0.5)
         os._exit(75)
 
-    def compile(self, lowered, name: str, lower_for: Callable[[Any], Any] | None = None):
+    def compile(self, lowered, name: str, lower_for: Callable[[Any], Any] | None = None,
+                trace_key: str = ""):
         """Compile a lowered function (`jax.jit(f).lower(*abstract_args)`),
         reusing an executable of the same slice shape from an earlier
         generation, this host's or one in the hosts' shared cache (see
         elastic.worker.compile_cache). Returns (compiled, loaded_from_cache,
         seconds).
+
+        `lowered` may also be a function of no arguments that returns the
+        lowered program: then a restart launched as the generation before
+        it on this host loads the executable without calling it, saving
+        the trace and the lowering (elastic.worker.launch_memo, which
+        states what must determine the program: the launch, the program's
+        files, the slice, and `trace_key`, a string naming anything else
+        the program depends on). It is called, under the caller's mesh,
+        whenever there is no such memo.
 
         lower_for: mesh -> the same program lowered for that mesh (same
         axis names, another size: whatever the program derives from the
@@ -179,15 +189,19 @@ class WorkerContext:
         where the caller's `jax.set_mesh` is not in effect (set it inside);
         its errors are journaled in `compiled_ahead`, never raised. Only
         programs compiled before the first step are compiled ahead."""
-        from elastic.worker.compile_cache import compile_cached
+        from elastic import config
+        from elastic.worker import compile_cache
 
         self._phase("setup")
-        result = compile_cached(lowered, self.env.cache_dir, name, self.env.shared_cache,
-                                self.env.shared_cache_key_file)
+        lazy = callable(lowered)
+        compiled, hit, seconds, entry = compile_cache.compile_launched(
+            lowered if lazy else (lambda: lowered), self.env.cache_dir, name, self.mesh,
+            trace_key, self.env.shared_cache, self.env.shared_cache_key_file,
+            config.PER_GENERATION_ENV, memo=lazy)
         self._phase("compile")
         if lower_for is not None:
-            self._ahead.append((lower_for, name, lowered))
-        return result
+            self._ahead.append((lower_for, name, entry))
+        return compiled, hit, seconds
 
     def _compile_ahead(self) -> None:
         """Once, after the first step: start the thread that compiles the

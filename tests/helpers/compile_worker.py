@@ -2,14 +2,16 @@
 tests/test_compile_cache.py): compiles a sharded function with collectives
 through `WorkerContext.compile` and runs it.
 
-    compile_worker.py OUT_PREFIX [--own-dir] [--ahead] [--bad-lower]
+    compile_worker.py OUT_PREFIX [--own-dir] [--ahead] [--bad-lower] [--lazy]
     (writes OUT_PREFIX.<process index>.json)
 
 With --own-dir each process caches in ELASTIC_CACHE_DIR/<host id>: hosts that
 share no directory. With --ahead the function is compiled with `lower_for`,
 and after its first step process 0 waits for the compile ahead for
 ELASTIC_NEXT_SLICES (elastic.worker.compile_ahead) and records its outcome;
-with --bad-lower, lowering for any other mesh raises.
+with --bad-lower, lowering for any other mesh raises. With --lazy the program
+gives `WorkerContext.compile` its lowering function, not the lowered program
+(elastic.worker.launch_memo), and records whether it was called ("traced").
 
 The environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS,
 ELASTIC_CACHE_DIR).
@@ -52,7 +54,9 @@ def main() -> int:
             jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(m, P("model"))))
 
     ahead = "--ahead" in sys.argv
-    compiled, hit, _ = ctx.compile(lower_for(mesh), "f", lower_for=lower_for if ahead else None)
+    program = (lambda: lower_for(mesh)) if "--lazy" in sys.argv else lower_for(mesh)
+    compiled, hit, _ = ctx.compile(program, "f", lower_for=lower_for if ahead else None)
+    lowered_here = len(lowered_meshes)  # (0 or 1: the compile-ahead thread starts later)
     xg = np.arange(96, dtype=np.float32).reshape(12, 8) / 96
     wg = np.eye(8, dtype=np.float32) * 0.5 + 0.01
     x = jax.make_array_from_callback((12, 8), x_sharding, lambda i: xg[i])
@@ -66,8 +70,8 @@ def main() -> int:
     if ctx.ahead_thread is not None:
         ctx.ahead_thread.join(120)
     with open(f"{sys.argv[1]}.{ctx.process_index}.json", "w") as out:
-        json.dump({"hit": hit, "result": result, "expected": float(np.tanh(xg @ wg).sum()),
-                   "ahead": ahead_records, "lowered_for": lowered_meshes[1:]}, out)
+        json.dump({"hit": hit, "traced": lowered_here > 0, "result": result, "expected": float(np.tanh(xg @ wg).sum()),
+                   "ahead": ahead_records, "lowered_for": lowered_meshes[lowered_here:]}, out)
     ctx.finish()
     return 0
 

@@ -63,8 +63,8 @@ def main() -> int:
     corpus = data_lib.load_corpus(args.data)
 
     def for_mesh(m):
-        """(batch plan, train parts, lowered train step) for mesh `m`: the
-        batch and learning rate follow its 'data' axis."""
+        """(batch plan, train parts, a batch's rows) for mesh `m`: the batch
+        and learning rate follow its 'data' axis."""
         p = plan_batch(ctx.env.batch.mode, m.shape["data"], args.global_batch,
                        args.per_device_batch, ctx.env.batch.lr_scaling)
         optimizer = step_lib.make_optimizer(args.lr * p.lr_multiplier, args.warmup_steps,
@@ -73,20 +73,30 @@ def main() -> int:
             built = step_lib.build(cfg, m, optimizer, args.seed, args.ema_decay)
             rows = data_lib.Batches(corpus.train, cfg.seq_len, p.global_batch,
                                     args.seed).rows(0, p.data_shards)
-            return p, built, built.jit_step.lower(built.abstract, *built.rows_abstract(rows))
+            return p, built, rows
+
+    def lower(built, rows):
+        return built.jit_step.lower(built.abstract, *built.rows_abstract(rows))
 
     def lowered_step(m):
         """The train step lowered for mesh `m` (process 0 compiles it ahead
         for the meshes a lost host would leave)."""
-        return for_mesh(m)[2]
+        _, built, rows = for_mesh(m)
+        with jax.set_mesh(m):
+            return lower(built, rows)
 
-    plan, parts, lowered = for_mesh(mesh)
+    plan, parts, first_rows = for_mesh(mesh)
     batches = data_lib.Batches(corpus.train, cfg.seq_len, plan.global_batch, args.seed)
     held_out = data_lib.Batches(corpus.held_out, cfg.seq_len, plan.global_batch, args.seed + 1)
 
     with jax.set_mesh(mesh):
         abstract, shardings = parts.abstract, parts.shardings
-        step_fn, hit, seconds = ctx.compile(lowered, "train_step", lower_for=lowered_step)
+        # (a function, not the lowered step: a restart launched as this
+        # generation was loads the step without tracing it; the program is a
+        # function of its arguments, its files and the mesh, which the memo's
+        # key covers: elastic.worker.launch_memo)
+        step_fn, hit, seconds = ctx.compile(lambda: lower(parts, first_rows), "train_step",
+                                            lower_for=lowered_step)
         log.info("%s the train step in %.2f s", "loaded" if hit else "compiled", seconds)
         ckpt = ctx.checkpoints(interval_steps=args.checkpoint_every, max_to_keep=args.max_to_keep,
                                snapshot_every=args.snapshot_every)
