@@ -8,12 +8,20 @@ import json
 import logging
 import os
 import pathlib
+import pickle
 import shutil
+import subprocess
+import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from elastic.worker import launch_memo
-from elastic.worker.compile_cache import DirectoryTier
+from elastic import config
+from elastic.worker.compile_cache import DirectoryTier, compile_launched
+from elastic.worker.prestart import READY_LINE
 from tests.conftest import REPO
 from tests.test_checkpoint import run_processes
 
@@ -42,6 +50,7 @@ def _key(**changes) -> str:
     ("a new program file", dict(files=[*BASE["files"], ("util.py", 1, 1)])),
     ("JAX's version", dict(versions=["0.10.3", "0.10.2", "cpu"])),
     ("the slice", dict(slice_='{"processes": 3}')),
+    ("the second program of one name", dict(ordinal=1)),
 ])
 def test_whatever_may_change_the_program_changes_the_key(what, changes):
     assert _key(**changes) != _key(), what
@@ -57,9 +66,14 @@ def test_program_files_are_the_scripts_neighbours(tmp_path):
     (tmp_path / "train.py").write_text("x = 1\n")
     (tmp_path / "model.py").write_text("y = 2\n")
     (tmp_path / "notes.txt").write_text("not a module")
+    (tmp_path / "lib").mkdir()  # a package beside the script, and a folder that is not one
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "layers.py").write_text("z = 3\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gen.py").write_text("")
     files = launch_memo.program_files(str(tmp_path / "train.py"))
-    assert [f[0] for f in files] == ["model.py", "train.py"]
-    assert files[0][1] == len("y = 2\n")
+    assert [f[0] for f in files] == ["lib/__init__.py", "lib/layers.py", "model.py", "train.py"]
+    assert files[2][1] == len("y = 2\n")
     (tmp_path / "model.py").write_text("y = 23\n")
     assert launch_memo.program_files(str(tmp_path / "train.py")) != files
     assert launch_memo.program_files(str(tmp_path / "absent.py")) == []
@@ -68,7 +82,7 @@ def test_program_files_are_the_scripts_neighbours(tmp_path):
 def test_a_damaged_memo_means_tracing_not_an_error(tmp_path, caplog):
     tier = DirectoryTier(str(tmp_path))
     assert launch_memo.read(tier, "f", "k" * 32) is None  # none: no warning
-    for damaged in (b"not a pickle", json.dumps({"entry": "f.xla"}).encode()):
+    for damaged in (b"not a pickle", pickle.dumps({"entry": "f.xla"}), pickle.dumps([1])):
         tier.write(launch_memo.memo_name("f", "k" * 32), damaged)
         with caplog.at_level(logging.WARNING, "elastic.compile_cache"):
             assert launch_memo.read(tier, "f", "k" * 32) is None
@@ -76,9 +90,93 @@ def test_a_damaged_memo_means_tracing_not_an_error(tmp_path, caplog):
         caplog.clear()
 
 
-def test_a_trace_key_that_is_not_a_string_is_named(tmp_path):
-    from elastic.worker.compile_cache import compile_launched
+def _program(scale: float, calls: list):
+    def lower():
+        calls.append(scale)
+        return jax.jit(lambda x: jnp.tanh(x) * scale).lower(
+            jax.ShapeDtypeStruct((4, 3), jnp.float32))
+    return lower
 
+
+def _new_process():
+    """What a new process starts with: no programs compiled yet."""
+    launch_memo._compiled.clear()
+
+
+def test_in_one_process_a_memo_skips_the_trace_until_its_entry_is_gone(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    calls = []
+    _new_process()
+    first = compile_launched(_program(2.0, calls), str(tmp_path), "f", None)
+    assert calls == [2.0] and not first[1] and first[4] > 0  # lowered, compiled
+    _new_process()
+    again = compile_launched(_program(2.0, calls), str(tmp_path), "f", None)
+    assert calls == [2.0] and again[1] and again[4] == 0.0  # loaded, not lowered
+    assert again[3] == first[3]  # the same entry, for compiling ahead
+    np.testing.assert_allclose(again[0](x), np.tanh(x) * 2.0, rtol=1e-6)
+    # a memo whose entry is gone: lowered and compiled again, never an error
+    (tmp_path / first[3]).unlink()
+    _new_process()
+    assert not compile_launched(_program(2.0, calls), str(tmp_path), "f", None)[1]
+    assert calls == [2.0, 2.0]
+    # a program that gives its lowered program keeps no memo and reads none
+    _new_process()
+    compile_launched(_program(5.0, calls), str(tmp_path / "plain"), "f", None, memo=False)
+    assert not list((tmp_path / "plain").glob("*.launch"))
+
+
+def test_two_programs_of_one_name_each_load_their_own(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    calls = []
+    for _ in range(2):  # two generations, each compiling both in the same order
+        _new_process()
+        one = compile_launched(_program(2.0, calls), str(tmp_path), "step", None)[0]
+        two = compile_launched(_program(3.0, calls), str(tmp_path), "step", None)[0]
+        np.testing.assert_allclose(one(x), np.tanh(x) * 2.0, rtol=1e-6)
+        np.testing.assert_allclose(two(x), np.tanh(x) * 3.0, rtol=1e-6)
+    assert calls == [2.0, 3.0]  # the second generation lowered neither
+    assert len(list(tmp_path.glob("step-*.launch"))) == 2
+
+
+KEY_PROGRAM = """
+import sys
+import jax
+import elastic.config
+from elastic.worker import launch_memo
+print("KEY", launch_memo.current_launch("f", "", None, elastic.config.PER_GENERATION_ENV, "m"))
+"""
+
+
+def test_a_pre_started_process_keys_its_launch_as_a_cold_one_does(tmp_path):
+    """JAX sets TF_CPP_MIN_LOG_LEVEL when imported: after the launch in a
+    pre-started process, before the key in a cold one. The key hashes the
+    environment the process started with, the same for both."""
+    script = tmp_path / "key_program.py"
+    script.write_text(KEY_PROGRAM)
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env.update(ELASTIC_GENERATION="7", ELASTIC_PROCESS_ID="0", ELASTIC_RUN_ID="run-1")
+    argv = [sys.executable, str(script)]
+    cold = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, timeout=60)
+    assert cold.returncode == 0, cold.stderr.decode()[-2000:]
+    spawn_env = {k: v for k, v in env.items() if k not in config.PER_GENERATION_ENV}
+    warm = subprocess.Popen([sys.executable, "-P", "-m", "elastic.worker.prestart", str(script)],
+                            env=spawn_env, cwd=tmp_path, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert warm.stderr.readline().strip() == READY_LINE
+        out, err = warm.communicate(json.dumps({"argv": argv, "env": env,
+                                                "cwd": str(tmp_path)}).encode() + b"\n",
+                                    timeout=60)
+    finally:
+        if warm.poll() is None:
+            warm.kill()
+            warm.wait()
+    assert warm.returncode == 0, err.decode()[-2000:]
+    keys = [line for line in (cold.stdout + out).decode().splitlines() if line.startswith("KEY")]
+    assert len(keys) == 2 and keys[0] == keys[1], keys
+
+
+def test_a_trace_key_that_is_not_a_string_is_named(tmp_path):
     with pytest.raises(TypeError, match="trace_key must be a string .* not dict"):
         compile_launched(lambda: None, str(tmp_path), "f", None, trace_key={"vocab": 1})
 

@@ -108,9 +108,9 @@ def compile_for_next_slices(next_slices,
                             env, devices: list, tiers: list,
                             not_sharing: list[int] = ()) -> list[dict]:
     """For each (process count, devices per host) of `next_slices`, and
-    each (lower_for, name, entry) of `programs` (`entry`: the program's
-    executable in the cache for this slice, None if it has none), make
-    sure the executable cache `tiers` (compile_cache.cache_tiers) holds
+    each (lower_for, name, entry) of `programs` (`entry`: the name of the
+    program's executable for this slice in the cache, None when there is
+    no cache), make sure the executable cache `tiers` (compile_cache.cache_tiers) holds
     the program compiled for that slice.
     Runs on process 0.
 

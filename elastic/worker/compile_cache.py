@@ -468,23 +468,29 @@ def _compile_cached(lowered, tiers: list, name: str):
 
 def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: str = "",
                      shared: str | None = None, shared_key: str | None = None,
-                     per_generation: tuple[str, ...] = (), memo: bool = True):
+                     per_generation: tuple[str, ...] | None = None, memo: bool = True):
     """As `compile_cached(lower(), ...)`, without calling `lower` when this
     host's `cache_dir` keeps a memo of the same launch
     (elastic.worker.launch_memo: the same argv, working directory,
-    environment but `per_generation`, program files and slice of `mesh`,
-    and `trace_key`) whose entry loads; after a compile or a load through
-    `lower()`, the memo is written for the next generation. With `memo`
-    False (a program that gave its lowered program, not a function: it
-    did not agree to the memo's contract), no memo is read or written.
+    environment but `per_generation` (default: the agent's per-generation
+    variables), program files, slice of `mesh`, `trace_key`, and count of
+    programs of this name compiled so before in this process) whose entry
+    loads; after a compile or a load through `lower()`, the memo is
+    written for the next generation. With `memo` False (a program that
+    gave its lowered program, not a function: it did not agree to the
+    memo's contract), no memo is read or written.
 
-    Returns (compiled, hit, seconds, entry): `entry` the executable's name
-    in the cache (None without tiers), for compiling ahead. Process 0
-    posts that it loaded the entry, as compile_cached does, so that a
-    process without the memo that lowers does not wait for a compile.
+    Returns (compiled, hit, seconds, entry, lower_seconds): `entry` the
+    executable's name in the cache (None without tiers), for compiling
+    ahead; `lower_seconds` the part of `seconds` spent in `lower()` (0.0
+    when it was not called). Process 0 posts that it loaded the entry, as
+    compile_cached does, so that a process without the memo that lowers
+    does not wait for a compile. A memo that cannot be keyed, read or
+    written is warned about and the program lowered, never an error.
     Raises ValueError for a bad `name` (compile_cached), TypeError for a
     `trace_key` that is not a string, and what `lower` or compiling
     raises."""
+    from elastic import config
     from elastic.worker import launch_memo
 
     t0 = time.perf_counter()
@@ -493,11 +499,15 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
         raise TypeError(f"trace_key must be a string (it is hashed into the launch memo's "
                         f"key), not {type(trace_key).__name__}")
     tiers = cache_tiers(cache_dir, shared, shared_key)
+    # only the host's own directory: never a bucket, where nothing is signed
     own = tier(cache_dir) if memo else None
     launch = None
-    if own is not None:
-        launch = launch_memo.current_launch(name, trace_key, mesh, per_generation,
-                                            machine_type())
+    if isinstance(own, DirectoryTier):
+        launch = _try("key a launch memo", own, lambda: launch_memo.current_launch(
+            name, trace_key, mesh,
+            config.PER_GENERATION_ENV if per_generation is None else per_generation,
+            machine_type()))
+    if launch is not None:
         known = launch_memo.read(own, name, launch)
         if known is not None:
             compiled = _load(tiers, known["entry"], trees=(known["in_tree"], known["out_tree"]))
@@ -506,12 +516,14 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
 
                 if jax.process_count() > 1 and jax.process_index() == 0:
                     _post(_coordination_client(), known["cache_key"], "claim", "loaded")
-                return compiled, True, time.perf_counter() - t0, known["entry"]
+                return compiled, True, time.perf_counter() - t0, known["entry"], 0.0
+    t_lower = time.perf_counter()
     lowered = lower()
+    lower_s = time.perf_counter() - t_lower
     compiled, hit, entry, key = _compile_cached(lowered, tiers, name)
     if launch is not None and entry is not None and has_entry(tiers[:1], entry):
         launch_memo.write(own, name, launch, entry, key, lowered)
-    return compiled, hit, time.perf_counter() - t0, entry
+    return compiled, hit, time.perf_counter() - t0, entry, lower_s
 
 
 def cache_tiers(cache_dir: str | None, shared: str | None = None,

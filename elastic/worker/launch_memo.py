@@ -20,22 +20,34 @@ instead of a lowered program).
 
 What the key covers, and the contract for a program that opts in: the
 program's lowered step must be a function of its launch (argv, working
-directory, environment), of the `.py` files beside its script (size and
-modification time), of the JAX and jaxlib versions and this machine type,
-of the slice (process count, every device id, the mesh's axes, shape,
-device order and axis types), and of the `trace_key` the program passes
-(for anything else it reads: a config file, a tokenizer's vocabulary).
-Installed libraries are not hashed: a memo is scoped to one controller
-run, within which they are not expected to change. A memo that names a
-missing or unloadable entry only means tracing and compiling as before.
+directory, and the environment the process was started with: read from
+/proc/self/environ, because libraries set variables at import — JAX sets
+TF_CPP_MIN_LOG_LEVEL — and a pre-started process imported them before its
+launch while a cold one imports them after), of its own files (the `.py`
+files beside its script and in the packages there, by size and
+modification time, as Python's own bytecode cache judges a source
+unchanged), of the JAX and jaxlib versions and this machine type, of the
+slice (process count, every device id, the mesh's axes, shape, device
+order and axis types), of how many programs of the same name the process
+compiled this way before (two programs under one name get two memos), and
+of the `trace_key` the program passes (for anything else it reads: a
+config file, a tokenizer's vocabulary). Installed libraries, this project
+among them, are not hashed: a memo is scoped to one controller run and
+one agent incarnation (both are in the environment), within which they
+are not expected to change. A memo that names a missing or unloadable
+entry only means tracing and compiling as before.
 
-Memos stay in this host's own directory, never in a shared tier: unpickling
-one, like deserialising an executable, runs code, and that directory is
-this host's alone (mode 0700, see compile_cache).
+Memos stay in the host's cache directory (`--compile-cache-dir`), never in
+the signed shared tier: unpickling one, like deserialising an executable,
+runs code, so they go only where the executables are trusted unsigned
+(mode 0700, see compile_cache; hosts that share that directory trust each
+other already). One memo of ~3 KB stays per program, slice and controller
+run; nothing removes them.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -49,21 +61,46 @@ log = logging.getLogger("elastic.compile_cache")
 
 
 def program_files(script: str) -> list[tuple[str, int, int]]:
-    """(name, size in bytes, modification time in ns) of every `.py` file
-    in the folder of `script` (a program's own modules sit beside it:
-    `import model` for model.py), sorted by name; [] when `script` is not
-    a file."""
+    """(path relative to the folder of `script`, size in bytes,
+    modification time in ns) of every `.py` file in that folder (a
+    program's own modules sit beside it: `import model` for model.py) and,
+    recursively, in its packages (subfolders with an `__init__.py`),
+    sorted by path; [] when `script` is not a file."""
     path = pathlib.Path(script)
     if not path.is_file():
         return []
+    folder = path.resolve().parent
+    candidates = list(folder.glob("*.py"))
+    for sub in folder.iterdir():
+        if sub.is_dir() and (sub / "__init__.py").is_file():
+            candidates += sub.rglob("*.py")
     found = []
-    for f in sorted(path.resolve().parent.glob("*.py")):
+    for f in sorted(candidates):
         try:
             st = f.stat()
         except OSError:  # removed meanwhile
             continue
-        found.append((f.name, st.st_size, st.st_mtime_ns))
+        found.append((str(f.relative_to(folder)), st.st_size, st.st_mtime_ns))
     return found
+
+
+def started_environ() -> dict[str, str]:
+    """The environment this process was started with (/proc/self/environ;
+    os.environ where there is none): the same for a cold start and a
+    pre-started process launched alike (elastic.worker.prestart), unlike
+    os.environ after imports that set variables."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="surrogateescape"): v.decode(errors="surrogateescape")
+            for k, v in pairs}
+
+
+#: Programs compiled through a memo so far in this process, by name.
+_compiled = collections.Counter()
 
 
 def slice_description(mesh, process_count: int, device_ids: Sequence[int]) -> str:
@@ -80,9 +117,11 @@ def slice_description(mesh, process_count: int, device_ids: Sequence[int]) -> st
 
 def launch_key(name: str, trace_key: str, argv: Sequence[str], cwd: str,
                environ: Mapping[str, str], files: Sequence[tuple[str, int, int]],
-               versions: Sequence[str], slice_: str, per_generation: Sequence[str]) -> str:
-    """Hex digest (32 characters) naming the memo of program `name`
-    launched with `argv` in `cwd` with `environ` (the variables in
+               versions: Sequence[str], slice_: str, per_generation: Sequence[str],
+               ordinal: int = 0) -> str:
+    """Hex digest (32 characters) naming the memo of program `name`, the
+    `ordinal`-th (from 0) of that name its process compiled so, launched
+    with `argv` in `cwd` with `environ` (the variables in
     `per_generation` left out: they differ between generations of one
     launch), its `files` (program_files), `versions` (JAX, jaxlib, the
     machine type), `slice_` (slice_description) and the program's own
@@ -90,7 +129,7 @@ def launch_key(name: str, trace_key: str, argv: Sequence[str], cwd: str,
     and generation."""
     env = sorted((k, v) for k, v in environ.items() if k not in per_generation)
     h = hashlib.sha256()
-    for part in (name, trace_key, json.dumps(list(argv)), cwd, json.dumps(env),
+    for part in (name, str(ordinal), trace_key, json.dumps(list(argv)), cwd, json.dumps(env),
                  json.dumps([list(f) for f in files]), json.dumps(list(versions)), slice_):
         h.update(part.encode())
         h.update(b"\0")
@@ -138,20 +177,24 @@ def write(tier, name: str, key: str, entry: str, cache_key: str, lowered) -> Non
 
 def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str],
                    machine_type: str) -> str:
-    """`launch_key` for this process now: its argv, working directory,
-    environment (hashed whole, not read for settings) and program files
-    (beside `__main__`'s file: the script, or the module of `python -m`),
-    the JAX and jaxlib versions, and the slice of `mesh` (needs the JAX
-    backend initialised)."""
+    """`launch_key` for the next program named `name` this process compiles
+    (counted: call once per compile): its argv, working directory, the
+    environment it was started with (`started_environ`, hashed whole, not
+    read for settings), its program files (beside `__main__`'s file: the
+    script, or the module of `python -m`), the JAX and jaxlib versions, and
+    the slice of `mesh` (needs the JAX backend initialised). Raises
+    OSError when the working directory is gone."""
     import sys
 
     import jax
     import jaxlib
 
+    ordinal = _compiled[name]
+    _compiled[name] += 1
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    return launch_key(name, trace_key, sys.argv, os.getcwd(), os.environ,
+    return launch_key(name, trace_key, sys.argv, os.getcwd(), started_environ(),
                       program_files(main_file) if main_file else [],
                       (jax.__version__, jaxlib.__version__, machine_type),
                       slice_description(mesh, jax.process_count(),
                                         [d.id for d in jax.devices()]),
-                      per_generation)
+                      per_generation, ordinal)

@@ -194,10 +194,13 @@ class WorkerContext:
 
         self._phase("setup")
         lazy = callable(lowered)
-        compiled, hit, seconds, entry = compile_cache.compile_launched(
+        compiled, hit, seconds, entry, lower_s = compile_cache.compile_launched(
             lowered if lazy else (lambda: lowered), self.env.cache_dir, name, self.mesh,
             trace_key, self.env.shared_cache, self.env.shared_cache_key_file,
             config.PER_GENERATION_ENV, memo=lazy)
+        # tracing and lowering are the program's setup, as when it lowers
+        # before the call; `compile` is the compile or the load
+        self._phase("setup", min(lower_s, time.perf_counter() - self._started))
         self._phase("compile")
         if lower_for is not None:
             self._ahead.append((lower_for, name, entry))

@@ -56,7 +56,7 @@ def main() -> int:
     ahead = "--ahead" in sys.argv
     program = (lambda: lower_for(mesh)) if "--lazy" in sys.argv else lower_for(mesh)
     compiled, hit, _ = ctx.compile(program, "f", lower_for=lower_for if ahead else None)
-    lowered_here = len(lowered_meshes)  # (0 or 1: the compile-ahead thread starts later)
+    lowered_here = len(lowered_meshes)  # (0 or 1: compiling ahead starts later)
     xg = np.arange(96, dtype=np.float32).reshape(12, 8) / 96
     wg = np.eye(8, dtype=np.float32) * 0.5 + 0.01
     x = jax.make_array_from_callback((12, 8), x_sharding, lambda i: xg[i])
@@ -70,7 +70,8 @@ def main() -> int:
     if ctx.ahead_thread is not None:
         ctx.ahead_thread.join(120)
     with open(f"{sys.argv[1]}.{ctx.process_index}.json", "w") as out:
-        json.dump({"hit": hit, "traced": lowered_here > 0, "result": result, "expected": float(np.tanh(xg @ wg).sum()),
+        json.dump({"hit": hit, "traced": lowered_here > 0, "result": result,
+                   "expected": float(np.tanh(xg @ wg).sum()),
                    "ahead": ahead_records, "lowered_for": lowered_meshes[lowered_here:]}, out)
     ctx.finish()
     return 0
