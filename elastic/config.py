@@ -2,8 +2,9 @@
 
 The job spec is parsed strictly into frozen dataclasses: an unknown key, a
 wrong type or an impossible value raises `SpecError` naming the file and the
-key. This module is also the only place in `elastic` that reads environment
-variables (`WorkerEnv.from_environ`, `environ_snapshot`).
+key. This module is also the only place in `elastic` that reads or sets
+environment variables (`WorkerEnv.from_environ`, `environ_snapshot`,
+`started_environ`, `replace_environ`).
 
 Example (units are in the key names; all keys but `job.command` are optional)::
 
@@ -687,3 +688,26 @@ def parse_next_slices(text: str) -> tuple[tuple[int, int], ...]:
 def environ_snapshot() -> dict[str, str]:
     """A copy of this process's environment (the base of a worker's)."""
     return dict(os.environ)
+
+
+def started_environ() -> dict[str, str]:
+    """The environment this process was started with (/proc/self/environ;
+    a copy of os.environ where there is none): the same for a cold worker
+    and a pre-started one launched alike (elastic.worker.prestart), unlike
+    os.environ after imports that set variables (JAX sets
+    TF_CPP_MIN_LOG_LEVEL)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="surrogateescape"): v.decode(errors="surrogateescape")
+            for k, v in pairs}
+
+
+def replace_environ(environ: Mapping[str, str]) -> None:
+    """Make `environ` this process's whole environment (a pre-started
+    worker taking its launch's, elastic.worker.prestart)."""
+    os.environ.clear()
+    os.environ.update(environ)

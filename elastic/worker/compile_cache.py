@@ -305,14 +305,13 @@ def _try(what: str, t, call, default=None):
         return default
 
 
-def _load(tiers: list, entry: str, lowered=None, trees=None):
+def _load(tiers: list, entry: str, trees):
     """The executable from the first tier that holds a loadable `entry`,
-    copied into the tiers before it; None if none does. Its input and
-    output pytree structures are `lowered`'s, or `trees` (in_tree,
-    out_tree) when it was not lowered (elastic.worker.launch_memo)."""
+    copied into the tiers before it; None if none does. `trees`: its
+    (in_tree, out_tree), a lowered program's or a launch memo's."""
     from jax.experimental import serialize_executable
 
-    in_tree, out_tree = trees if lowered is None else (lowered.in_tree, lowered.out_tree)
+    in_tree, out_tree = trees
     for i, t in enumerate(tiers):
         payload = _try(f"read {entry}", t, lambda: t.read(entry))
         if payload is None:
@@ -326,6 +325,10 @@ def _load(tiers: list, entry: str, lowered=None, trees=None):
             _try(f"write {entry}", earlier, lambda: earlier.write(entry, payload))
         return compiled
     return None
+
+
+def _trees(lowered) -> tuple:
+    return lowered.in_tree, lowered.out_tree
 
 
 def compile_and_store(tiers: list, entry: str, lowered):
@@ -370,7 +373,7 @@ def _wait_for_process_0(client, key: str, tiers: list, entry: str, lowered):
     if token is None:
         return None
     if token in ("loaded", "unshared"):
-        return _load(tiers, entry, lowered)  # process 0 had it: this tier may too, now
+        return _load(tiers, entry, _trees(lowered))  # process 0 had it: this tier may too
     shared = [t for t in tiers
               if _try(f"read {entry}.claim", t, lambda: t.read(f"{entry}.claim")) ==
               token.encode()]
@@ -378,9 +381,9 @@ def _wait_for_process_0(client, key: str, tiers: list, entry: str, lowered):
         if _wait(client, key, "done") is None:
             return None
         # (from the shared tier, copied into those before it)
-        return _load(tiers[:tiers.index(shared[0]) + 1], entry, lowered)
+        return _load(tiers[:tiers.index(shared[0]) + 1], entry, _trees(lowered))
     # no claim seen: no tier shared, or process 0 done already and removed it
-    return _load(tiers, entry, lowered)
+    return _load(tiers, entry, _trees(lowered))
 
 
 def _wait(client, key: str, what: str) -> str | None:
@@ -453,7 +456,7 @@ def _compile_cached(lowered, tiers: list, name: str):
         return lowered.compile(), False, None, None
     key = cache_key(lowered, jax.process_count(), [d.id for d in jax.devices()])
     entry = f"{name}-{key}.xla"
-    compiled = _load(tiers, entry, lowered)
+    compiled = _load(tiers, entry, _trees(lowered))
     client = _coordination_client() if jax.process_count() > 1 else None
     if client is not None and jax.process_index() == 0:
         if compiled is None:
@@ -468,12 +471,12 @@ def _compile_cached(lowered, tiers: list, name: str):
 
 def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: str = "",
                      shared: str | None = None, shared_key: str | None = None,
-                     per_generation: tuple[str, ...] | None = None, memo: bool = True):
+                     memo: bool = True):
     """As `compile_cached(lower(), ...)`, without calling `lower` when this
     host's `cache_dir` keeps a memo of the same launch
     (elastic.worker.launch_memo: the same argv, working directory,
-    environment but `per_generation` (default: the agent's per-generation
-    variables), program files, slice of `mesh`, `trace_key`, and count of
+    environment but the per-generation variables (PER_GENERATION_ENV),
+    program files, slice of `mesh`, `trace_key`, and count of
     programs of this name compiled so before in this process) whose entry
     loads; after a compile or a load through `lower()`, the memo is
     written for the next generation. With `memo` False (a program that
@@ -504,13 +507,11 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
     launch = None
     if isinstance(own, DirectoryTier):
         launch = _try("key a launch memo", own, lambda: launch_memo.current_launch(
-            name, trace_key, mesh,
-            config.PER_GENERATION_ENV if per_generation is None else per_generation,
-            machine_type()))
+            name, trace_key, mesh, config.PER_GENERATION_ENV, machine_type()))
     if launch is not None:
         known = launch_memo.read(own, name, launch)
         if known is not None:
-            compiled = _load(tiers, known["entry"], trees=(known["in_tree"], known["out_tree"]))
+            compiled = _load(tiers, known["entry"], (known["in_tree"], known["out_tree"]))
             if compiled is not None:
                 import jax
 

@@ -20,8 +20,8 @@ instead of a lowered program).
 
 What the key covers, and the contract for a program that opts in: the
 program's lowered step must be a function of its launch (argv, working
-directory, and the environment the process was started with: read from
-/proc/self/environ, because libraries set variables at import — JAX sets
+directory, and the environment the process was started with:
+elastic.config.started_environ, because libraries set variables at import — JAX sets
 TF_CPP_MIN_LOG_LEVEL — and a pre-started process imported them before its
 launch while a cold one imports them after), of its own files (the `.py`
 files beside its script and in the packages there, by size and
@@ -82,21 +82,6 @@ def program_files(script: str) -> list[tuple[str, int, int]]:
             continue
         found.append((str(f.relative_to(folder)), st.st_size, st.st_mtime_ns))
     return found
-
-
-def started_environ() -> dict[str, str]:
-    """The environment this process was started with (/proc/self/environ;
-    os.environ where there is none): the same for a cold start and a
-    pre-started process launched alike (elastic.worker.prestart), unlike
-    os.environ after imports that set variables."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return dict(os.environ)
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="surrogateescape"): v.decode(errors="surrogateescape")
-            for k, v in pairs}
 
 
 #: Programs compiled through a memo so far in this process, by name.
@@ -179,8 +164,8 @@ def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str
                    machine_type: str) -> str:
     """`launch_key` for the next program named `name` this process compiles
     (counted: call once per compile): its argv, working directory, the
-    environment it was started with (`started_environ`, hashed whole, not
-    read for settings), its program files (beside `__main__`'s file: the
+    environment it was started with (elastic.config.started_environ,
+    hashed whole, not read for settings), its program files (beside `__main__`'s file: the
     script, or the module of `python -m`), the JAX and jaxlib versions, and
     the slice of `mesh` (needs the JAX backend initialised). Raises
     OSError when the working directory is gone."""
@@ -189,10 +174,12 @@ def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str
     import jax
     import jaxlib
 
+    from elastic import config
+
     ordinal = _compiled[name]
     _compiled[name] += 1
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    return launch_key(name, trace_key, sys.argv, os.getcwd(), started_environ(),
+    return launch_key(name, trace_key, sys.argv, os.getcwd(), config.started_environ(),
                       program_files(main_file) if main_file else [],
                       (jax.__version__, jaxlib.__version__, machine_type),
                       slice_description(mesh, jax.process_count(),

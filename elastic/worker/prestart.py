@@ -117,8 +117,9 @@ def run(launch: dict) -> None:
     its exceptions and SystemExit propagate."""
     global launched_at
     launched_at = time.time()
-    os.environ.clear()
-    os.environ.update(launch["env"])
+    from elastic import config
+
+    config.replace_environ(launch["env"])
     if launch.get("cwd"):
         os.chdir(launch["cwd"])
     argv = list(launch["argv"][1:])

@@ -189,15 +189,13 @@ class WorkerContext:
         where the caller's `jax.set_mesh` is not in effect (set it inside);
         its errors are journaled in `compiled_ahead`, never raised. Only
         programs compiled before the first step are compiled ahead."""
-        from elastic import config
         from elastic.worker import compile_cache
 
         self._phase("setup")
         lazy = callable(lowered)
         compiled, hit, seconds, entry, lower_s = compile_cache.compile_launched(
             lowered if lazy else (lambda: lowered), self.env.cache_dir, name, self.mesh,
-            trace_key, self.env.shared_cache, self.env.shared_cache_key_file,
-            config.PER_GENERATION_ENV, memo=lazy)
+            trace_key, self.env.shared_cache, self.env.shared_cache_key_file, memo=lazy)
         # tracing and lowering are the program's setup, as when it lowers
         # before the call; `compile` is the compile or the load
         self._phase("setup", min(lower_s, time.perf_counter() - self._started))
