@@ -4,7 +4,7 @@ The job spec is parsed strictly into frozen dataclasses: an unknown key, a
 wrong type or an impossible value raises `SpecError` naming the file and the
 key. This module is also the only place in `elastic` that reads or sets
 environment variables (`WorkerEnv.from_environ`, `environ_snapshot`,
-`started_environ`, `replace_environ`).
+`started_environ`, `replace_environ`, `xla_flags`).
 
 Example (units are in the key names; all keys but `job.command` are optional)::
 
@@ -688,6 +688,11 @@ def parse_next_slices(text: str) -> tuple[tuple[int, int], ...]:
 def environ_snapshot() -> dict[str, str]:
     """A copy of this process's environment (the base of a worker's)."""
     return dict(os.environ)
+
+
+def xla_flags() -> str:
+    """This process's XLA_FLAGS ("" when unset): the flags XLA compiles with."""
+    return os.environ.get("XLA_FLAGS", "")
 
 
 def started_environ() -> dict[str, str]:

@@ -43,6 +43,28 @@ def test_compiled_once_then_loaded_and_a_damaged_entry_compiled_again(tmp_path):
     assert compile_cached(_lowered(2.0), str(tmp_path), "f")[1]
 
 
+
+def test_the_same_program_with_other_compile_options_is_another_entry(tmp_path, monkeypatch):
+    """An executable compiled with other XLA options is never loaded: the
+    lowered text is the same, the options are in the key (as in JAX's own
+    persistent cache)."""
+    shape = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+
+    def lowered(**options):
+        return jax.jit(lambda x: jnp.tanh(x) * 2.0, compiler_options=options or None).lower(shape)
+
+    plain = lowered()
+    assert plain.as_text() == lowered(xla_cpu_enable_fast_math=True).as_text()
+    assert not compile_cached(plain, str(tmp_path), "f")[1]
+    assert compile_cached(lowered(), str(tmp_path), "f")[1]
+    assert not compile_cached(lowered(xla_cpu_enable_fast_math=True), str(tmp_path), "f")[1]
+    assert compile_cached(lowered(xla_cpu_enable_fast_math=True), str(tmp_path), "f")[1]
+    # the process's XLA_FLAGS too (JAX parses them once, at backend init:
+    # only the key can be checked in process)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert not compile_cached(lowered(), str(tmp_path), "f")[1]
+    assert len(list(tmp_path.glob("f-*.xla"))) == 3
+
 RECORD_ENV = """
 import json, os, pathlib
 out = pathlib.Path(os.environ["RECORD_DIR"]) / (os.environ["ELASTIC_HOST_ID"] + ".json")

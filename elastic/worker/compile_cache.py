@@ -9,8 +9,10 @@ the slowest one gates the first step. Measured on 4 local hosts x 2 CPU
 devices on 2 cores: compiling the reference train step takes about 6 s per
 process when all compile at once; loading it takes a fraction of a second.
 
-The key covers the lowered program text, the JAX/jaxlib versions and the
-slice (process count and every device id, in order), not the process's rank:
+The key covers the lowered program text, the JAX/jaxlib versions, the
+options XLA compiles it with (the process's XLA_FLAGS and the program's own
+`compiler_options`, as JAX's persistent cache keys them) and the slice
+(process count and every device id, in order), not the process's rank:
 an SPMD executable is one program for the whole slice, and a process loads
 the one another rank compiled (checked: tests/test_compile_cache.py).
 
@@ -89,17 +91,28 @@ def machine_type() -> str:
     return "|".join(parts)
 
 
+def compile_options_text(lowered) -> str:
+    """The options XLA compiles `lowered` with, as text: this process's
+    XLA_FLAGS, sorted, and the `compiler_options` given to `jax.jit` (kept by
+    JAX on the lowering; none if a JAX version keeps them elsewhere)."""
+    from elastic import config
+
+    kvs = getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()) or ()
+    return repr((sorted(config.xla_flags().split()), sorted((str(k), repr(v)) for k, v in kvs)))
+
+
 def cache_key(lowered, process_count: int, device_ids: list[int]) -> str:
-    """Hex digest identifying `lowered` compiled for a slice of
-    `process_count` processes over `device_ids` (all of the slice's, in
-    order) on this machine type (`machine_type`); the same on every process
-    of the slice."""
+    """Hex digest identifying `lowered` compiled with its options
+    (`compile_options_text`) for a slice of `process_count` processes over
+    `device_ids` (all of the slice's, in order) on this machine type
+    (`machine_type`); the same on every process of the slice."""
     import jax
     import jaxlib
 
     h = hashlib.sha256()
     for part in (jax.__version__, jaxlib.__version__, machine_type(), str(process_count),
-                 ",".join(map(str, device_ids)), lowered.as_text()):
+                 ",".join(map(str, device_ids)), compile_options_text(lowered),
+                 lowered.as_text()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
