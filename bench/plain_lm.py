@@ -89,8 +89,8 @@ def main() -> int:
         parts = step_lib.build(cfg, mesh, optimizer, args.seed, args.ema_decay)
         latest = manager.latest_step()
         if latest is None:
-            state = jax.jit(parts.init_state, static_argnums=0, out_shardings=parts.shardings,
-                            compiler_options=parts.compiler_options)(args.seed)
+            state = jax.jit(parts.init_state, static_argnums=0,
+                            out_shardings=parts.shardings)(args.seed)
             start = 0
         else:  # a checkpoint's step is the number of steps taken
             state = manager.restore(latest, args=ocp.args.StandardRestore(parts.abstract))

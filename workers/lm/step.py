@@ -24,23 +24,6 @@ from jax.sharding import PartitionSpec as P
 import model as model_lib
 
 
-#: XLA options for this workload's programs on the CPU backend: YNNPACK
-#: fusions off. With them, each process builds their kernels the first time
-#: it runs a loaded step: measured on 2 CPU devices in one process
-#: (2026-11-27, JAX 0.10.2), the first step took 0.25-0.38 s against 0.11 s
-#: without, and steady steps were no faster with them (4 processes x 2
-#: devices, bench/plain_lm.py, 3 rounds each: median of mean step 0.1825 s
-#: with, 0.1802 s without). A restart runs a new process, so that first step
-#: was paid on every restart.
-CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-def compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
-    """The XLA compiler options for `mesh`'s backend (CPU_COMPILER_OPTIONS
-    on CPU, none elsewhere)."""
-    return dict(CPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else None
-
-
 def make_optimizer(peak_lr: float, warmup_steps: int, steps: int) -> optax.GradientTransformation:
     """AdamW (b2 0.98, weight decay 0.01) after clipping the global norm at
     1.0, on a warmup-cosine schedule from 0 to `peak_lr` over `warmup_steps`
@@ -64,8 +47,6 @@ class TrainParts:
     shardings / abstract: NamedShardings and ShapeDtypeStructs of the state
       (abstract is what a checkpoint restore needs).
     batch_shardings: of (inputs, targets, weights).
-    compiler_options: the XLA options every program of this mesh is jitted
-      with (`compiler_options`).
     """
 
     init_state: Callable[[int], dict]
@@ -75,7 +56,6 @@ class TrainParts:
     shardings: dict
     abstract: dict
     batch_shardings: tuple
-    compiler_options: dict | None
 
     def global_rows(self, rows: tuple[np.ndarray, ...]) -> list[jax.Array]:
         """The host arrays of one batch (every process holds them whole) as
@@ -127,11 +107,9 @@ def build(cfg: model_lib.ModelConfig, mesh: jax.sharding.Mesh,
         return {"params": params, "opt_state": opt_state, "ema": ema,
                 "step": state["step"] + 1, "rng": rng}, loss
 
-    options = compiler_options(mesh)
     jit_step = jax.jit(train_step, in_shardings=(shardings, *batch_shardings),
-                       out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0,
-                       compiler_options=options)
+                       out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
     eval_loss = jax.jit(lambda params, i, t, w: model_lib.loss_fn(params, i, t, w, cfg),
-                        out_shardings=NamedSharding(mesh, P()), compiler_options=options)
+                        out_shardings=NamedSharding(mesh, P()))
     return TrainParts(init_state, train_step, jit_step, eval_loss, shardings, abstract,
-                      batch_shardings, options)
+                      batch_shardings)

@@ -104,9 +104,7 @@ def main() -> int:
         if restored is None:  # (cached too: a slice that fails before its first commit
             # starts from scratch again, and compiling init costs seconds on 2 cores)
             init_fn, _, _ = ctx.compile(jax.jit(parts.init_state, static_argnums=0,
-                                                out_shardings=shardings,
-                                                compiler_options=parts.compiler_options
-                                                ).lower(args.seed),
+                                                out_shardings=shardings).lower(args.seed),
                                         "init_state")
             state = init_fn()
             start = 0
