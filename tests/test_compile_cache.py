@@ -43,7 +43,6 @@ def test_compiled_once_then_loaded_and_a_damaged_entry_compiled_again(tmp_path):
     assert compile_cached(_lowered(2.0), str(tmp_path), "f")[1]
 
 
-
 def test_the_same_program_with_other_compile_options_is_another_entry(tmp_path, monkeypatch):
     """An executable compiled with other XLA options is never loaded: the
     lowered text is the same, the options are in the key (as in JAX's own
@@ -64,6 +63,7 @@ def test_the_same_program_with_other_compile_options_is_another_entry(tmp_path, 
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
     assert not compile_cached(lowered(), str(tmp_path), "f")[1]
     assert len(list(tmp_path.glob("f-*.xla"))) == 3
+
 
 RECORD_ENV = """
 import json, os, pathlib
