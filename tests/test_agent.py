@@ -7,20 +7,20 @@ import signal
 import subprocess
 import sys
 
-from elastic import config
+from elastic import worker_env
 from elastic.agent.supervisor import kill_leftovers
 from tests.conftest import LocalJob, alive, reaped, stop, tiny_spec, wait_until
 
 
 def test_restarted_agent_kills_leftovers_of_previous_incarnation(tmp_path, proc_env):
     owner = str(tmp_path / "agent-state")
-    env = dict(proc_env, **{config.ENV_WORKER_OWNER: owner})
+    env = dict(proc_env, **{worker_env.ENV_WORKER_OWNER: owner})
     # a process that escaped its group (own session), as a worker's child might
-    old = subprocess.Popen(["sleep", "60"], env=dict(env, **{config.ENV_INCARNATION: "old"}),
+    old = subprocess.Popen(["sleep", "60"], env=dict(env, **{worker_env.ENV_INCARNATION: "old"}),
                            start_new_session=True)
-    mine = subprocess.Popen(["sleep", "60"], env=dict(env, **{config.ENV_INCARNATION: "new"}))
+    mine = subprocess.Popen(["sleep", "60"], env=dict(env, **{worker_env.ENV_INCARNATION: "new"}))
     other = subprocess.Popen(["sleep", "60"], env=dict(proc_env, **{
-        config.ENV_WORKER_OWNER: owner + "-other", config.ENV_INCARNATION: "old"}))
+        worker_env.ENV_WORKER_OWNER: owner + "-other", worker_env.ENV_INCARNATION: "old"}))
     try:
         killed = kill_leftovers(owner, "new")
         assert killed == [old.pid]

@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from elastic.config import JobSpec, MeshSpec, RestartSpec, parse_next_slices
+from elastic.config import JobSpec, MeshSpec, RestartSpec
+from elastic.worker_env import parse_next_slices
 from elastic.policy.mesh import Candidate, plan_mesh
 from elastic.policy.slice_plan import next_slices
 from tests.conftest import REPO
@@ -203,7 +204,7 @@ def test_a_compile_no_tier_takes_is_a_failure_not_stored(tmp_path):
 
 
 def test_a_malformed_hint_is_ignored_not_fatal(caplog):
-    from elastic.config import WorkerEnv
+    from elastic.worker_env import WorkerEnv
 
     env = WorkerEnv.from_environ({
         "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "ELASTIC_PROCESS_ID": "0",

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from elastic.config import MeshSpec, SpecError, WorkerEnv, load_spec
+from elastic.config import MeshSpec, SpecError, load_spec
+from elastic.worker_env import WorkerEnv
 from tests.conftest import write_spec
 
 GOOD = """

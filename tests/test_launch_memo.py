@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from elastic.worker import launch_memo
-from elastic import config
+from elastic import worker_env
 from elastic.worker.compile_cache import DirectoryTier, compile_launched
 from elastic.worker.prestart import READY_LINE
 from tests.conftest import REPO
@@ -141,9 +141,9 @@ def test_two_programs_of_one_name_each_load_their_own(tmp_path):
 KEY_PROGRAM = """
 import sys
 import jax
-import elastic.config
+import elastic.worker_env
 from elastic.worker import launch_memo
-print("KEY", launch_memo.current_launch("f", "", None, elastic.config.PER_GENERATION_ENV, "m"))
+print("KEY", launch_memo.current_launch("f", "", None, elastic.worker_env.PER_GENERATION_ENV, "m"))
 """
 
 
@@ -158,7 +158,7 @@ def test_a_pre_started_process_keys_its_launch_as_a_cold_one_does(tmp_path):
     argv = [sys.executable, str(script)]
     cold = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, timeout=60)
     assert cold.returncode == 0, cold.stderr.decode()[-2000:]
-    spawn_env = {k: v for k, v in env.items() if k not in config.PER_GENERATION_ENV}
+    spawn_env = {k: v for k, v in env.items() if k not in worker_env.PER_GENERATION_ENV}
     warm = subprocess.Popen([sys.executable, "-P", "-m", "elastic.worker.prestart", str(script)],
                             env=spawn_env, cwd=tmp_path, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from elastic import config
+from elastic import worker_env
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
 from elastic.worker.prestart import RUNTIME_PRELOAD, preload_names, program_imports
 
@@ -47,9 +47,9 @@ def test_launch_key_only_for_plain_python_commands(argv, usable):
 
 
 def test_launch_key_ignores_only_per_generation_variables():
-    env = {"A": "1", config.ENV_GENERATION: "3", config.ENV_PROCESS_ID: "0"}
-    same = dict(env, **{config.ENV_GENERATION: "4", config.ENV_PROCESS_ID: "2",
-                        config.ENV_COORDINATOR: "h:1", config.ENV_NUM_PROCESSES: "3"})
+    env = {"A": "1", worker_env.ENV_GENERATION: "3", worker_env.ENV_PROCESS_ID: "0"}
+    same = dict(env, **{worker_env.ENV_GENERATION: "4", worker_env.ENV_PROCESS_ID: "2",
+                        worker_env.ENV_COORDINATOR: "h:1", worker_env.ENV_NUM_PROCESSES: "3"})
     key = launch_key([PY, "t.py"], env, "/w")
     assert launch_key([PY, "t.py"], same, "/w") == key
     assert launch_key([PY, "t.py"], dict(env, A="2"), "/w") != key

@@ -24,6 +24,8 @@ import time
 import uuid
 
 from elastic import config, transport
+
+from elastic import worker_env
 from elastic.agent import snapshot_dir, stacks
 from elastic.agent.datagrams import HeartbeatDatagrams
 from elastic.agent.replicas import ReplicaSender, ReplicaStore
@@ -316,20 +318,20 @@ class Agent(ControllerSession):
         """The environment the agent gives the worker `start` describes:
         the job's variables, the generation's and this host's."""
         return {**start.env,
-                config.ENV_COORDINATOR: start.coordinator_address,
-                config.ENV_PROCESS_ID: str(start.process_id),
-                config.ENV_NUM_PROCESSES: str(start.num_processes),
-                config.ENV_GENERATION: str(start.generation),
-                config.ENV_HOST_ID: self.settings.host_id,
-                config.ENV_DEVICES_PER_HOST: str(start.devices_per_host or self.devices.count),
-                config.ENV_HOST_DEVICES: str(self.devices.count),
-                config.ENV_NEXT_SLICES: config.format_next_slices(
+                worker_env.ENV_COORDINATOR: start.coordinator_address,
+                worker_env.ENV_PROCESS_ID: str(start.process_id),
+                worker_env.ENV_NUM_PROCESSES: str(start.num_processes),
+                worker_env.ENV_GENERATION: str(start.generation),
+                worker_env.ENV_HOST_ID: self.settings.host_id,
+                worker_env.ENV_DEVICES_PER_HOST: str(start.devices_per_host or self.devices.count),
+                worker_env.ENV_HOST_DEVICES: str(self.devices.count),
+                worker_env.ENV_NEXT_SLICES: worker_env.format_next_slices(
                     (s.num_processes, s.devices_per_host) for s in start.next_slices),
-                config.ENV_PROGRESS_SOCKET: self.progress_address,
-                config.ENV_SNAPSHOT_DIR: self.snapshot_dir,
-                config.ENV_CACHE_DIR: self._cache_dir(),
-                config.ENV_SHARED_CACHE: self.settings.shared_compile_cache or "",
-                config.ENV_SHARED_CACHE_KEY_FILE: self.settings.shared_compile_cache_key or "",
+                worker_env.ENV_PROGRESS_SOCKET: self.progress_address,
+                worker_env.ENV_SNAPSHOT_DIR: self.snapshot_dir,
+                worker_env.ENV_CACHE_DIR: self._cache_dir(),
+                worker_env.ENV_SHARED_CACHE: self.settings.shared_compile_cache or "",
+                worker_env.ENV_SHARED_CACHE_KEY_FILE: self.settings.shared_compile_cache_key or "",
                 "PYTHONUNBUFFERED": "1"}
 
     def _vet(self, launch: pb.StartWorker) -> list[str] | str:
@@ -353,7 +355,7 @@ class Agent(ControllerSession):
         if start.process_id == 0 and port.isdigit():
             self.ports.used(int(port))
         env = self._worker_env(start)
-        run = start.env.get(config.ENV_RUN_ID, "")
+        run = start.env.get(worker_env.ENV_RUN_ID, "")
         # Snapshots are of use only to the line of training the slice goes on
         # with: those of another controller run never are (a file an old
         # worker still writes has the old run id: never restored, deleted at

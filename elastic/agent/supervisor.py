@@ -20,7 +20,7 @@ import signal
 import sys
 from collections.abc import Callable, Mapping
 
-from elastic import config
+from elastic import worker_env
 from elastic.agent.logs import WorkerLog
 from elastic.procs import (WORKER_PROCESS_GROUP, die_with_parent, process_state, signal_group,
                            signal_pid)
@@ -33,8 +33,8 @@ def kill_leftovers(owner: str, incarnation: str) -> list[int]:
     """SIGKILL every process marked as started by an agent with state dir
     `owner` but another incarnation (what a previous agent process left).
     Returns their pids. Reads /proc/<pid>/environ (same user or root)."""
-    marker = f"{config.ENV_WORKER_OWNER}={owner}".encode()
-    mine = f"{config.ENV_INCARNATION}={incarnation}".encode()
+    marker = f"{worker_env.ENV_WORKER_OWNER}={owner}".encode()
+    mine = f"{worker_env.ENV_INCARNATION}={incarnation}".encode()
     killed = []
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -58,7 +58,7 @@ def launch_key(argv: list[str], full_env: Mapping[str, str], workdir: str) -> tu
             (argv[1].startswith("-") and argv[1] != "-m") or (argv[1] == "-m" and len(argv) < 3):
         return None
     env = tuple(sorted((k, v) for k, v in full_env.items()
-                       if k not in config.PER_GENERATION_ENV))
+                       if k not in worker_env.PER_GENERATION_ENV))
     return (argv[0], workdir, env)
 
 
@@ -121,9 +121,9 @@ class WorkerSupervisor:
         return self.status.state == pb.WORKER_RUNNING
 
     def _full_env(self, env: Mapping[str, str]) -> dict[str, str]:
-        return {**config.environ_snapshot(), **env,
-                config.ENV_WORKER_OWNER: self.owner,
-                config.ENV_INCARNATION: self.incarnation}
+        return {**worker_env.environ_snapshot(), **env,
+                worker_env.ENV_WORKER_OWNER: self.owner,
+                worker_env.ENV_INCARNATION: self.incarnation}
 
     async def start(self, generation: int, argv: list[str], env: Mapping[str, str],
                     workdir: str) -> None:
@@ -163,8 +163,8 @@ class WorkerSupervisor:
         self._last_launch = (list(argv), dict(env), workdir)
         self.status = pb.WorkerStatus(
             generation=generation, state=pb.WORKER_RUNNING, step=-1, committed_step=-1,
-            process_id=int(env.get(config.ENV_PROCESS_ID) or 0),
-            num_processes=int(env.get(config.ENV_NUM_PROCESSES) or 0))
+            process_id=int(env.get(worker_env.ENV_PROCESS_ID) or 0),
+            num_processes=int(env.get(worker_env.ENV_NUM_PROCESSES) or 0))
         proc = await self._launch_prestarted(argv, full_env, workdir)
         how = "in its pre-started process" if proc else "cold"
         if proc is None:
@@ -208,7 +208,7 @@ class WorkerSupervisor:
             if self._prestarted.key == key and self._prestarted.proc.returncode is None:
                 return
             self.discard_prestarted()
-        spawn_env = {k: v for k, v in full_env.items() if k not in config.PER_GENERATION_ENV}
+        spawn_env = {k: v for k, v in full_env.items() if k not in worker_env.PER_GENERATION_ENV}
         script = [] if argv[1] == "-m" else [argv[1]]
         try:
             proc = await asyncio.create_subprocess_exec(

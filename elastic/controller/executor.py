@@ -15,6 +15,8 @@ from typing import Callable
 import grpc
 
 from elastic import config
+
+from elastic import worker_env
 from elastic.clock import Clock
 from elastic.config import JobSpec
 from elastic.controller.journal import JournalWriter
@@ -150,13 +152,13 @@ class Executor:
     def worker_env(self) -> dict[str, str]:
         """Job-level variables every worker gets (hosts add their own)."""
         return {**self.spec.env,
-                config.ENV_JOB_ID: self.spec.job_id,
-                config.ENV_RUN_ID: self.run_id,
-                config.ENV_MESH: self.spec.mesh.to_text(),
-                config.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or "",
-                config.ENV_JAX_HEARTBEAT_TIMEOUT_S: str(config.jax_heartbeat_timeout_s(self.spec)),
-                config.ENV_BATCH_MODE: self.spec.batch.mode,
-                config.ENV_LR_SCALING: self.spec.batch.lr_scaling}
+                worker_env.ENV_JOB_ID: self.spec.job_id,
+                worker_env.ENV_RUN_ID: self.run_id,
+                worker_env.ENV_MESH: self.spec.mesh.to_text(),
+                worker_env.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or "",
+                worker_env.ENV_JAX_HEARTBEAT_TIMEOUT_S: str(config.jax_heartbeat_timeout_s(self.spec)),
+                worker_env.ENV_BATCH_MODE: self.spec.batch.mode,
+                worker_env.ENV_LR_SCALING: self.spec.batch.lr_scaling}
 
     def launch(self) -> pb.StartWorker:
         """The job's worker command — argv, job-level env, workdir and

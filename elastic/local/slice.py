@@ -50,7 +50,7 @@ class LocalSlice:
 
 def child_env() -> dict[str, str]:
     """The environment for agents (and so workers) of a local slice."""
-    from elastic.config import environ_snapshot
+    from elastic.worker_env import environ_snapshot
 
     env = environ_snapshot()
     # Workers run with this interpreter's environment ("python" in a job's

@@ -95,10 +95,10 @@ def compile_options_text(lowered) -> str:
     """The options XLA compiles `lowered` with, as text: this process's
     XLA_FLAGS, sorted, and the `compiler_options` given to `jax.jit` (kept by
     JAX on the lowering; none if a JAX version keeps them elsewhere)."""
-    from elastic import config
+    from elastic import worker_env
 
     kvs = getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()) or ()
-    return repr((sorted(config.xla_flags().split()), sorted((str(k), repr(v)) for k, v in kvs)))
+    return repr((sorted(worker_env.xla_flags().split()), sorted((str(k), repr(v)) for k, v in kvs)))
 
 
 def cache_key(lowered, process_count: int, device_ids: list[int]) -> str:
@@ -506,7 +506,7 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
     Raises ValueError for a bad `name` (compile_cached), TypeError for a
     `trace_key` that is not a string, and what `lower` or compiling
     raises."""
-    from elastic import config
+    from elastic import worker_env
     from elastic.worker import launch_memo
 
     t0 = time.perf_counter()
@@ -520,7 +520,7 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
     launch = None
     if isinstance(own, DirectoryTier):
         launch = _try("key a launch memo", own, lambda: launch_memo.current_launch(
-            name, trace_key, mesh, config.PER_GENERATION_ENV, machine_type()))
+            name, trace_key, mesh, worker_env.PER_GENERATION_ENV, machine_type()))
     if launch is not None:
         known = launch_memo.read(own, name, launch)
         if known is not None:

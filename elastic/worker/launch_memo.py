@@ -21,7 +21,7 @@ instead of a lowered program).
 What the key covers, and the contract for a program that opts in: the
 program's lowered step must be a function of its launch (argv, working
 directory, and the environment the process was started with:
-elastic.config.started_environ, because libraries set variables at import — JAX sets
+elastic.worker_env.started_environ, because libraries set variables at import — JAX sets
 TF_CPP_MIN_LOG_LEVEL — and a pre-started process imported them before its
 launch while a cold one imports them after), of its own files (the `.py`
 files beside its script and in the packages there, by size and
@@ -164,7 +164,7 @@ def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str
                    machine_type: str) -> str:
     """`launch_key` for the next program named `name` this process compiles
     (counted: call once per compile): its argv, working directory, the
-    environment it was started with (elastic.config.started_environ,
+    environment it was started with (elastic.worker_env.started_environ,
     hashed whole, not read for settings), its program files (beside `__main__`'s file: the
     script, or the module of `python -m`), the JAX and jaxlib versions, and
     the slice of `mesh` (needs the JAX backend initialised). Raises
@@ -174,12 +174,12 @@ def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str
     import jax
     import jaxlib
 
-    from elastic import config
+    from elastic import worker_env
 
     ordinal = _compiled[name]
     _compiled[name] += 1
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    return launch_key(name, trace_key, sys.argv, os.getcwd(), config.started_environ(),
+    return launch_key(name, trace_key, sys.argv, os.getcwd(), worker_env.started_environ(),
                       program_files(main_file) if main_file else [],
                       (jax.__version__, jaxlib.__version__, machine_type),
                       slice_description(mesh, jax.process_count(),

@@ -117,9 +117,9 @@ def run(launch: dict) -> None:
     its exceptions and SystemExit propagate."""
     global launched_at
     launched_at = time.time()
-    from elastic import config
+    from elastic import worker_env
 
-    config.replace_environ(launch["env"])
+    worker_env.replace_environ(launch["env"])
     if launch.get("cwd"):
         os.chdir(launch["cwd"])
     argv = list(launch["argv"][1:])

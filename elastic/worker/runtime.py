@@ -27,7 +27,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from elastic.config import SpecError, WorkerEnv
+from elastic.config import SpecError
+from elastic.worker_env import WorkerEnv
 from elastic.worker.progress import ProgressReporter
 
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from elastic.config import WorkerEnv
+from elastic.worker_env import WorkerEnv
 from elastic.worker import ProgressReporter
 
 
