@@ -156,7 +156,8 @@ class Executor:
                 worker_env.ENV_RUN_ID: self.run_id,
                 worker_env.ENV_MESH: self.spec.mesh.to_text(),
                 worker_env.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir or "",
-                worker_env.ENV_JAX_HEARTBEAT_TIMEOUT_S: str(config.jax_heartbeat_timeout_s(self.spec)),
+                worker_env.ENV_JAX_HEARTBEAT_TIMEOUT_S:
+                    str(config.jax_heartbeat_timeout_s(self.spec)),
                 worker_env.ENV_BATCH_MODE: self.spec.batch.mode,
                 worker_env.ENV_LR_SCALING: self.spec.batch.lr_scaling}
 

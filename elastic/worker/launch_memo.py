@@ -21,9 +21,9 @@ instead of a lowered program).
 What the key covers, and the contract for a program that opts in: the
 program's lowered step must be a function of its launch (argv, working
 directory, and the environment the process was started with:
-elastic.worker_env.started_environ, because libraries set variables at import — JAX sets
-TF_CPP_MIN_LOG_LEVEL — and a pre-started process imported them before its
-launch while a cold one imports them after), of its own files (the `.py`
+elastic.worker_env.started_environ, because libraries set variables at
+import — JAX sets TF_CPP_MIN_LOG_LEVEL — and a pre-started process imported
+them before its launch while a cold one imports them after), of its own files (the `.py`
 files beside its script and in the packages there, by size and
 modification time, as Python's own bytecode cache judges a source
 unchanged), of the JAX and jaxlib versions and this machine type, of the
@@ -165,8 +165,8 @@ def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str
     """`launch_key` for the next program named `name` this process compiles
     (counted: call once per compile): its argv, working directory, the
     environment it was started with (elastic.worker_env.started_environ,
-    hashed whole, not read for settings), its program files (beside `__main__`'s file: the
-    script, or the module of `python -m`), the JAX and jaxlib versions, and
+    hashed whole, not read for settings), its program files (beside
+    `__main__`'s file: the script, or the module of `python -m`), the JAX and jaxlib versions, and
     the slice of `mesh` (needs the JAX backend initialised). Raises
     OSError when the working directory is gone."""
     import sys
