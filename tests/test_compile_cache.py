@@ -137,6 +137,27 @@ def test_processes_that_share_no_directory_each_compile(tmp_path):
     assert len(list(cache.glob("h*/f-*.xla"))) == 2
 
 
+@pytest.mark.parametrize("differs", ["--other-flags-on-1", "--no-cache-on-0"])
+def test_a_process_whose_key_differs_from_process_0s_compiles_at_once(tmp_path, differs):
+    # process 1 has the cache; process 0 compiles under another key (its
+    # XLA_FLAGS differ) or keeps no cache: either way no entry will come,
+    # and process 1 must compile at once, not wait (here 60 s, by default
+    # 600 s) for it
+    cache = tmp_path / "cache"
+    records = _slice_compiles(tmp_path, cache, "differs", differs)
+    assert [r["hit"] for r in records] == [False, False]
+    [told] = records[1]["warnings"]
+    assert ("under another key" if differs == "--other-flags-on-1" else
+            "keeps no executable cache") in told, told
+    assert "compiles for itself" in told
+    assert records[0]["warnings"] == []
+    # the next generation: each process with a cache loads its own entry
+    again = _slice_compiles(tmp_path, cache, "again", differs)
+    assert [r["hit"] for r in again] == ([True, True] if differs == "--other-flags-on-1"
+                                         else [False, True])
+    assert [r["warnings"] for r in again] == [[], []]
+
+
 def _key_file(path: pathlib.Path, key: bytes = b"k" * 32) -> str:
     path.write_bytes(key)
     path.chmod(0o600)

@@ -28,7 +28,12 @@ but a bucket, and a new job of the same program starts warm. Whether a tier
 is shared is found out on each miss: process 0 leaves a claim (a file or
 object with a fresh token) in each of its tiers and posts the token; a
 process that reads the same token from one of its tiers shares that tier,
-one that does not compiles for itself at once. Everything in the shared
+one that does not compiles for itself at once. Process 0 also posts its key
+for each program it compiles (counted per name: the Nth program of a name
+is the same program on every process), so a process whose key differs
+(other XLA_FLAGS, another JAX or machine type) or whose process 0 keeps no
+cache compiles for itself at once instead of waiting for an entry that
+will never come. Everything in the shared
 tier is signed (HMAC-SHA256) with a key the job's hosts hold in a file
 (`elastic-agent --shared-compile-cache-key`): writing to the bucket is not
 enough to have a host run an executable.
@@ -58,12 +63,15 @@ import re
 import tempfile
 import time
 import uuid
+from collections import Counter
 
 log = logging.getLogger("elastic.compile_cache")
 
 # how long a process waits for process 0 to compile a shared entry (seconds):
 # longer than any compile, bounded so that a lost process 0 cannot hang it
 SHARED_WAIT_S = 600.0
+# what process 0 posts as its key for a program when it keeps no cache
+UNCACHED = "uncached"
 # how long one bucket call retries transient errors (seconds), and each
 # request's (connect, read) timeouts (seconds; the library's default is 60)
 BUCKET_RETRY_S = 10.0
@@ -362,6 +370,21 @@ def _kv(key: str, what: str) -> str:
     return f"elastic/compile/{key}/{what}"
 
 
+# how many programs of each name this process has compiled or loaded through
+# compile_cached and compile_launched: the same count on every process of a
+# slice (they call them for the same programs in the same order)
+_programs: Counter = Counter()
+
+
+def _program_slot(name: str) -> str:
+    """The coordination key under which process 0 posts its cache key for
+    this process's next program named `name` (counted: call once per
+    program)."""
+    ordinal = _programs[name]
+    _programs[name] += 1
+    return f"elastic/compile/program/{name}/{ordinal}"
+
+
 def _compile_as_process_0(client, key: str, tiers: list, entry: str, lowered):
     """Process 0's miss: claim the entry in every tier (a claim with a fresh
     token, the token posted), compile and store it, then post that it is
@@ -369,20 +392,31 @@ def _compile_as_process_0(client, key: str, tiers: list, entry: str, lowered):
     claim, token = f"{entry}.claim", uuid.uuid4().hex
     claimed = [t for t in tiers
                if _try(f"write {claim}", t, lambda: t.write(claim, token.encode()) or True)]
-    _post(client, key, "claim", token if claimed else "unshared")
+    _post(client, _kv(key, "claim"), token if claimed else "unshared")
     try:
         return compile_and_store(tiers, entry, lowered)
     finally:
-        _post(client, key, "done", "1")
+        _post(client, _kv(key, "done"), "1")
         for t in claimed:
             _try(f"remove {claim}", t, lambda: t.remove(claim))
 
 
-def _wait_for_process_0(client, key: str, tiers: list, entry: str, lowered):
+def _wait_for_process_0(client, key: str, slot: str, tiers: list, entry: str, lowered):
     """Another process's miss: process 0's entry once it is done, from the
     first tier of this process where its claim is (a tier they share); None
-    if there is none, or the entry does not load."""
-    token = _wait(client, key, "claim")
+    if there is none, if process 0's key for this program (posted under
+    `slot`) is another one or it keeps no cache (warned), or if the entry
+    does not load."""
+    theirs = _wait(client, slot, f"executable {key}'s key")
+    if theirs is None:
+        return None
+    if theirs != key:
+        log.warning("executable %s: %s; this process compiles for itself (give every host "
+                    "of a job the same XLA_FLAGS, JAX and machine type)", entry,
+                    "process 0 keeps no executable cache" if theirs == UNCACHED else
+                    f"process 0 compiles this program under another key ({theirs})")
+        return None
+    token = _wait(client, _kv(key, "claim"), f"executable {key}'s claim")
     if token is None:
         return None
     if token in ("loaded", "unshared"):
@@ -391,7 +425,7 @@ def _wait_for_process_0(client, key: str, tiers: list, entry: str, lowered):
               if _try(f"read {entry}.claim", t, lambda: t.read(f"{entry}.claim")) ==
               token.encode()]
     if shared:
-        if _wait(client, key, "done") is None:
+        if _wait(client, _kv(key, "done"), f"executable {key}") is None:
             return None
         # (from the shared tier, copied into those before it)
         return _load(tiers[:tiers.index(shared[0]) + 1], entry, _trees(lowered))
@@ -399,26 +433,26 @@ def _wait_for_process_0(client, key: str, tiers: list, entry: str, lowered):
     return _load(tiers, entry, _trees(lowered))
 
 
-def _wait(client, key: str, what: str) -> str | None:
-    """Process 0's `what` for `key`, waited for up to SHARED_WAIT_S; None
-    (with a warning: this process then compiles for itself) when it does
-    not come or the coordination service fails."""
+def _wait(client, name: str, what: str) -> str | None:
+    """The value process 0 posts under the coordination key `name` (`what`
+    names it in the warning), waited for up to SHARED_WAIT_S; None (with a
+    warning: this process then compiles for itself) when it does not come
+    or the coordination service fails."""
     try:
-        return client.blocking_key_value_get(_kv(key, what), int(SHARED_WAIT_S * 1000))
+        return client.blocking_key_value_get(name, int(SHARED_WAIT_S * 1000))
     except Exception as e:  # noqa: BLE001 - a timeout, a lost coordinator
-        log.warning("no %s from process 0 for executable %s within %.0f s (%s); compiling",
-                    what, key, SHARED_WAIT_S, f"{type(e).__name__}: {e}".splitlines()[0][:200])
+        log.warning("no %s from process 0 within %.0f s (%s); compiling", what, SHARED_WAIT_S,
+                    f"{type(e).__name__}: {e}".splitlines()[0][:200])
         return None
 
 
-def _post(client, key: str, what: str, value: str) -> None:
-    """Post `value` as this process's `what` for `key`; a failure is warned
+def _post(client, name: str, value: str) -> None:
+    """Post `value` under the coordination key `name`; a failure is warned
     about (the others then time out and compile for themselves)."""
     try:
-        client.key_value_set(_kv(key, what), value, allow_overwrite=True)
+        client.key_value_set(name, value, allow_overwrite=True)
     except Exception as e:  # noqa: BLE001
-        log.warning("cannot post %s for executable %s: %s", what, key,
-                    f"{type(e).__name__}: {e}".splitlines()[0][:200])
+        log.warning("cannot post %s: %s", name, f"{type(e).__name__}: {e}".splitlines()[0][:200])
 
 
 def _coordination_client():
@@ -448,8 +482,9 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     for itself. Raises ValueError for a `name` that is not 1 to 100 of
     [A-Za-z0-9_.-] (it names files and objects)."""
     t0 = time.perf_counter()
+    name = _checked_name(name)
     compiled, hit, _, _ = _compile_cached(lowered, cache_tiers(cache_dir, shared, shared_key),
-                                          _checked_name(name))
+                                          name, _program_slot(name))
     return compiled, hit, time.perf_counter() - t0
 
 
@@ -460,23 +495,28 @@ def _checked_name(name: str) -> str:
     return name
 
 
-def _compile_cached(lowered, tiers: list, name: str):
+def _compile_cached(lowered, tiers: list, name: str, slot: str):
     """compile_cached's work: (compiled, hit, entry, key); entry and key
-    are None without tiers."""
+    are None without tiers. `slot`: where process 0 posts its key
+    (_program_slot)."""
     import jax
 
+    client = _coordination_client() if jax.process_count() > 1 else None
+    process_0 = client is not None and jax.process_index() == 0
     if not tiers:
+        if process_0:
+            _post(client, slot, UNCACHED)
         return lowered.compile(), False, None, None
     key = cache_key(lowered, jax.process_count(), [d.id for d in jax.devices()])
     entry = f"{name}-{key}.xla"
     compiled = _load(tiers, entry, _trees(lowered))
-    client = _coordination_client() if jax.process_count() > 1 else None
-    if client is not None and jax.process_index() == 0:
+    if process_0:
+        _post(client, slot, key)
         if compiled is None:
             return _compile_as_process_0(client, key, tiers, entry, lowered), False, entry, key
-        _post(client, key, "claim", "loaded")
+        _post(client, _kv(key, "claim"), "loaded")
     elif client is not None and compiled is None:
-        compiled = _wait_for_process_0(client, key, tiers, entry, lowered)
+        compiled = _wait_for_process_0(client, key, slot, tiers, entry, lowered)
     if compiled is not None:
         return compiled, True, entry, key
     return compile_and_store(tiers, entry, lowered), False, entry, key
@@ -511,6 +551,7 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
 
     t0 = time.perf_counter()
     name = _checked_name(name)
+    slot = _program_slot(name)
     if not isinstance(trace_key, str):
         raise TypeError(f"trace_key must be a string (it is hashed into the launch memo's "
                         f"key), not {type(trace_key).__name__}")
@@ -529,12 +570,14 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
                 import jax
 
                 if jax.process_count() > 1 and jax.process_index() == 0:
-                    _post(_coordination_client(), known["cache_key"], "claim", "loaded")
+                    client = _coordination_client()
+                    _post(client, slot, known["cache_key"])
+                    _post(client, _kv(known["cache_key"], "claim"), "loaded")
                 return compiled, True, time.perf_counter() - t0, known["entry"], 0.0
     t_lower = time.perf_counter()
     lowered = lower()
     lower_s = time.perf_counter() - t_lower
-    compiled, hit, entry, key = _compile_cached(lowered, tiers, name)
+    compiled, hit, entry, key = _compile_cached(lowered, tiers, name, slot)
     if launch is not None and entry is not None and has_entry(tiers[:1], entry):
         launch_memo.write(own, name, launch, entry, key, lowered)
     return compiled, hit, time.perf_counter() - t0, entry, lower_s

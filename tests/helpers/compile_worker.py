@@ -3,6 +3,7 @@ tests/test_compile_cache.py): compiles a sharded function with collectives
 through `WorkerContext.compile` and runs it.
 
     compile_worker.py OUT_PREFIX [--own-dir] [--ahead] [--bad-lower] [--lazy]
+                      [--other-flags-on-1] [--no-cache-on-0]
     (writes OUT_PREFIX.<process index>.json)
 
 With --own-dir each process caches in ELASTIC_CACHE_DIR/<host id>: hosts that
@@ -12,6 +13,10 @@ ELASTIC_NEXT_SLICES (elastic.worker.compile_ahead) and records its outcome;
 with --bad-lower, lowering for any other mesh raises. With --lazy the program
 gives `WorkerContext.compile` its lowering function, not the lowered program
 (elastic.worker.launch_memo), and records whether it was called ("traced").
+With --other-flags-on-1 process 1 runs with XLA_FLAGS other than process
+0's; with --no-cache-on-0 process 0 keeps no executable cache. Either way
+process 1 waits at most 60 s for process 0 (not the 600 s of
+SHARED_WAIT_S), and every process records the executable cache's warnings.
 
 The environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS,
 ELASTIC_CACHE_DIR).
@@ -20,6 +25,7 @@ ELASTIC_CACHE_DIR).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -30,12 +36,31 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import elastic.worker
+from elastic.worker import compile_cache
+
+
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def main() -> int:
+    process = os.environ["ELASTIC_PROCESS_ID"]
     if "--own-dir" in sys.argv:
         os.environ["ELASTIC_CACHE_DIR"] = os.path.join(os.environ["ELASTIC_CACHE_DIR"],
                                                        os.environ["ELASTIC_HOST_ID"])
+    if "--other-flags-on-1" in sys.argv or "--no-cache-on-0" in sys.argv:
+        compile_cache.SHARED_WAIT_S = 60.0
+    if "--other-flags-on-1" in sys.argv and process == "1":  # (the default's value, spelled out)
+        os.environ["XLA_FLAGS"] = "--xla_cpu_enable_fast_math=false"
+    if "--no-cache-on-0" in sys.argv and process == "0":
+        del os.environ["ELASTIC_CACHE_DIR"]
+    warnings = Warnings()
+    logging.getLogger("elastic.compile_cache").addHandler(warnings)
     ctx = elastic.worker.init()
     mesh = ctx.mesh
     x_sharding, w_sharding = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))
@@ -72,7 +97,8 @@ def main() -> int:
     with open(f"{sys.argv[1]}.{ctx.process_index}.json", "w") as out:
         json.dump({"hit": hit, "traced": lowered_here > 0, "result": result,
                    "expected": float(np.tanh(xg @ wg).sum()),
-                   "ahead": ahead_records, "lowered_for": lowered_meshes[lowered_here:]}, out)
+                   "ahead": ahead_records, "lowered_for": lowered_meshes[lowered_here:],
+                   "warnings": warnings.messages}, out)
     ctx.finish()
     return 0
 
