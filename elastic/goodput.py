@@ -84,7 +84,12 @@ def last_lines(text: str, lines: int = LAST_WORDS_LINES) -> str:
 @dataclasses.dataclass
 class Goodput:
     """wall_s and productive_s in seconds; badput_s by cause (CAUSES);
-    ettr = productive_s / wall_s; steps: the last step reached + 1."""
+    ettr = productive_s / wall_s; steps: the last step reached + 1.
+    full_size_steps: the steps that survived (not computed again after a
+    restore), each weighted by its generation's hosts over the largest
+    generation's: the work done, in steps of the full slice, where a
+    slice's throughput scales with its hosts. ETTR alone can rise while
+    this does not (a slower step is more productive time); compare both."""
 
     wall_s: float
     productive_s: float
@@ -93,12 +98,14 @@ class Goodput:
     steps: int
     generations: int
     incidents: list[Incident]
+    full_size_steps: float = 0.0
 
     def to_json(self) -> dict:
         """The figures as a JSON object (seconds rounded to ms), as
         `elasticd report --json` prints them."""
         return {"wall_s": round(self.wall_s, 3), "productive_s": round(self.productive_s, 3),
                 "ettr": round(self.ettr, 5), "steps": self.steps,
+                "full_size_steps": round(self.full_size_steps, 2),
                 "generations": self.generations,
                 "badput_s": {k: round(v, 3) for k, v in self.badput_s.items()},
                 "incidents": [dataclasses.asdict(i) for i in self.incidents]}
@@ -255,6 +262,7 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
     productive = 0.0
     incidents: list[Incident] = []
     covered_until = t0
+    full_size_steps, largest = 0.0, max((len(g.hosts) for g in gens), default=0) or 1
     for i, gen in enumerate(gens):
         incidents += _ridden_out(gen)
         bad["waiting"] += max(0.0, gen.start - covered_until)
@@ -277,6 +285,9 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
                 (nxt.first_step - 1 if nxt.first is not None else None)
             if resumed is not None:
                 lost_steps = max(0, gen.last_step - resumed)
+        if gen.first is not None:  # its steps from its first to the last one kept
+            kept = gen.last_step - lost_steps - gen.first_step + 1
+            full_size_steps += max(0, kept) * len(gen.hosts) / largest
         detection, at, blamed = 0.0, stop, None
         cause = (gen.stop_entry or {}).get("cause")
         if gen.stop_entry and gen.stop_entry["kind"] == "slice_stopping" and \
@@ -318,7 +329,8 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
     incidents.sort(key=lambda inc: inc.at)
     wall = max(1e-9, t_end - t0)
     steps = max((g.last_step for g in gens), default=-1) + 1
-    return Goodput(wall, productive, bad, productive / wall, steps, len(gens), incidents)
+    return Goodput(wall, productive, bad, productive / wall, steps, len(gens), incidents,
+                   full_size_steps)
 
 
 #: The worker's startup phases in the order they run (elastic.worker.runtime).
@@ -354,7 +366,8 @@ def startup_phases(stop: float, nxt: _Generation | None) -> dict:
 def format_report(g: Goodput) -> str:
     """The table `elasticd report` prints."""
     lines = [f"wall time {g.wall_s:.1f} s, productive {g.productive_s:.1f} s: "
-             f"ETTR {100 * g.ettr:.1f} %", f"{g.steps} steps, {g.generations} generation(s), "
+             f"ETTR {100 * g.ettr:.1f} %", f"{g.steps} steps ({g.full_size_steps:.0f} in steps "
+             f"of the largest slice), {g.generations} generation(s), "
              f"{len(g.incidents)} incident(s)", "", "badput by cause:"]
     for cause in CAUSES:
         share = 100 * g.badput_s[cause] / g.wall_s if g.wall_s else 0.0

@@ -48,6 +48,20 @@ def test_every_second_is_accounted():
     assert g.steps == 300 and g.generations == 2
 
 
+@pytest.mark.parametrize("second_hosts, full_size_steps", [
+    (["a", "b"], 300.0),  # steps 0-100 kept of the first generation, 101-299 of the second
+    (["a"], 101 + 199 / 2),  # the second on half the hosts: its steps count half
+])
+def test_steps_kept_are_weighted_by_their_slices_share_of_the_hosts(second_hosts,
+                                                                   full_size_steps):
+    journal = [dict(x, hosts=second_hosts) if x["kind"] == "generation_started" and
+               x["generation"] == 2 else x for x in JOURNAL]
+    g = account(journal)
+    # steps 101-149 of the first generation were lost and count for nothing
+    assert g.steps == 300 and g.full_size_steps == pytest.approx(full_size_steps)
+    assert f"({full_size_steps:.0f} in steps of the largest slice)" in format_report(g)
+
+
 def test_incident_from_an_injected_fault():
     [incident] = account(JOURNAL).incidents
     assert (incident.kind, incident.host, incident.generation) == ("kill-worker", "a", 1)
