@@ -180,16 +180,20 @@ LM_TRAIN = REPO / "workers" / "lm" / "train.py"
 def lm_spec(path: pathlib.Path, job_id: str, args: list[str], min_hosts: int, max_hosts: int,
             heartbeat_timeout_s: float, job_extra: str = "",
             grow: str = "", controller_lease_s: float | None = None,
-            mesh: str = "data = -1\nmodel = 2") -> pathlib.Path:
+            mesh: str = "data = -1\nmodel = 2", hang_min_timeout_s: float | None = None,
+            ) -> pathlib.Path:
     """Write to `path` a job spec running the reference model small (one
     layer, d_model 64, sequence 64 bytes: it compiles in half the time of
     two; `args` added) on `mesh` ([mesh] lines; default data=-1 x model=2), with
     heartbeats every 0.5 s and the given timeout (seconds). `job_extra`: more
     [job] lines (e.g. checkpoint_dir); `grow`: restart.grow if not the default;
-    `controller_lease_s`: health.controller_lease_s if not the default."""
+    `controller_lease_s`: health.controller_lease_s if not the default;
+    `hang_min_timeout_s`: hang.min_timeout_s if not the default (seconds)."""
     argv = [sys.executable, str(LM_TRAIN), "--layers", "1", "--d-model", "64", "--seq-len", "64",
             *args]
-    restart = f'[restart]\ngrow = "{grow}"\n' if grow else ""
+    sections = f'[restart]\ngrow = "{grow}"\n' if grow else ""
+    if hang_min_timeout_s is not None:
+        sections += f"[hang]\nmin_timeout_s = {hang_min_timeout_s}\n"
     lease = f"controller_lease_s = {controller_lease_s}" if controller_lease_s else ""
     return write_spec(path, f"""
         [job]
@@ -206,7 +210,7 @@ def lm_spec(path: pathlib.Path, job_id: str, args: list[str], min_hosts: int, ma
         heartbeat_interval_s = 0.5
         heartbeat_timeout_s = {heartbeat_timeout_s}
         {lease}
-        """ + restart)
+        """ + sections)
 
 
 class LocalJob:

@@ -114,7 +114,8 @@ def test_isolated_hosts_survive_partitions_without_split_brain(tmp_path, local_j
     spec = lm_spec(tmp_path / "job.toml", "iso", [
         "--steps", "100", "--checkpoint-every", "10", "--eval-every", "1000"],
         min_hosts=2, max_hosts=3, heartbeat_timeout_s=timeout_s, grow="never",
-        controller_lease_s=1.5)  # (30 s by default: see test_controller_failover)
+        controller_lease_s=1.5,  # (30 s by default: see test_controller_failover)
+        hang_min_timeout_s=5.0)  # (10 s by default: the peers' partition hangs the slice)
     job = local_job(spec, hosts=3, devices=2, name="iso", extra_args=ISOLATED,
                     faults=("partition-controller:host-2@step=10", "partition:host-1@step=40",
                             "partition-peers:host-2@step=75"))
@@ -237,7 +238,8 @@ def test_a_leader_cut_off_from_everything_is_replaced_by_its_standby(tmp_path, l
     (cut off from the agents and the bucket): it cannot renew its lease and
     steps down; the standby takes the lease, adopts the slice and leads it
     to the end. No new generation, no step lost."""
-    spec = tiny_spec(tmp_path, "--steps 400 --step-time-s 0.04 --checkpoint-every 100000",
+    # (10 s of steps: the standby adopts the slice ~4 s into them)
+    spec = tiny_spec(tmp_path, "--steps 250 --step-time-s 0.04 --checkpoint-every 100000",
                      min_hosts=2, max_hosts=2, extra="leader_lease_s = 3.0")
     job = local_job(spec, hosts=2, extra_args=(*ISOLATED, "--standby"))
     job.wait_for("first_progress", generation=1, timeout_s=60)
