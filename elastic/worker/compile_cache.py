@@ -479,7 +479,8 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     an error). Every process of the slice must call it for the same
     programs in the same order (as for any collective); a process other
     than 0 waits up to SHARED_WAIT_S seconds for process 0, then compiles
-    for itself. Raises ValueError for a `name` that is not 1 to 100 of
+    for itself, and compiles at once (warned) when process 0's key for the
+    program differs from its own or process 0 keeps no cache. Raises ValueError for a `name` that is not 1 to 100 of
     [A-Za-z0-9_.-] (it names files and objects)."""
     t0 = time.perf_counter()
     name = _checked_name(name)
