@@ -33,10 +33,10 @@ for each program it compiles (counted per name: the Nth program of a name
 is the same program on every process), so a process whose key differs
 (other XLA_FLAGS, another JAX or machine type) or whose process 0 keeps no
 cache compiles for itself at once instead of waiting for an entry that
-will never come. Everything in the shared
-tier is signed (HMAC-SHA256) with a key the job's hosts hold in a file
-(`elastic-agent --shared-compile-cache-key`): writing to the bucket is not
-enough to have a host run an executable.
+will never come. Everything in the shared tier is signed (HMAC-SHA256)
+with a key the job's hosts hold in a file (`elastic-agent
+--shared-compile-cache-key`): writing to the bucket is not enough to have a
+host run an executable.
 
 Beside the entries, compiling ahead (elastic.worker.compile_ahead) keeps
 small text objects: `<entry>.ahead-PxD` (the entry stored for the next slice
@@ -480,8 +480,9 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     programs in the same order (as for any collective); a process other
     than 0 waits up to SHARED_WAIT_S seconds for process 0, then compiles
     for itself, and compiles at once (warned) when process 0's key for the
-    program differs from its own or process 0 keeps no cache. Raises ValueError for a `name` that is not 1 to 100 of
-    [A-Za-z0-9_.-] (it names files and objects)."""
+    program differs from its own or process 0 keeps no cache. Raises
+    ValueError for a `name` that is not 1 to 100 of [A-Za-z0-9_.-] (it
+    names files and objects)."""
     t0 = time.perf_counter()
     name = _checked_name(name)
     compiled, hit, _, _ = _compile_cached(lowered, cache_tiers(cache_dir, shared, shared_key),
