@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic.worker import launch_memo
+from elastic.worker import compile_cache, launch_memo
 from elastic import worker_env
 from elastic.worker.compile_cache import DirectoryTier, compile_launched
 from elastic.worker.prestart import READY_LINE
@@ -100,7 +100,7 @@ def _program(scale: float, calls: list):
 
 def _new_process():
     """What a new process starts with: no programs compiled yet."""
-    launch_memo._compiled.clear()
+    compile_cache._programs.clear()
 
 
 def test_in_one_process_a_memo_skips_the_trace_until_its_entry_is_gone(tmp_path):
@@ -142,8 +142,9 @@ KEY_PROGRAM = """
 import sys
 import jax
 import elastic.worker_env
-from elastic.worker import launch_memo
-print("KEY", launch_memo.current_launch("f", "", None, elastic.worker_env.PER_GENERATION_ENV, "m"))
+from elastic.worker import compile_cache, launch_memo
+print("KEY", launch_memo.current_launch("f", "", None, elastic.worker_env.PER_GENERATION_ENV, "m",
+                                       0))
 """
 
 

@@ -372,16 +372,22 @@ def _kv(key: str, what: str) -> str:
 
 # how many programs of each name this process has compiled or loaded through
 # compile_cached and compile_launched: the same count on every process of a
-# slice (they call them for the same programs in the same order)
+# slice (they call them for the same programs in the same order), and across
+# generations of one launch (the launch memo's key has it)
 _programs: Counter = Counter()
 
 
-def _program_slot(name: str) -> str:
-    """The coordination key under which process 0 posts its cache key for
-    this process's next program named `name` (counted: call once per
-    program)."""
+def _next_ordinal(name: str) -> int:
+    """This process's count of programs named `name` so far (from 0),
+    counting this one: call once per program."""
     ordinal = _programs[name]
     _programs[name] += 1
+    return ordinal
+
+
+def _program_slot(name: str, ordinal: int) -> str:
+    """The coordination key under which process 0 posts its cache key for
+    its `ordinal`-th program named `name`."""
     return f"elastic/compile/program/{name}/{ordinal}"
 
 
@@ -486,7 +492,7 @@ def compile_cached(lowered, cache_dir: str | None, name: str = "fn",
     t0 = time.perf_counter()
     name = _checked_name(name)
     compiled, hit, _, _ = _compile_cached(lowered, cache_tiers(cache_dir, shared, shared_key),
-                                          name, _program_slot(name))
+                                          name, _program_slot(name, _next_ordinal(name)))
     return compiled, hit, time.perf_counter() - t0
 
 
@@ -553,7 +559,8 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
 
     t0 = time.perf_counter()
     name = _checked_name(name)
-    slot = _program_slot(name)
+    ordinal = _next_ordinal(name)
+    slot = _program_slot(name, ordinal)
     if not isinstance(trace_key, str):
         raise TypeError(f"trace_key must be a string (it is hashed into the launch memo's "
                         f"key), not {type(trace_key).__name__}")
@@ -563,7 +570,7 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
     launch = None
     if isinstance(own, DirectoryTier):
         launch = _try("key a launch memo", own, lambda: launch_memo.current_launch(
-            name, trace_key, mesh, worker_env.PER_GENERATION_ENV, machine_type()))
+            name, trace_key, mesh, worker_env.PER_GENERATION_ENV, machine_type(), ordinal))
     if launch is not None:
         known = launch_memo.read(own, name, launch)
         if known is not None:

@@ -29,7 +29,7 @@ modification time, as Python's own bytecode cache judges a source
 unchanged), of the JAX and jaxlib versions and this machine type, of the
 slice (process count, every device id, the mesh's axes, shape, device
 order and axis types), of how many programs of the same name the process
-compiled this way before (two programs under one name get two memos), and
+compiled before (two programs under one name get two memos), and
 of the `trace_key` the program passes (for anything else it reads: a
 config file, a tokenizer's vocabulary). Installed libraries, this project
 among them, are not hashed: a memo is scoped to one controller run and
@@ -47,7 +47,6 @@ run; nothing removes them.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import logging
@@ -82,10 +81,6 @@ def program_files(script: str) -> list[tuple[str, int, int]]:
             continue
         found.append((str(f.relative_to(folder)), st.st_size, st.st_mtime_ns))
     return found
-
-
-#: Programs compiled through a memo so far in this process, by name.
-_compiled = collections.Counter()
 
 
 def slice_description(mesh, process_count: int, device_ids: Sequence[int]) -> str:
@@ -161,14 +156,15 @@ def write(tier, name: str, key: str, entry: str, cache_key: str, lowered) -> Non
 
 
 def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str],
-                   machine_type: str) -> str:
-    """`launch_key` for the next program named `name` this process compiles
-    (counted: call once per compile): its argv, working directory, the
-    environment it was started with (elastic.worker_env.started_environ,
-    hashed whole, not read for settings), its program files (beside
-    `__main__`'s file: the script, or the module of `python -m`), the JAX and jaxlib versions, and
-    the slice of `mesh` (needs the JAX backend initialised). Raises
-    OSError when the working directory is gone."""
+                   machine_type: str, ordinal: int) -> str:
+    """`launch_key` for the `ordinal`-th (from 0) program named `name` this
+    process compiles (elastic.worker.compile_cache counts them): its argv,
+    working directory, the environment it was started with
+    (elastic.worker_env.started_environ, hashed whole, not read for
+    settings), its program files (beside `__main__`'s file: the script, or
+    the module of `python -m`), the JAX and jaxlib versions, and the slice
+    of `mesh` (needs the JAX backend initialised). Raises OSError when the
+    working directory is gone."""
     import sys
 
     import jax
@@ -176,8 +172,6 @@ def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str
 
     from elastic import worker_env
 
-    ordinal = _compiled[name]
-    _compiled[name] += 1
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     return launch_key(name, trace_key, sys.argv, os.getcwd(), worker_env.started_environ(),
                       program_files(main_file) if main_file else [],
