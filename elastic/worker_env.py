@@ -158,6 +158,13 @@ def environ_snapshot() -> dict[str, str]:
     return dict(os.environ)
 
 
+def checkpoint_dir() -> str:
+    """This process's ELASTIC_CHECKPOINT_DIR ("" when unset): where the
+    worker it becomes will keep its checkpoints (a pre-started process,
+    elastic.worker.prestart, preloads the client of that storage)."""
+    return os.environ.get(ENV_CHECKPOINT_DIR, "")
+
+
 def xla_flags() -> str:
     """This process's XLA_FLAGS ("" when unset): the flags XLA compiles with."""
     return os.environ.get("XLA_FLAGS", "")

@@ -12,7 +12,8 @@ import pytest
 
 from elastic import worker_env
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
-from elastic.worker.prestart import RUNTIME_PRELOAD, preload_names, program_imports
+from elastic.worker.prestart import (RUNTIME_PRELOAD, STORAGE_PRELOAD, preload_names,
+                                     program_imports)
 
 PY = sys.executable
 
@@ -26,6 +27,7 @@ with open(os.environ["RECORD"], "a") as f:
         "path0": sys.path[0], "generation": os.environ.get("ELASTIC_GENERATION"),
         "launched": prestart.launched_at is not None,
         "orbax_loaded": "orbax.checkpoint" in sys.modules,
+        "gcsfs_loaded": "gcsfs" in sys.modules,
         "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
         }) + "\\n")
 sys.exit(3 if os.environ["ELASTIC_GENERATION"] == "2" else 0)
@@ -87,6 +89,12 @@ def test_jax_runtime_preloaded_only_for_programs_that_import_jax(tmp_path):
     assert preload_names(str(jax_program)) == [*RUNTIME_PRELOAD, "jax", "optax"]
     assert preload_names(str(plain)) == ["json", "elastic.worker"]
     assert preload_names("") == list(RUNTIME_PRELOAD)  # python -m module
+    # checkpoints in a bucket: its client too, only for a program that imports JAX
+    bucket = "gs://bucket/checkpoints"
+    assert preload_names(str(jax_program), bucket) == \
+        [*RUNTIME_PRELOAD, *STORAGE_PRELOAD["gs"], "jax", "optax"]
+    assert preload_names(str(jax_program), str(tmp_path)) == [*RUNTIME_PRELOAD, "jax", "optax"]
+    assert preload_names(str(plain), bucket) == ["json", "elastic.worker"]
 
 
 class _Exits:
@@ -126,7 +134,7 @@ def test_restart_runs_in_the_prestarted_process(tmp_path, proc_env):
         exits, spawned = _Exits(), []
         sup = WorkerSupervisor(str(tmp_path / "state"), "inc", exits)
         base = {"ELASTIC_TEST_TAG": proc_env["ELASTIC_TEST_TAG"], "RECORD": str(record),
-                "PATH": proc_env["PATH"]}
+                "PATH": proc_env["PATH"], "ELASTIC_CHECKPOINT_DIR": "gs://bucket/checkpoints"}
         try:
             await sup.start(1, argv, dict(base, ELASTIC_GENERATION="1"), str(work))
             assert await exits.wait() == (1, 0, 0)
@@ -159,8 +167,9 @@ def test_restart_runs_in_the_prestarted_process(tmp_path, proc_env):
     assert warm["name"] == "__main__" and warm["cwd"] == str(work) == cold["cwd"]
     assert warm["path0"] == str(work) == cold["path0"]
     assert warm["generation"] == "2" and warm["launched"] and warm["orbax_loaded"]
+    assert warm["gcsfs_loaded"]  # checkpoints in a bucket: its client imported ahead too
     assert warm["policies"] == [os.SCHED_OTHER] == cold["policies"]  # every thread
-    assert not cold["launched"] and not cold["orbax_loaded"]
+    assert not cold["launched"] and not cold["orbax_loaded"] and not cold["gcsfs_loaded"]
     assert not changed["launched"] and not after_kill["launched"]
 
 
