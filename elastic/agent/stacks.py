@@ -58,8 +58,9 @@ async def dump(pid: int, timeout_s: float = DUMP_TIMEOUT_S) -> tuple[str, str, s
         return "", "", "py-spy is not installed (pip install py-spy)"
     try:
         proc = await asyncio.create_subprocess_exec(
-            exe, "dump", "--pid", str(pid), "--nonblocking", "--full-filenames", stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            exe, "dump", "--pid", str(pid), "--nonblocking", "--full-filenames",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
     except OSError as e:
         return "", "", f"cannot run py-spy: {e}"
     try:
