@@ -142,7 +142,7 @@ KEY_PROGRAM = """
 import sys
 import jax
 import elastic.worker_env
-from elastic.worker import compile_cache, launch_memo
+from elastic.worker import launch_memo
 print("KEY", launch_memo.current_launch("f", "", None, elastic.worker_env.PER_GENERATION_ENV, "m",
                                        0))
 """

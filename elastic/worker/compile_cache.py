@@ -391,6 +391,14 @@ def _program_slot(name: str, ordinal: int) -> str:
     return f"elastic/compile/program/{name}/{ordinal}"
 
 
+def _post_loaded(client, slot: str, key: str) -> None:
+    """Process 0 has its executable of a program without compiling it: post
+    its cache key under `slot` (_program_slot) and a claim of "loaded" (the
+    other processes load their own entries, elastic.worker.compile_cache)."""
+    _post(client, slot, key)
+    _post(client, _kv(key, "claim"), "loaded")
+
+
 def _compile_as_process_0(client, key: str, tiers: list, entry: str, lowered):
     """Process 0's miss: claim the entry in every tier (a claim with a fresh
     token, the token posted), compile and store it, then post that it is
@@ -519,10 +527,10 @@ def _compile_cached(lowered, tiers: list, name: str, slot: str):
     entry = f"{name}-{key}.xla"
     compiled = _load(tiers, entry, _trees(lowered))
     if process_0:
-        _post(client, slot, key)
         if compiled is None:
+            _post(client, slot, key)
             return _compile_as_process_0(client, key, tiers, entry, lowered), False, entry, key
-        _post(client, _kv(key, "claim"), "loaded")
+        _post_loaded(client, slot, key)
     elif client is not None and compiled is None:
         compiled = _wait_for_process_0(client, key, slot, tiers, entry, lowered)
     if compiled is not None:
@@ -579,9 +587,7 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
                 import jax
 
                 if jax.process_count() > 1 and jax.process_index() == 0:
-                    client = _coordination_client()
-                    _post(client, slot, known["cache_key"])
-                    _post(client, _kv(known["cache_key"], "claim"), "loaded")
+                    _post_loaded(_coordination_client(), slot, known["cache_key"])
                 return compiled, True, time.perf_counter() - t0, known["entry"], 0.0
     t_lower = time.perf_counter()
     lowered = lower()
