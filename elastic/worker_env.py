@@ -48,6 +48,11 @@ ENV_INCARNATION = "ELASTIC_AGENT_INCARNATION"
 # "PxD,PxD" (process count x devices per host); process 0 compiles for them
 # ahead (elastic.worker.compile_ahead).
 ENV_NEXT_SLICES = "ELASTIC_NEXT_SLICES"
+# The variables the controller sets for every worker of the job
+# (Executor.worker_env): an agent lets a start carry them without an
+# --allow-env of its own (elastic.security.allow).
+JOB_LEVEL_ENV = (ENV_JOB_ID, ENV_RUN_ID, ENV_MESH, ENV_CHECKPOINT_DIR,
+                 ENV_JAX_HEARTBEAT_TIMEOUT_S, ENV_BATCH_MODE, ENV_LR_SCALING)
 # The only variables that differ between two generations' workers on a host;
 # a pre-started worker process (elastic.worker.prestart) may have been spawned
 # before their values were known, every other variable must match its launch.

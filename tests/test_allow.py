@@ -11,14 +11,29 @@ PATH = {"python": "/opt/venv/bin/python", "python3": "/usr/bin/python3", "id": "
 ALLOW = AllowList.parse(["/opt/venv/bin/python /srv/jobs/*/train.py",
                          "/opt/venv/bin/python -m jobs.lm",
                          "/opt/bin/trainer"],
-                        workdirs=["/srv/jobs/*"], env=["PYTHONPATH"])
+                        workdirs=["/srv/jobs/*"], env=["PYTHONPATH", "WANDB_*"])
 
 
 @pytest.mark.parametrize("argv, env, workdir, refused", [
     (["python", "train.py", "--steps", "10"], {}, "/srv/jobs/lm", None),
     (["/opt/venv/bin/python", "/srv/jobs/lm/train.py"], {}, "/", None),
     (["python", "../lm/train.py"], {}, "/srv/jobs/other", None),
-    (["trainer", "--anything"], {"XLA_FLAGS": "x"}, "/tmp", None),
+    (["trainer", "--anything"], {"WANDB_PROJECT": "x"}, "/tmp", None),  # allowed by pattern
+    (["trainer"], {"ELASTIC_JOB_ID": "j", "ELASTIC_RUN_ID": "r", "ELASTIC_MESH": "data=-1",
+                   "ELASTIC_CHECKPOINT_DIR": "gs://b/j", "ELASTIC_BATCH_MODE": "fixed",
+                   "ELASTIC_JAX_HEARTBEAT_TIMEOUT_S": "10", "ELASTIC_LR_SCALING": "none"},
+     "/tmp", None),  # what the controller itself sets
+    (["trainer"], {"XLA_FLAGS": "x"}, "/tmp",
+     "sets XLA_FLAGS, which this host does not allow (a variable can make the worker run "
+     "other code); allow it with --allow-env XLA_FLAGS"),
+    (["trainer"], {"ELASTIC_SNAPSHOT_DIR": "/tmp/x"}, "/tmp", "sets ELASTIC_SNAPSHOT_DIR"),
+    # nothing a deny-list would have to foresee: warnings that import a module
+    # that runs $BROWSER, a bash function that replaces a command
+    (["python", "train.py"], {"PYTHONWARNINGS": "all:0:antigravity.x:0:0"}, "/srv/jobs/lm",
+     "sets PYTHONWARNINGS"),
+    (["python", "train.py"], {"BROWSER": "/bin/sh -c id #%s"}, "/srv/jobs/lm", "sets BROWSER"),
+    (["trainer"], {"BASH_FUNC_echo%%": "() { id; }"}, "/tmp", "sets BASH_FUNC_echo%%"),
+    (["trainer"], {"PJRT_NAMES_AND_LIBRARY_PATHS": "x:/tmp/x.so"}, "/tmp", "sets PJRT_NAMES"),
     (["python", "-m", "jobs.lm"], {}, "/srv/jobs/lm", None),
     (["id"], {}, "/srv/jobs/lm", "is not in this host's allow-list"),
     (["python", "-c", "import os"], {}, "/srv/jobs/lm",
@@ -28,7 +43,7 @@ ALLOW = AllowList.parse(["/opt/venv/bin/python /srv/jobs/*/train.py",
     (["python3", "/srv/jobs/lm/train.py"], {}, "/", "is not in this host's allow-list"),
     (["python", "-m", "jobs.lm"], {}, "/tmp/evil", "allow the directory with --allow-workdir"),
     (["python", "train.py"], {"LD_PRELOAD": "/tmp/x.so"}, "/srv/jobs/lm",
-     "sets LD_PRELOAD, which can make the worker run other code"),
+     "sets LD_PRELOAD, which this host does not allow"),
     (["python", "train.py"], {"PATH": "/tmp"}, "/srv/jobs/lm", "sets PATH"),
     (["python", "train.py"], {"PYTHONPATH": "/srv/lib"}, "/srv/jobs/lm", None),  # allowed by name
     (["nope", "train.py"], {}, "/srv/jobs/lm", "is not on this agent's PATH"),
@@ -45,10 +60,11 @@ def test_check_launch(argv, env, workdir, refused):
         assert isinstance(verdict, str) and refused in verdict, verdict
 
 
-def test_any_worker_still_guards_the_environment():
+def test_any_worker_runs_anything_with_any_environment():
+    # (a controller that may run any program can set any variable through it)
     anything = AllowList(any_worker=True)
     assert check_launch(anything, ["id"], {}, "/", PATH.get) == ["/usr/bin/id"]
-    assert "LD_AUDIT" in check_launch(anything, ["id"], {"LD_AUDIT": "x"}, "/", PATH.get)
+    assert check_launch(anything, ["id"], {"LD_AUDIT": "x"}, "/", PATH.get) == ["/usr/bin/id"]
 
 
 @pytest.mark.parametrize("text, pattern, expected", [
@@ -86,3 +102,17 @@ def test_parse_refuses_relative_programs_and_warns_on_bare_interpreters():
         AllowList.parse(["/bin/x"], workdirs=["srv"])
     assert "allows any Python code" in AllowList.parse(["/usr/bin/python3"]).warnings()[0]
     assert AllowList.parse(["/usr/bin/python3 /srv/train.py"]).warnings() == []
+
+
+@pytest.mark.parametrize("pattern, risky", [
+    ("PYTHONPATH", "PYTHON*"), ("LD_PRELOAD", "LD_*"), ("*", "LD_*"), ("PY*", "PYTHON*"),
+    ("BASH_FUNC_*", "BASH_FUNC_*"), ("XLA_FLAGS", None), ("WANDB_*", None),
+])
+def test_allowing_a_variable_that_runs_code_is_warned_about(pattern, risky):
+    warnings = AllowList.parse(["/usr/bin/python3 /srv/train.py"], env=[pattern]).warnings()
+    if risky is None:
+        assert warnings == []
+    else:
+        [warning] = warnings
+        assert f"--allow-env {pattern!r} allows a variable that can make the worker run" in \
+            warning and f"({risky})" in warning

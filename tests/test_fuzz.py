@@ -294,6 +294,8 @@ def commands(marker: str, checkpoints: str):
     argv = st.one_of(hostile_argv, allowed_argv, st.lists(text, max_size=3))
     env = st.one_of(st.just({"ELASTIC_CHECKPOINT_DIR": checkpoints}),
                     st.just({"LD_PRELOAD": marker, "ELASTIC_CHECKPOINT_DIR": checkpoints}),
+                    st.just({"PYTHONWARNINGS": "all:0:antigravity.x:0:0",
+                             "BROWSER": f"/bin/sh -c 'touch {marker}' #%s"}),
                     st.dictionaries(text, text, max_size=3))
     start = st.builds(pb.StartWorker, generation=any_int64, process_id=int32,
                       num_processes=int32,

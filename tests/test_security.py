@@ -440,6 +440,13 @@ def test_a_verified_but_hostile_controller_runs_nothing_outside_the_allow_list(t
     preload = run(attempt([sys.executable, str(TINY_WORKER), "--steps", "1"],
                           {"LD_PRELOAD": str(tmp_path / "evil.so")}))
     assert preload.exit_code == 126 and "sets LD_PRELOAD" in preload.stderr_tail
+    # the allowed program, with variables no deny-list named: Python's warning
+    # filter imports `antigravity`, which runs $BROWSER through a shell
+    browser = run(attempt([sys.executable, str(TINY_WORKER), "--steps", "1"],
+                          {"PYTHONWARNINGS": "all:0:antigravity.x:0:0",
+                           "BROWSER": f"/bin/sh -c 'touch {marker}' #%s"}))
+    assert browser.exit_code == 126 and "sets BROWSER, which this host does not allow" in \
+        browser.stderr_tail
     assert not marker.exists()
 
 

@@ -135,8 +135,9 @@ def parse_args(argv: list[str] | None = None) -> AgentSettings:
     parser.add_argument("--allow-workdir", action="append", default=[], metavar="PATTERN",
                         help="working directories allowed for `python -m` workers (repeatable)")
     parser.add_argument("--allow-env", action="append", default=[], metavar="NAME",
-                        help="let the job set this variable although it can load code "
-                             "(LD_PRELOAD, PYTHONPATH, PATH, ...; repeatable)")
+                        help="a variable (pattern) the job's environment may set; it may "
+                             "set no other but the controller's own ELASTIC_* job variables "
+                             "(e.g. XLA_FLAGS or 'WANDB_*'; repeatable)")
     parser.add_argument("--allow-any-worker", action="store_true",
                         help="run any program the controller sends (trusted setups only)")
     args = parser.parse_args(argv)

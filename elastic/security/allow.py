@@ -24,9 +24,13 @@ interpreter alone allows any code (the agent warns). `python -m module` puts
 the working directory first on sys.path, so such a start also needs the
 directory's real path allowed (`workdirs`).
 
-The job's environment may not set variables that make a loader or an
-interpreter run other code (DENIED_ENV: LD_PRELOAD, PYTHONPATH, PATH, ...)
-unless the agent allows them by name.
+The job's environment may set only the variables the controller itself sets
+(`worker_env.JOB_LEVEL_ENV`) and those the agent allows by name
+(`--allow-env`): a list of what is forbidden could never be complete, as
+too many variables make a loader, an interpreter or a library run other
+code (LD_PRELOAD, PYTHONPATH, PYTHONWARNINGS with BROWSER, BASH_FUNC_*,
+PJRT_NAMES_AND_LIBRARY_PATHS, ...; RISKY_ENV names those the agent warns
+about allowing).
 """
 
 from __future__ import annotations
@@ -39,10 +43,15 @@ import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 
-#: Variables a job's environment may not set unless the agent allows them.
-DENIED_ENV = ("LD_*", "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONINSPECT",
-              "PYTHONEXECUTABLE", "PYTHONUSERBASE", "PYTHONBREAKPOINT", "PYTHONPLATLIBDIR",
-              "BASH_ENV", "ENV", "PERL5OPT", "PERL5LIB", "RUBYOPT", "NODE_OPTIONS", "GCONV_PATH")
+from elastic import worker_env
+
+#: Variables known to make a loader, an interpreter or a library run code
+#: of the variable's choosing: the agent warns when its --allow-env allows
+#: one (the list is for the warning only; what is not allowed is refused).
+RISKY_ENV = ("LD_*", "PATH", "PYTHON*", "BROWSER", "BASH_ENV", "BASH_FUNC_*", "ENV",
+             "SHELLOPTS", "PS4", "PERL5*", "PERLLIB", "RUBY*", "NODE_OPTIONS", "GCONV_PATH",
+             "JAVA_TOOL_OPTIONS", "OPENSSL_*", "PJRT_*", "TPU_LIBRARY_PATH",
+             "JAX_COMPILATION_CACHE_DIR")
 
 
 #: Interpreter options whose next token is a value, not a path (python's
@@ -60,9 +69,10 @@ class AllowList:
 
     workers: command heads, each a tuple of patterns (see the module doc).
     workdirs: patterns a working directory must match for `-m` starts.
-    env: variable-name patterns allowed although DENIED_ENV names them.
-    any_worker: run any program (`--allow-any-worker`; for trusted
-      development setups only)."""
+    env: name patterns of the variables a job's environment may set,
+      besides worker_env.JOB_LEVEL_ENV.
+    any_worker: run any program with any environment
+      (`--allow-any-worker`; for trusted development setups only)."""
 
     workers: tuple[tuple[str, ...], ...] = ()
     workdirs: tuple[str, ...] = ()
@@ -97,7 +107,12 @@ class AllowList:
         """Entries that allow more than they seem to."""
         return [f"--allow-worker {' '.join(head)!r} names only a Python interpreter: it allows "
                 f"any Python code (python -c ...); name the script too"
-                for head in self.workers if len(head) == 1 and _is_python(head[0])]
+                for head in self.workers if len(head) == 1 and _is_python(head[0])] + [
+                f"--allow-env {pattern!r} allows a variable that can make the worker run code "
+                f"of the controller's choosing ({risky})"
+                for pattern in self.env for risky in [next(
+                    (r for r in RISKY_ENV if fnmatch.fnmatchcase(pattern, r)
+                     or fnmatch.fnmatchcase(r.replace("*", "X"), pattern)), None)] if risky]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -169,17 +184,18 @@ def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], 
         return "the command, its directory or environment is empty or holds NUL or '=' in a name"
     if not os.path.isabs(workdir):
         return f"working directory {workdir!r} is not an absolute path"
-    for name in env:
-        denied = next((p for p in DENIED_ENV if fnmatch.fnmatchcase(name, p)), None)
-        if denied and not any(fnmatch.fnmatchcase(name, p) for p in allow.env):
-            return (f"the job's environment sets {name}, which can make the worker run other "
-                    f"code; allow it on this host with --allow-env {name}")
     resolved = resolve(argv, workdir, which)
     if isinstance(resolved, str):
         return resolved
     run = [resolved[0], *argv[1:]]
     if allow.any_worker:
         return run
+    for name in sorted(env):
+        if name not in worker_env.JOB_LEVEL_ENV and not any(
+                fnmatch.fnmatchcase(name, p) for p in allow.env):
+            return (f"the job's environment sets {name}, which this host does not allow (a "
+                    f"variable can make the worker run other code); allow it with "
+                    f"--allow-env {name}")
     shown = " ".join(shlex.quote(t) for t in resolved[:4])
     for head in allow.workers:
         if len(head) <= len(resolved) and all(matches(token, pattern)
