@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -95,6 +96,26 @@ def test_jax_runtime_preloaded_only_for_programs_that_import_jax(tmp_path):
         [*RUNTIME_PRELOAD, *STORAGE_PRELOAD["gs"], "jax", "optax"]
     assert preload_names(str(jax_program), str(tmp_path)) == [*RUNTIME_PRELOAD, "jax", "optax"]
     assert preload_names(str(plain), bucket) == ["json", "elastic.worker"]
+
+
+def test_a_launched_script_imports_beside_its_real_path_as_python_does(tmp_path, proc_env):
+    # train.py in jobs/ is allowed by its real path; a symlink to it from
+    # another directory must import jobs/helper.py, not the one beside the link
+    jobs, other = tmp_path / "jobs", tmp_path / "other"
+    jobs.mkdir()
+    other.mkdir()
+    (jobs / "train.py").write_text("import helper\nprint(helper.WHERE)\n")
+    (jobs / "helper.py").write_text("WHERE = 'jobs'\n")
+    (other / "helper.py").write_text("WHERE = 'other'\n")
+    (other / "train.py").symlink_to(jobs / "train.py")
+    argv = [sys.executable, "train.py"]
+    cold = subprocess.run(argv, cwd=other, env=proc_env, capture_output=True, text=True,
+                          timeout=60)
+    launch = json.dumps({"argv": argv, "env": proc_env, "cwd": str(other)})
+    warm = subprocess.run([sys.executable, "-P", "-m", "elastic.worker.prestart",
+                           str(other / "train.py")], cwd=other, env=proc_env,
+                          input=launch + "\n", capture_output=True, text=True, timeout=60)
+    assert (cold.stdout, warm.stdout) == ("jobs\n", "jobs\n"), (cold.stderr, warm.stderr)
 
 
 class _Exits:

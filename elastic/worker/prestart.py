@@ -138,11 +138,13 @@ def run(launch: dict) -> None:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         # As `python script.py` does: argv[0] as given, __file__ absolute,
-        # the script's directory first on sys.path (runpy.run_path would
-        # make argv[0] the path it was given).
+        # the directory of the script's real path first on sys.path (the
+        # allow-list checked that path: a symlink to the script in another
+        # directory must not import that directory's modules; runpy.run_path
+        # would make argv[0] the path it was given).
         script = os.path.abspath(argv[0])
         sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(script))
+        sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
         main = types.ModuleType("__main__")
         main.__file__ = script
         main.__builtins__ = builtins
