@@ -575,6 +575,51 @@ def test_preemption_drain_is_bounded():
     assert late.state.phase is Phase.STOPPING and "no emergency checkpoint" in late.reason
 
 
+def test_a_host_failing_at_every_start_is_set_aside_and_the_others_train_on():
+    """With the defaults (quarantine.failures = restart.crash_loop_failures
+    = 3) the failure that sets the host aside also starts the crash-loop
+    count again: the job goes on without it instead of failing."""
+    s = spec()
+    view = ClusterView()
+    for h in ("h0", "h1", "h2", "h3"):
+        register(view, h)
+    state, now, generations = SliceState(phase_since=T0), T0 + 2, []
+    for attempt in range(4):
+        heartbeat_all(view, now)
+        for r in view.hosts.values():
+            r.free_port = 6000 + attempt * 10 + int(r.host_id[-1])
+        started = decide(state, view, now, s)
+        state = started.state
+        members = [a.host for a in started.actions if isinstance(a, d.StartWorker)]
+        generations.append(members)
+        for h in members:
+            worker(view, h, now + 0.5, state.generation, WorkerState.RUNNING)
+        if "h3" not in members:
+            break
+        worker(view, "h3", now + 1, state.generation, WorkerState.EXITED, exit_code=1)
+        end = stop_and_settle(state, view, now + 1, s)
+        state, now = end.state, now + 2
+        assert state.phase is Phase.WAITING, end.reason
+    assert generations == [["h0", "h1", "h2", "h3"]] * 3 + [["h0", "h1", "h2"]]
+    assert "h3" in state.quarantined and state.failures_without_progress == 0
+
+
+def test_quarantine_counts_only_the_hosts_not_lost():
+    """A host lost long ago is no host the job could use instead: h1 is not
+    set aside when that would leave the job below min_hosts."""
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    s = dataclasses.replace(spec(min_hosts=2, restart={"crash_loop_failures": 99}),
+                            quarantine=QuarantineSpec(failures=1, window_s=100, cooldown_s=50))
+    state = running_slice(view, ["h0", "h1"], lost=frozenset({"h2"}))
+    view.hosts["h2"].last_heartbeat_at = T0 - 1000
+    worker(view, "h1", T0 + 1, 1, WorkerState.EXITED, exit_code=3)
+    stopping = decide(state, view, T0 + 1, s)
+    assert stopping.state.phase is Phase.STOPPING
+    assert not stopping.state.quarantined, kinds(stopping)
+
+
 def test_quarantine_never_sets_aside_the_hosts_the_job_needs():
     view = ClusterView()
     register(view, "h0")

@@ -110,7 +110,8 @@ def test_lost_host_then_rejoin(tmp_path, local_job, proc_env):
 
 
 def test_crash_loop_fails_job_with_reason(tmp_path, local_job):
-    job = local_job(tiny_spec(tmp_path, "--crash-on-start", max_hosts=2), hosts=2)
+    # (min_hosts = 2: no host can be set aside, which would start the count again)
+    job = local_job(tiny_spec(tmp_path, "--crash-on-start", min_hosts=2, max_hosts=2), hosts=2)
     assert job.wait(60) == 1, job.output()
     failed = job.outcome()
     assert failed["kind"] == "job_failed"

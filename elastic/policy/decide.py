@@ -402,7 +402,8 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                      for host in state.members
                      if host not in failed and (at := view.disconnected.get(host)) is not None]
         when, host, why = min(failures)
-        return _begin_stop(state, now, spec, actions, "failure", why, (host,), len(view.hosts))
+        return _begin_stop(state, now, spec, actions, "failure", why, (host,),
+                           len(view.hosts) - len(state.lost))
     carried = sum(h in state.carried for h in state.members) if state.carried else 0
     if done == len(state.members) or (carried and done and done + carried == len(state.members)):
         reason = f"all {done} workers of generation {state.generation} exited 0"
@@ -431,7 +432,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                {"suspects": list(hang.suspects), "silent_s": round(hang.silent_s, 3),
                                 "timeout_s": round(hang.timeout_s, 3)}))
         return _begin_stop(state, now, spec, actions, "failure", f"hang: {hang.reason}",
-                           hang.suspects, len(view.hosts), dump_stacks=True)
+                           hang.suspects, len(view.hosts) - len(state.lost), dump_stacks=True)
     return _consider_grow(state, view, now, spec, actions)
 
 
@@ -550,7 +551,7 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
     after their emergency save) stop with SIGKILL at once; grows get
     health.stop_grace_s, cut short once the emergency checkpoint the SIGTERM
     set off has committed (see _stopping). A failure is attributed to the `blamed` hosts
-    (`registered`: how many hosts the controller knows, for quarantine).
+    (`registered`: how many hosts the controller knows and has not lost, for quarantine).
     `dump_stacks` (a hang): every member's agent reports its worker's stacks first."""
     grace = spec.health.stop_grace_s if kind == "grow" else 0.0
     actions.append(Journal("slice_stopping", state.generation, why,
@@ -566,8 +567,14 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
         failures, quarantined, newly = quarantine.record_failures(
             state.host_failures, state.quarantined, blamed, now, spec, why, registered)
         changes.update(host_failures=failures, quarantined=quarantined)
-        # A quarantine does not reset the crash-loop count: a slice that makes no
-        # step at all is failing as a whole, whichever host is blamed.
+        # A failure that sets its host aside starts the crash-loop count again:
+        # the next slice is another one, without that host (with the defaults both
+        # limits are 3, and a host failing at every start — one that joined by a
+        # grow, say — would otherwise fail a job whose other hosts are healthy).
+        # Bounded: each quarantine needs min_hosts left outside it, and the
+        # restart budget still counts every failure.
+        if newly:
+            changes["failures_without_progress"] = 0
         for host, reason in newly:
             actions.append(Journal("host_quarantined", state.generation, reason, host,
                                    {"until_s": round(quarantined[host][0] - now, 3)}))
