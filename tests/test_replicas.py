@@ -78,7 +78,9 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
     theirs.mkdir(mode=0o700)
 
     async def main():
-        store = ReplicaStore(theirs, lambda: "run-1", lambda: 2)
+        now = {"generation": 2, "senders": frozenset({"h0"})}  # what h1's start said
+        store = ReplicaStore(theirs, lambda: "run-1", lambda: now["generation"],
+                             lambda: now["senders"])
         service = AgentService("127.0.0.1:0", pki.host("h1"), str(tmp_path / "state"),
                                replicas=lambda: store)
         port = await service.start()
@@ -98,8 +100,8 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
             assert (theirs / replica_name("h0", 30)).stat().st_mode & 0o077 == 0
             assert sender.failed == 0
 
-            # a replica of another controller run, or of a generation older than
-            # the receiver's worker (a send that outlived it), is refused
+            # a replica of another controller run, or of another generation than
+            # the receiver's worker's (a send that outlived it), is refused
             snapshot_file(mine, 40)
             for run, generation in (("run-0", 2), ("run-1", 1)):
                 sender.target("h1", f"127.0.0.1:{port}", run, generation)
@@ -114,20 +116,55 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
                         iter([pb.ReplicaChunk(run_id="run-1", generation=2, step=50, size=3,
                                                data=b"abc")]))
                 assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+            def replica(generation, step, *parts):
+                size = sum(map(len, parts))
+                return [pb.ReplicaChunk(run_id="run-1", generation=generation, step=step,
+                                        size=size, data=parts[0]),
+                        *(pb.ReplicaChunk(data=part) for part in parts[1:])]
+
             async with transport.aio_agent_channel(f"127.0.0.1:{port}", pki.host("h2"),
                                                    roles=(transport.Role.HOST,)) as ch:
+                put = pb_grpc.AgentStub(ch).PutReplica
+                # a host of the job that h1 is not the buddy of: it could otherwise
+                # plant a "replica" of any step for the next restore to take
+                with pytest.raises(grpc.aio.AioRpcError) as planted:
+                    await put(iter(replica(2, 10 ** 9, b"abc")))
+                assert planted.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "does not send replicas to this host" in planted.value.details()
+                now["senders"] = frozenset({"h0", "h2"})
                 with pytest.raises(grpc.aio.AioRpcError) as short:
-                    await pb_grpc.AgentStub(ch).PutReplica(
-                        iter([pb.ReplicaChunk(run_id="run-1", generation=2, step=50, size=9,
-                                               data=b"abc")]))
+                    await put(iter([pb.ReplicaChunk(run_id="run-1", generation=2, step=50,
+                                                    size=9, data=b"abc")]))
                 assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                ack = await pb_grpc.AgentStub(ch).PutReplica(
-                    iter([pb.ReplicaChunk(run_id="run-1", generation=3, step=50, size=6,
-                                               data=b"abc"),
-                          pb.ReplicaChunk(data=b"def")]))
-                assert ack.size == 6
+                with pytest.raises(grpc.aio.AioRpcError) as ahead:  # h1 has not started 3
+                    await put(iter(replica(3, 50, b"abc")))
+                assert ahead.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert (await put(iter(replica(2, 50, b"abc", b"def")))).size == 6
+
+                # one stream per sender at a time; a replica whose generation the
+                # receiver's worker left while it came is not put in place
+                release = asyncio.Event()
+
+                async def slow():
+                    first, *rest = replica(2, 60, b"abc", b"def")
+                    yield first
+                    await release.wait()
+                    for chunk in rest:
+                        yield chunk
+                held = asyncio.ensure_future(put(slow()))
+                await until(lambda: "h2" in store.receiving)
+                with pytest.raises(grpc.aio.AioRpcError) as second:
+                    await put(iter(replica(2, 70, b"xyz")))
+                assert second.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                now["generation"] = 3
+                release.set()
+                with pytest.raises(grpc.aio.AioRpcError) as outlived:
+                    await held
+                assert outlived.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert (theirs / replica_name("h2", 50)).read_bytes() == b"abcdef"
-            assert not list(theirs.glob(".*.tmp"))
+            assert not (theirs / replica_name("h2", 60)).exists()
+            assert not list(theirs.glob(".*.tmp")) and not store.receiving
         finally:
             await sender.close()
             await service.stop()

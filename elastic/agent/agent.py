@@ -137,6 +137,7 @@ class Agent(ControllerSession):
         self.snapshot_dir = ""  # made by prepare()
         self._snapshot_run = ""  # the controller run the snapshots belong to
         self._snapshot_generation = 0  # the generation whose worker wrote them last
+        self._replica_senders: frozenset[str] = frozenset()  # whose replicas it takes
         # buddy replication of snapshots (elastic.agent.replicas), made by prepare()
         self.replica_store: ReplicaStore | None = None
         self.replica_sender: ReplicaSender | None = None
@@ -184,7 +185,8 @@ class Agent(ControllerSession):
         self.snapshot_dir = str(snapshot_dir.make(self.settings.state_dir,
                                                   self.settings.snapshot_dir))
         self.replica_store = ReplicaStore(self.snapshot_dir, lambda: self._snapshot_run,
-                                          lambda: self._snapshot_generation)
+                                          lambda: self._snapshot_generation,
+                                          lambda: self._replica_senders)
         self.replica_sender = ReplicaSender(self.snapshot_dir, self.settings.tls)
         private_dir(self._cache_dir())
         self._prepared = True
@@ -365,6 +367,7 @@ class Agent(ControllerSession):
         # (elastic.checkpoint.snapshot_transfer).
         missed = start.generation != self._snapshot_generation + 1
         self._snapshot_generation = start.generation
+        self._replica_senders = frozenset(start.replica_senders)
         if run != self._snapshot_run or missed:
             self._snapshot_run = run
             try:
@@ -395,6 +398,8 @@ class Agent(ControllerSession):
                 if s.replica_address:
                     transport.parse_address(s.replica_address, "replica address")
                     check_id(s.replica_host, "replica host")
+                for sender in s.replica_senders:
+                    check_id(sender, "replica sender")
             except ValueError as e:
                 return str(e)
             if s.generation < 1 or not 0 <= s.process_id < s.num_processes <= 1_000_000:

@@ -18,11 +18,15 @@ written (one datagram); the agent reads the file and streams it to the
 buddy's agent (`PutReplica` on the agents' own port, mutual TLS), one at a
 time; a newer snapshot waiting replaces an older one not yet sent. The
 receiving agent names a replica after the caller's certificate (a host can
-only ever write its own replicas), keeps only the controller run it works
-for and generations not older than its own worker's (a send that outlived
-its generation may carry a step of a line of training given up since),
-refuses what does not fit its directory, writes it atomically (a
-temporary name, then rename) and keeps the newest KEEP per host.
+only ever write its own replicas), takes replicas only from the hosts the
+controller made it the buddy of in its worker's generation (any other host
+of the job could otherwise plant a "replica" the next restore would take),
+of the controller run it works for and of that generation (a send that
+outlived its generation may carry a step of a line of training given up
+since: checked again before the replica is put in place), one stream per
+sender at a time, refuses what does not fit its directory, writes it
+atomically (a temporary name, then rename) and keeps the newest KEEP per
+host. A sender abandons a send in flight when its own generation changes.
 
 Cost: a host holds its buddy's snapshots besides its own (twice the
 snapshot memory, in /dev/shm by default) and sends each snapshot's bytes
@@ -65,26 +69,25 @@ class ReplicaStore:
     """Peers' replicas in `directory` (the agent's snapshot directory).
     `run_id()` -> the controller run this agent works for ("" before its
     first start: then nothing is accepted); `generation()` -> the
-    generation of its current worker."""
+    generation of its current worker; `senders()` -> the hosts that send
+    it replicas in that generation."""
 
     def __init__(self, directory: str | os.PathLike[str], run_id: Callable[[], str],
-                 generation: Callable[[], int], keep: int = KEEP) -> None:
+                 generation: Callable[[], int], senders: Callable[[], frozenset[str]],
+                 keep: int = KEEP) -> None:
         self.directory = pathlib.Path(directory)
-        self.run_id, self.generation = run_id, generation
+        self.run_id, self.generation, self.senders = run_id, generation, senders
         self.keep = keep
         self.received = 0
+        self.receiving: set[str] = set()  # senders with a stream in progress
 
     def refusal(self, host: str, run_id: str, generation: int, step: int, size: int
                 ) -> str | None:
         """Why a replica of `host`'s step `step` (`size` bytes, written in
         `generation` of run `run_id`) is not kept, or None."""
-        ours = self.run_id()
-        if not ours or run_id != ours:
-            return (f"the replica is of controller run {run_id[:64]!r}; this agent works for "
-                    f"{ours or 'none yet'}")
-        if generation < self.generation():
-            return (f"the replica was written in generation {generation}; this host's worker "
-                    f"is of generation {self.generation()}")
+        unwanted = self.unwanted(host, run_id, generation)
+        if unwanted:
+            return unwanted
         if step < 0 or size <= 0:
             return f"step {step} and size {size} must be >= 0 and > 0"
         free = shutil.disk_usage(self.directory).free
@@ -92,10 +95,31 @@ class ReplicaStore:
             return f"{size} bytes do not fit in {self.directory} ({free} bytes free)"
         return None
 
+    def unwanted(self, host: str, run_id: str, generation: int) -> str | None:
+        """Why this host takes no replica from `host` written in `generation`
+        of run `run_id` (now), or None."""
+        ours = self.run_id()
+        if not ours or run_id != ours:
+            return (f"the replica is of controller run {run_id[:64]!r}; this agent works for "
+                    f"{ours or 'none yet'}")
+        if generation != self.generation():
+            return (f"the replica was written in generation {generation}; this host's worker "
+                    f"is of generation {self.generation()}")
+        if host not in self.senders():
+            return (f"host {host} does not send replicas to this host in generation "
+                    f"{generation}")
+        return None
+
     def begin(self, host: str, step: int) -> "ReplicaFile":
         """A file to write `host`'s replica of `step` into, under a temporary
-        name of its own (0600; no other write can interleave). Raises OSError."""
-        return ReplicaFile(self, host, step)
+        name of its own (0600; no other write can interleave). Raises OSError,
+        BlockingIOError while `host` has another stream in progress (its
+        ReplicaFile's commit or discard ends it)."""
+        if host in self.receiving:
+            raise BlockingIOError(f"host {host} is already sending a replica")
+        replica = ReplicaFile(self, host, step)
+        self.receiving.add(host)
+        return replica
 
     def kept(self, host: str, step: int) -> None:
         """`host`'s replica of `step` is in place: drop its older ones beyond `keep`."""
@@ -130,11 +154,13 @@ class ReplicaFile:
         except OSError:
             self.discard()
             raise
+        self.store.receiving.discard(self.host)
         self.store.kept(self.host, self.step)
         return self.size
 
     def discard(self) -> None:
         """Close and remove the temporary file (nothing is kept)."""
+        self.store.receiving.discard(self.host)
         self._file.close()
         self.tmp.unlink(missing_ok=True)
 
@@ -178,6 +204,11 @@ class ReplicaReceiver(pb_grpc.AgentServicer):
             if head is None or replica.size != head.size:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "the replica ended before the bytes announced")
+            # (again: this host's worker may have moved to another generation,
+            # and restored, while the bytes came)
+            problem = store.unwanted(who.name, head.run_id, head.generation)
+            if problem:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
             size, replica = replica.commit(), None
         except OSError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not kept: {e}")
@@ -217,6 +248,8 @@ class ReplicaSender:
         if address != self.address and self._channel is not None:
             channel, self._channel = self._channel, None
             asyncio.get_running_loop().create_task(channel.close())
+        if generation != self.generation and self._task is not None:
+            self._task.cancel()  # a send of the generation before: of no use now
         self.host, self.address, self.run_id = host, address, run_id
         self.generation = generation
         self._pending = None

@@ -238,6 +238,7 @@ class Executor:
                 start.devices_per_host = action.devices_per_host
                 start.replica_host = action.replica_host
                 start.replica_address = action.replica_address
+                start.replica_senders.extend(action.replica_senders)
                 for processes, per_host in action.next_slices:
                     start.next_slices.add(num_processes=processes, devices_per_host=per_host)
                 message = pb.ControllerMessage(job_id=self.spec.job_id,

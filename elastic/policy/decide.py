@@ -322,11 +322,15 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         "incarnations": [view.hosts[h].incarnation for h in plan.hosts]}))
     state = _note_left_out(dataclasses.replace(state, generation=generation), plan, actions)
     buddy = buddy_map(view, plan.hosts) if spec.restart.replicate_snapshots else {}
+    senders: dict[str, list[str]] = {}
+    for host, to in buddy.items():
+        senders.setdefault(to, []).append(host)
     for rank, host in enumerate(plan.hosts):
         to = buddy.get(host, "")
         actions.append(StartWorker(
             host, generation, rank, len(plan.hosts), address, plan.devices_per_host, to,
-            f"{view.hosts[to].address}:{view.hosts[to].service_port}" if to else "", ahead))
+            f"{view.hosts[to].address}:{view.hosts[to].service_port}" if to else "", ahead,
+            tuple(senders.get(host, ()))))
     return _enter(state, Phase.STARTING, now, reason,
                   coordinator=address, members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
                                                          for h in plan.hosts),

@@ -46,7 +46,9 @@ class StartWorker:
     sending replicas of its snapshots to `replica_host`'s agent at
     `replica_address` (host:port; "": none; elastic.policy.buddies);
     `next_slices`: ((process count, devices per host), ...) the program is
-    compiled for ahead (elastic.policy.slice_plan.next_slices)."""
+    compiled for ahead (elastic.policy.slice_plan.next_slices);
+    `replica_senders`: the hosts whose buddy `host` is (it takes replicas
+    from them only)."""
 
     host: str
     generation: int
@@ -57,6 +59,7 @@ class StartWorker:
     replica_host: str = ""
     replica_address: str = ""
     next_slices: tuple[tuple[int, int], ...] = ()
+    replica_senders: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

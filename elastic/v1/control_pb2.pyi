@@ -197,7 +197,7 @@ class AgentMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., worker_event: _Optional[_Union[WorkerEvent, _Mapping]] = ..., stacks: _Optional[_Union[WorkerStacks, _Mapping]] = ...) -> None: ...
 
 class StartWorker(_message.Message):
-    __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir", "prestart_next", "devices_per_host", "replica_host", "replica_address", "next_slices")
+    __slots__ = ("generation", "process_id", "num_processes", "coordinator_address", "argv", "env", "workdir", "prestart_next", "devices_per_host", "replica_host", "replica_address", "next_slices", "replica_senders")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class StartWorker(_message.Message):
     REPLICA_HOST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_SLICES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SENDERS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     process_id: int
     num_processes: int
@@ -229,7 +230,8 @@ class StartWorker(_message.Message):
     replica_host: str
     replica_address: str
     next_slices: _containers.RepeatedCompositeFieldContainer[SliceShape]
-    def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., prestart_next: _Optional[bool] = ..., devices_per_host: _Optional[int] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ..., next_slices: _Optional[_Iterable[_Union[SliceShape, _Mapping]]] = ...) -> None: ...
+    replica_senders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., coordinator_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., prestart_next: _Optional[bool] = ..., devices_per_host: _Optional[int] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ..., next_slices: _Optional[_Iterable[_Union[SliceShape, _Mapping]]] = ..., replica_senders: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SliceShape(_message.Message):
     __slots__ = ("num_processes", "devices_per_host")
