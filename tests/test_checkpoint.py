@@ -117,6 +117,23 @@ def test_unreadable_latest_falls_back_and_is_reported(tmp_path, proc_env):
     assert (ckpt / "2").exists(), "a committed step is never deleted by a failed restore"
 
 
+def test_a_step_only_one_process_cannot_read_falls_back_on_every_process(tmp_path, proc_env):
+    """Process 1 alone cannot read step 2 (a storage fault on its host);
+    process 0 reads it and must not wait for process 1 in a barrier process
+    1 never reaches (Orbax's Checkpointer.restore ends in one, 300 s): both
+    move on to step 1 together."""
+    ckpt = tmp_path / "ckpt"
+    run_processes(2, ["save", str(ckpt), "1", str(tmp_path / "a.json")], proc_env, ckpt)
+    run_processes(2, ["save", str(ckpt), "2", str(tmp_path / "b.json")], proc_env, ckpt)
+    out = tmp_path / "restore.json"
+    run_processes(2, ["restore", str(ckpt), str(out), "--unreadable-on", "1:2"], proc_env, ckpt,
+                  timeout_s=90)
+    restored = json.loads(out.read_text())
+    assert restored["step"] == 1
+    kinds = [e["kind"] for e in restored["events"]]
+    assert kinds == ["checkpoint_restore_failed", "checkpoint_restored"], restored["events"]
+
+
 # --- local snapshots -------------------------------------------------------------
 
 

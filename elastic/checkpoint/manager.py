@@ -183,6 +183,12 @@ class Checkpoints:
                                                    barrier_sync_fn=self._barrier))
         self.manager = ocp.CheckpointManager(storage.resolve(directory), options=options,
                                              item_names=("state", "meta"))
+        # Reads a step without Orbax's Checkpointer.restore, which ends in a
+        # barrier of every process: a process that fails to read the step
+        # never gets there, and the others would wait in it (300 s) instead of
+        # in the agreement on whether the step restored (restore_latest).
+        self._reader = ocp.CompositeCheckpointHandler(
+            state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
 
     def poll(self) -> int | None:
         """Report a save that finished since the last call; returns its step
@@ -393,8 +399,9 @@ class Checkpoints:
         for step in reversed(steps):
             t0 = time.perf_counter()
             error = ""
-            try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
+            try:  # (the step's directory: CheckpointManager's default name for it)
+                restored = self._reader.restore(self.manager.directory / str(step),
+                                                args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
             except Exception as e:  # any failure to read this step: try the previous one
                 error = f"{type(e).__name__}: {e}"[:500]

@@ -3,7 +3,9 @@
     ckpt_worker.py save DIR STEP OUT.json [--kill-after-save]
     ckpt_worker.py train DIR STEPS INTERVAL OUT.json [--wait-each]
         (steps 0..STEPS-1, a save call each; --wait-each: and a wait for it)
-    ckpt_worker.py restore DIR OUT.json
+    ckpt_worker.py restore DIR OUT.json [--unreadable-on PROCESS:STEP]
+        (--unreadable-on: that process alone fails to read that step, as a
+        storage fault on one host would make it)
 
 The process environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS).
 """
@@ -83,6 +85,18 @@ def main() -> int:
                   "events": events}
     else:
         out = sys.argv[3]
+        if "--unreadable-on" in sys.argv:
+            process, step = sys.argv[sys.argv.index("--unreadable-on") + 1].split(":")
+            if int(process) == ctx.process_index:
+                import orbax.checkpoint as ocp
+
+                read = ocp.StandardCheckpointHandler.restore
+
+                def unreadable(self, directory, *args, **kwargs):
+                    if directory.parent.name == step:  # (DIR/STEP/state)
+                        raise OSError(f"step {step} unreadable on process {process}")
+                    return read(self, directory, *args, **kwargs)
+                ocp.StandardCheckpointHandler.restore = unreadable
         abstract = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
                     for k, (shape, dtype) in SHAPES.items()}
         restored = ckpt.restore_latest(abstract)
