@@ -117,6 +117,63 @@ def test_fencing(tmp_path, pki):
     run(main())
 
 
+def test_a_start_lost_with_a_broken_stream_comes_again_on_the_next(tmp_path, pki):
+    """h1's stream breaks with the start of generation 1 unread, and the same
+    agent process (same incarnation) registers again within the reconnect
+    grace: its new stream gets the start (else the slice would wait out
+    hang.startup_timeout_s for a worker never started)."""
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2))
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        address = await server.start()
+        loop_task = asyncio.create_task(server.run())
+        async with transport.aio_channel(address, pki.host("h0")) as ch0, \
+                transport.aio_channel(address, pki.host("h1")) as ch1:
+            streams, beats = {}, []
+
+            async def heartbeat(host, call):  # as an agent does, every 0.25 s
+                for seq in range(1, 10_000):
+                    await call.write(pb.AgentMessage(header=header(host=host),
+                                                     heartbeat=pb.Heartbeat(seq=seq)))
+                    await asyncio.sleep(0.25)
+
+            def registration(host):
+                request = register_request(host=host)
+                request.free_port = 7000 + int(host[1])  # (the coordinator's, on h0)
+                return request
+
+            for host, ch in (("h0", ch0), ("h1", ch1)):
+                await pb_grpc.ControllerStub(ch).Register(registration(host), timeout=5)
+                streams[host] = pb_grpc.ControllerStub(ch).Connect()
+                beats.append(asyncio.create_task(heartbeat(host, streams[host])))
+
+            async def next_start(call):
+                while True:
+                    message = await call.read()
+                    if message.WhichOneof("body") == "start":
+                        return message
+
+            first = await asyncio.wait_for(next_start(streams["h0"]), 20)
+            assert first.start.generation == 1
+            beats[1].cancel()
+            streams["h1"].cancel()  # its start unread: gone with the stream
+            await pb_grpc.ControllerStub(ch1).Register(registration("h1"), timeout=5)
+            again = pb_grpc.ControllerStub(ch1).Connect()
+            beats.append(asyncio.create_task(heartbeat("h1", again)))
+            start = await asyncio.wait_for(next_start(again), 10)
+            assert (start.start.generation, start.start.process_id) == (1, 1)
+            assert server.controller.state.generation == 1
+            for task in beats:
+                task.cancel()
+            again.cancel()
+            streams["h0"].cancel()
+        loop_task.cancel()
+        await server.stop("test over")
+
+    run(main())
+
+
 def test_a_status_call_does_not_wait_behind_streams_grpc_has_not_handed_over(tmp_path, pki):
     """Each of the controller's methods has its own queue in gRPC: with the
     controller's loop slow (10 ms a turn) and 15 streams waiting to be

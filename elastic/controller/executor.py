@@ -81,6 +81,9 @@ class Session:
     heartbeat_path: str = ""
     #: a command sent as a datagram whose stream copy is held back (see send)
     copy_due: pb.ControllerMessage | None = None
+    #: the last start or stop sent to it (a registration of the same agent
+    #: process sends it again: elastic.controller.servicer)
+    last_command: pb.ControllerMessage | None = None
 
     def send(self, message: pb.ControllerMessage, datagram: bool = False,
              payload: bytes | None = None) -> None:
@@ -98,6 +101,7 @@ class Session:
             return
         if message.WhichOneof("body") in COMMANDS:
             self.copy_due = None
+            self.last_command = message
         if datagram and self.datagram_reply is not None:
             try:
                 self.datagram_reply(self.datagrams.seal(

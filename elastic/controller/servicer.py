@@ -174,6 +174,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self.calls = adm.StreamLimits(CALLS_PER_PEER, 4 * total)
         # host id -> fingerprint of the certificate it registered with
         self.certificates: dict[str, str] = {}
+        # host id -> the session whose stream ended last, while it is not
+        # registered again (its last command: see _register)
+        self.ended: dict[str, Session] = {}
         self._journal_budget = adm.Budget(1.0 / REFUSAL_JOURNAL_INTERVAL_S, 1)
         self._report_budget = adm.Budget(adm.REPORTS_PER_S, adm.REPORT_BURST)
         self._known_step, self._known_at = -1, float("-inf")
@@ -323,12 +326,21 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self.certificates[h.host_id] = fingerprint
         # The session (and its outbox) exists from registration on, so commands
         # decided before the agent opens its stream wait for it there.
-        previous = c.sessions.get(h.host_id)
+        previous = c.sessions.get(h.host_id) or self.ended.get(h.host_id)
+        self.ended.pop(h.host_id, None)
         if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
                            f"host {h.host_id} registered again (incarnation {h.incarnation})")
         session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint,
                                                   registered_at=c.clock.monotonic())
+        if previous is not None and previous.incarnation == h.incarnation and \
+                previous.last_command is not None and \
+                previous.last_command.generation == c.state.generation:
+            # The same agent process registering again: its stream broke, and a
+            # start or stop of this generation may have gone down with it,
+            # which nothing would send again (the slice would wait out the
+            # startup-hang timeout). The agent takes each command once.
+            session.send(previous.last_command)
         self.intake.registered(session, session.registered_at)
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
@@ -432,6 +444,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             reader.cancel()
             if c.sessions.get(host) is session:  # not replaced by a new registration
                 del c.sessions[host]
+                if session.last_command is not None:
+                    self.ended[host] = session
                 c.submit(v.Disconnected(host, session.incarnation))
         if session.close_status and session.close_status[0] is not None:
             await context.abort(*session.close_status)
