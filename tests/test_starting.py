@@ -88,6 +88,29 @@ def test_the_first_generation_waits_for_streams_still_opening(h2_streams_at, sta
             assert len(starts) == hosts and state.phase is Phase.STARTING
 
 
+def test_a_host_registering_again_and_again_without_a_stream_holds_no_start_for_long():
+    """h2 registers every 1.9 s (new incarnations) and never sends on a
+    stream: the wait for its stream counts from its first registration, so
+    h0 and h1 start once STREAM_OPEN_S has passed, not after
+    restart.waiting_timeout_s."""
+    view, s = ClusterView(), spec(min_hosts=1, max_hosts=3)
+    for h in ("h0", "h1"):
+        register(view, h)
+    state, at, started = SliceState(phase_since=T0), 0.0, None
+    while at < 3 * silence.STREAM_OPEN_S and started is None:
+        at += 1.9
+        register(view, "h2", now=T0 + at, incarnation=f"flap-{int(at / 1.9) % 2}",
+                 stream=False)
+        for h in ("h0", "h1"):
+            observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + at)
+        decision = decide(state, view, T0 + at + 0.5, s)
+        state = decision.state
+        if state.phase is Phase.STARTING:
+            started = at
+    assert started is not None and started <= silence.STREAM_OPEN_S + 2 * 1.9 + 1.0, started
+    assert state.members == ("h0", "h1")
+
+
 def test_a_streams_first_message_wakes_the_decisions_and_a_plain_heartbeat_does_not():
     view = ClusterView()
     register(view, "h0", stream=False)

@@ -208,9 +208,13 @@ def _usable(record: HostRecord, state: SliceState, view: ClusterView) -> bool:
 def _opening(state: SliceState, view: ClusterView, now: float) -> int:
     """Hosts that registered and whose stream has not sent its first message
     yet, for at most silence.STREAM_OPEN_S (+ the controller's lag): then
-    their silence counts and they are lost. O(hosts)."""
+    their silence counts and they are lost. A slice below max_hosts waits for
+    them, but not for a host that keeps registering again without ever
+    sending on a stream: that wait counts from its first such registration.
+    O(hosts)."""
+    limit = silence.STREAM_OPEN_S + view.lag_s
     return sum(silence.opening(r, now, view.lag_s) and r.host_id not in state.lost
-               for r in view.hosts.values())
+               and now - r.unstreamed_since <= limit for r in view.hosts.values())
 
 
 def _opening_text(opening: int) -> str:

@@ -103,6 +103,10 @@ class HostRecord:
     metrics_port: int = 0
     # Whether anything came on its stream since it registered.
     streamed: bool = False
+    # When it registered first since something last came on one of its
+    # streams: registrations again without a message on a stream (a host
+    # flapping) keep it, so that the wait for opening streams is bounded.
+    unstreamed_since: float = 0.0
 
 
 # --- events (made by the servicer from messages) ---------------------------
@@ -388,9 +392,12 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             address=event.address, failure_domain=event.failure_domain,
             agent_pid=event.agent_pid, registered_at=now, last_heartbeat_at=now,
             free_port=event.free_port, worker=event.worker, device_kind=event.device_kind,
-            service_port=event.service_port, metrics_port=event.metrics_port)
+            service_port=event.service_port, metrics_port=event.metrics_port,
+            unstreamed_since=old.unstreamed_since if old is not None and not old.streamed
+            else now)
         view.hosts[event.host_id] = record
-        view.last_registration_at = now
+        if record.unstreamed_since == now:  # (not one registering again without a stream)
+            view.last_registration_at = now
         view.disconnected.pop(event.host_id, None)
         fenced = [Fact("host_fenced", event.host_id, event.worker.generation, event.fenced,
                        {"incarnation": event.incarnation})] if event.fenced else []
