@@ -134,6 +134,23 @@ def test_a_step_only_one_process_cannot_read_falls_back_on_every_process(tmp_pat
     assert kinds == ["checkpoint_restore_failed", "checkpoint_restored"], restored["events"]
 
 
+def test_leftovers_that_cannot_be_removed_are_journaled_and_saves_go_on(tmp_path, proc_env):
+    """A save cut short left a temporary directory; removing it fails (a
+    storage error). Orbax raised that error from process 0's first save,
+    after process 1 had agreed to save: the slice crashed. It is journaled
+    instead, and the saves go on."""
+    ckpt = tmp_path / "ckpt"
+    leftover = ckpt / "3.orbax-checkpoint-tmp-1700000000000000"
+    (leftover / "state").mkdir(parents=True)
+    out = tmp_path / "train.json"
+    run_processes(2, ["train", str(ckpt), "6", "2", str(out), "--wait-each",
+                      "--leftovers-stay"], proc_env, ckpt, timeout_s=90)
+    result = json.loads(out.read_text())
+    assert result["committed"] == [0, 2, 4], result
+    failed = [e for e in result["events"] if e["kind"] == "checkpoint_delete_failed"]
+    assert len(failed) == 1 and leftover.exists(), result["events"]
+
+
 # --- local snapshots -------------------------------------------------------------
 
 

@@ -251,13 +251,37 @@ class Checkpoints:
                           f"{type(error).__name__}: {str(error).splitlines()[0][:300]}; they "
                           f"stay in storage until a later generation deletes them", {})
 
-    def _agree(self, busy: int | None) -> list[dict]:
+    def _removing_leftovers(self, wait: bool) -> bool:
+        """Whether the removal of the leftovers of saves cut short (Orbax's
+        cleanup_tmp_directories: process 0, in the background since the
+        manager was made) still runs; with `wait`, wait for it first. A save
+        must not start beside it (it could take the new save's directory
+        for a leftover). If it failed, journal that once and forget it:
+        Orbax would raise the error from every later save of process 0
+        alone, after the others had agreed to save."""
+        cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
+        if cleanup is None:
+            return False
+        try:
+            cleanup.result(timeout=None if wait else 0)
+        except TimeoutError:
+            return True
+        except Exception as e:  # noqa: BLE001 - storage errors of any kind
+            self.on_event("checkpoint_delete_failed", f"removing the leftovers of saves cut "
+                          f"short stopped: {type(e).__name__}: {str(e).splitlines()[0][:300]}; "
+                          f"they stay in storage (never restored: not committed)", {})
+        self.manager._cleanup_tmp_directory_future = None
+        return False
+
+    def _agree(self, busy: int | None, cleaning: bool = False) -> list[dict]:
         """Share with every process the step of its save still being
-        written (`busy`, None if none) and which of its saves failed; journal
-        the failures (every process learns them; process 0's on_event writes
-        them). Returns each process's report, in process order."""
+        written (`busy`, None if none), whether it is still removing the
+        leftovers of saves cut short (`cleaning`), and which of its saves
+        failed; journal the failures (every process learns them; process
+        0's on_event writes them). Returns each process's report, in process
+        order."""
         self._agreements += 1
-        own = {"busy": busy, "failed": self._failed}
+        own = {"busy": busy, "cleaning": cleaning, "failed": self._failed}
         self._failed = []
         reports = all_gather(f"checkpoint-save-{self._agreements}", own)
         failed: dict[int, dict[int, str]] = {}
@@ -312,12 +336,16 @@ class Checkpoints:
                           f"in flight", {"step": step, "waiting_for": self._pending,
                                          "preemption": preempted})
             self._settle()
-        reports = self._agree(self._pending)
+        reports = self._agree(self._pending, self._removing_leftovers(wait=urgent))
         busy = [i for i, r in enumerate(reports) if r["busy"] is not None]
+        cleaning = [i for i, r in enumerate(reports) if r["cleaning"]]
         skip = ""
         if busy:
             skip = (f"step {reports[busy[0]]['busy']} is still being written on process(es) "
                     f"{', '.join(map(str, busy))}")
+        elif cleaning:
+            skip = (f"process(es) {', '.join(map(str, cleaning))} still remove the leftovers "
+                    f"of saves cut short")
         elif step in self.manager.all_steps():
             skip = "the step already has a committed checkpoint, which is never overwritten"
         if skip:

@@ -1,8 +1,10 @@
 """One process of a multi-process JAX checkpoint test (run by tests/test_checkpoint.py).
 
     ckpt_worker.py save DIR STEP OUT.json [--kill-after-save]
-    ckpt_worker.py train DIR STEPS INTERVAL OUT.json [--wait-each]
-        (steps 0..STEPS-1, a save call each; --wait-each: and a wait for it)
+    ckpt_worker.py train DIR STEPS INTERVAL OUT.json [--wait-each] [--leftovers-stay]
+        (steps 0..STEPS-1, a save call each; --wait-each: and a wait for it;
+        --leftovers-stay: removing the leftovers of saves cut short fails, as
+        a storage outage would make it)
     ckpt_worker.py restore DIR OUT.json [--unreadable-on PROCESS:STEP]
         (--unreadable-on: that process alone fails to read that step, as a
         storage fault on one host would make it)
@@ -53,6 +55,16 @@ def checksums(state: dict) -> dict:
 
 def main() -> int:
     mode = sys.argv[1]  # argv[2], the directory, is also in ELASTIC_CHECKPOINT_DIR
+    if "--leftovers-stay" in sys.argv:
+        from orbax.checkpoint._src.path import async_path
+
+        remove = async_path.rmtree
+
+        async def rmtree(path, *args, **kwargs):
+            if ".orbax-checkpoint-tmp" in str(path):
+                raise OSError(f"storage error removing {path}")
+            return await remove(path, *args, **kwargs)
+        async_path.rmtree = rmtree
     ctx = elastic.worker.init()
     mesh = ctx.mesh
     events = []
