@@ -117,7 +117,7 @@ def test_unreadable_latest_falls_back_and_is_reported(tmp_path, proc_env):
     assert (ckpt / "2").exists(), "a committed step is never deleted by a failed restore"
 
 
-def test_a_step_only_one_process_cannot_read_falls_back_on_every_process(tmp_path, proc_env):
+def test_a_step_one_process_cannot_read_or_does_not_list_is_restored_by_none(tmp_path, proc_env):
     """Process 1 alone cannot read step 2 (a storage fault on its host);
     process 0 reads it and must not wait for process 1 in a barrier process
     1 never reaches (Orbax's Checkpointer.restore ends in one, 300 s): both
@@ -132,6 +132,13 @@ def test_a_step_only_one_process_cannot_read_falls_back_on_every_process(tmp_pat
     assert restored["step"] == 1
     kinds = [e["kind"] for e in restored["events"]]
     assert kinds == ["checkpoint_restore_failed", "checkpoint_restored"], restored["events"]
+    # process 1's listing lacks step 2 (stale): both restore step 1, the
+    # newest step both list, instead of trying different steps
+    run_processes(2, ["restore", str(ckpt), str(out), "--unlisted-on", "1:2"], proc_env, ckpt,
+                  timeout_s=90)
+    restored = json.loads(out.read_text())
+    assert restored["step"] == 1 and [e["kind"] for e in restored["events"]] == [
+        "checkpoint_restored"], restored["events"]
 
 
 def test_leftovers_that_cannot_be_removed_are_journaled_and_saves_go_on(tmp_path, proc_env):

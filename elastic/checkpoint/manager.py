@@ -401,7 +401,12 @@ class Checkpoints:
         previous step together (agreed through the coordination service,
         elastic.worker.coordination) and the failure is reported through
         `on_event`. Raises RuntimeError when every committed step fails."""
-        steps = self.committed_steps()
+        # Every process lists storage itself, and the listings can differ (a
+        # deposed process 0 committing late, a stale listing of a shared file
+        # system): processes that tried different steps would wait in
+        # different agreements. Only the steps every process lists count.
+        listed = all_gather("restore-committed-steps", self.committed_steps())
+        steps = sorted(set(listed[0]).intersection(*listed[1:]))
         if self.snapshots is not None:
             t0 = time.perf_counter()
             newest = steps[-1] if steps else None

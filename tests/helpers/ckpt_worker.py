@@ -5,9 +5,10 @@
         (steps 0..STEPS-1, a save call each; --wait-each: and a wait for it;
         --leftovers-stay: removing the leftovers of saves cut short fails, as
         a storage outage would make it)
-    ckpt_worker.py restore DIR OUT.json [--unreadable-on PROCESS:STEP]
+    ckpt_worker.py restore DIR OUT.json [--unreadable-on PROCESS:STEP] [--unlisted-on PROCESS:STEP]
         (--unreadable-on: that process alone fails to read that step, as a
-        storage fault on one host would make it)
+        storage fault on one host would make it; --unlisted-on: that process
+        alone does not list that step, as a stale listing would make it)
 
 The process environment is what an agent would set (ELASTIC_*, JAX_COORDINATOR_ADDRESS).
 """
@@ -109,6 +110,11 @@ def main() -> int:
                         raise OSError(f"step {step} unreadable on process {process}")
                     return read(self, directory, *args, **kwargs)
                 ocp.StandardCheckpointHandler.restore = unreadable
+        if "--unlisted-on" in sys.argv:
+            process, step = sys.argv[sys.argv.index("--unlisted-on") + 1].split(":")
+            if int(process) == ctx.process_index:
+                listed = ckpt.committed_steps
+                ckpt.committed_steps = lambda: [s for s in listed() if s != int(step)]
         abstract = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
                     for k, (shape, dtype) in SHAPES.items()}
         restored = ckpt.restore_latest(abstract)
