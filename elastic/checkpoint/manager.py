@@ -161,6 +161,7 @@ class Checkpoints:
         self._skipped = 0  # saves skipped since the last one started
         self._journaled_failures: set[int] = set()
         self._agreements = 0  # gathers made, the same count on every process
+        self._restores = 0  # restore_latest calls, the same count on every process
         self._delete_failure_reported = False
         self._emergency_step: int | None = None
         self._writing: int | None = None  # the step of the save started last
@@ -405,7 +406,8 @@ class Checkpoints:
         # deposed process 0 committing late, a stale listing of a shared file
         # system): processes that tried different steps would wait in
         # different agreements. Only the steps every process lists count.
-        listed = all_gather("restore-committed-steps", self.committed_steps())
+        self._restores += 1
+        listed = all_gather(f"restore-{self._restores}-steps", self.committed_steps())
         steps = sorted(set(listed[0]).intersection(*listed[1:]))
         if self.snapshots is not None:
             t0 = time.perf_counter()
@@ -438,7 +440,7 @@ class Checkpoints:
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
             except Exception as e:  # any failure to read this step: try the previous one
                 error = f"{type(e).__name__}: {e}"[:500]
-            if all(all_gather(f"restore-{step}", not error)):
+            if all(all_gather(f"restore-{self._restores}-{step}", not error)):
                 seconds = time.perf_counter() - t0
                 self.on_event("checkpoint_restored", f"restored checkpoint step {step} in "
                               f"{seconds:.2f} s", {"step": step, "restore_s": round(seconds, 3)})
