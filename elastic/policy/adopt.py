@@ -116,12 +116,16 @@ def discover(view: ClusterView, after_generation: int, waited_s: float,
     is none to wait for: `window` seconds passed without a complete set, or
     no host runs such a worker and either the journal never started a
     generation (a new job: hosts register as they come) or `enough_hosts`
-    (the job's max_hosts) have registered. Otherwise, with hosts idle, the
-    others may be the slice, still reconnecting: None, wait. Pure."""
+    (the job's max_hosts) have registered, every one of them a host that ran
+    the journal's last generation (idle spares that never did prove nothing:
+    the slice the journal lacks may still be reconnecting, and starting
+    without it would reuse its generation number). Otherwise, with hosts
+    idle, the others may be the slice, still reconnecting: None, wait. Pure."""
     running = [r for r in view.hosts.values()
                if r.worker.running and r.worker.generation > after_generation]
     if not running:
-        if waited_s >= window or len(view.hosts) >= enough_hosts:
+        if waited_s >= window or (len(view.hosts) >= enough_hosts and all(
+                r.worker.generation >= after_generation for r in view.hosts.values())):
             return ""
         return "" if after_generation == 0 and view.hosts else None
     g = max(r.worker.generation for r in running)
