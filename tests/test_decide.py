@@ -11,6 +11,7 @@ import pytest
 from elastic.config import MeshSpec, QuarantineSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, SliceState, decide
+from elastic.policy.state import forgive_pause
 from elastic.policy.view import (ClusterView, Disconnected, HeartbeatReceived, ProgressReported,
                                  WorkerState, observe)
 from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
@@ -618,6 +619,41 @@ def test_quarantine_counts_only_the_hosts_not_lost():
     stopping = decide(state, view, T0 + 1, s)
     assert stopping.state.phase is Phase.STOPPING
     assert not stopping.state.quarantined, kinds(stopping)
+
+
+@pytest.mark.parametrize("forgiven", [True, False])
+def test_a_controller_paused_during_a_stop_does_not_wait_out_a_fence(forgiven):
+    """The controller did not run for 12 s during a grow's stop (deadline
+    10 s). Forgiven (what Controller._paused does), the stop waits for the
+    acknowledgements it had not read yet; without the state's forgiveness
+    every member is dropped and the slice fenced for the controller lease,
+    and the fence is lifted as soon as a member's acknowledgement shows its
+    worker stopped. Either way the next generation starts within seconds."""
+    s = spec(restart={"grow": "immediately"})
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    register(view, "h2", now=T0 + 0.5)
+    heartbeat_all(view, T0 + 1)
+    state = decide(state, view, T0 + 1, s).state
+    assert state.phase is Phase.STOPPING
+    view.forgive_pause(12.0, T0 + 13.05, state.lost)
+    if forgiven:
+        state = forgive_pause(state, 12.0)
+    after = decide(state, view, T0 + 13.05, s)
+    assert ("host_dropped" in kinds(after)) is not forgiven, kinds(after)
+    state, journaled = after.state, kinds(after)
+    for h in ("h0", "h1"):  # the acknowledgements, read now
+        worker(view, h, T0 + 13.06, 1, WorkerState.EXITED, sig=15)
+    for t in (13.2, 14.0, 16.0):
+        heartbeat_all(view, T0 + t)
+        for r in view.hosts.values():
+            r.free_port = 7100 + int(r.host_id[-1])
+        decision = decide(state, view, T0 + t, s)
+        state, journaled = decision.state, journaled + kinds(decision)
+    assert state.phase is Phase.STARTING and state.generation == 2, state.reason
+    assert ("fence_lifted" in journaled) is not forgiven, journaled
 
 
 def test_quarantine_never_sets_aside_the_hosts_the_job_needs():

@@ -13,6 +13,7 @@ from elastic.controller.journal import JournalTail, JournalWriter
 from elastic.controller.lag import LagPromises, LoopLag, ReceiptDelay, ReceiveDrops
 from elastic.policy.adopt import Inherited
 from elastic.policy.decide import Phase, SliceState, decide
+from elastic.policy.state import forgive_pause
 from elastic.policy.view import ClusterView, Event, observe
 
 log = logging.getLogger("elasticd")
@@ -223,6 +224,7 @@ class Controller:
         """This controller did not run for `pause_s` seconds up to `now`:
         what it could not hear meanwhile is not silence (elastic.controller.lag)."""
         self.view.forgive_pause(pause_s, now, self.state.lost)
+        self.state = forgive_pause(self.state, pause_s)
         self.receipts.resumed(self.clock.time())
         self.executor.record("controller_paused", self.state.generation,
                              f"the controller did not run for {pause_s:.1f} s (stopped, "

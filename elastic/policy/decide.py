@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from elastic.config import JobSpec
-from elastic.policy import adopt, grow, quarantine, silence
+from elastic.policy import adopt, fencing, grow, quarantine, silence
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
@@ -262,6 +262,8 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
 
 def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                actions: list[Action]) -> SliceState:
+    if now < state.fenced_until:
+        state = fencing.lift_fence(state, view, actions)
     if now < state.fenced_until:
         reason = (f"waiting {state.fenced_until - now:.1f} s more for the lost hosts of "
                   f"generation {state.generation} to fence themselves")
@@ -619,7 +621,7 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                            {"cause": state.stop_kind,
                             "stop_s": round(now - state.phase_since, 3),
                             "dropped": pending}))
-    state = _fence_lost_slice(state, view, now, spec, actions, pending)
+    state = fencing.fence_lost_slice(state, view, now, spec, actions, pending)
     if state.stop_kind != "failure":
         return _enter(state, Phase.WAITING, now, f"restarting: {state.reason}",
                       restarts=state.restarts + 1)
@@ -637,34 +639,6 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                      f"last: {state.reason}")
     return _enter(state, Phase.WAITING, now, f"restarting after failure: {state.reason}",
                   failure_restarts=recent, restarts=state.restarts + 1)
-
-
-def _fence_lost_slice(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
-                      actions: list[Action], pending: list[str]) -> SliceState:
-    """Agents keep their workers for `health.controller_lease_s` without a
-    controller. Once one member of the stopped generation is seen to have
-    stopped (its agent acknowledged the stop, or its agent's connection was
-    closed: the agent process ended, and its worker with it), the others
-    cannot step or commit (every step and every commit needs all
-    processes). When none was (all cut off from the controller together,
-    `pending` ones dropped unanswered), they may train on together, so no
-    generation starts until their leases have run out."""
-    seen_stopped = [h for h in state.members if h in view.disconnected or (
-        h in view.hosts and h not in state.lost and h not in pending)]
-    if not state.members or seen_stopped:
-        return state
-    # (never heard by this controller, as after an adoption that found none
-    # of them: their lease may have begun just now)
-    heard = max((view.hosts[h].last_heartbeat_at for h in state.members if h in view.hosts),
-                default=now)
-    until = heard + spec.health.controller_lease_s + spec.health.heartbeat_interval_s
-    actions.append(Journal("waiting_for_fencing", state.generation,
-                           f"every host of generation {state.generation} was lost; none is "
-                           f"known to have stopped its worker, so no generation starts "
-                           f"until their controller lease (health.controller_lease_s = "
-                           f"{spec.health.controller_lease_s:g}) has run out", None,
-                           {"hosts": list(state.members)}))
-    return dataclasses.replace(state, fenced_until=until)
 
 
 def _fail(state: SliceState, now: float, actions: list[Action], reason: str) -> SliceState:

@@ -166,3 +166,18 @@ class Decision:
     state: SliceState
     actions: tuple[Action, ...]
     reason: str
+
+
+def forgive_pause(state: SliceState, pause_s: float) -> SliceState:
+    """`state` with its own clocks of waiting for the hosts moved `pause_s`
+    seconds later, after the controller itself did not run that long (the
+    view's clocks move too: ClusterView.forgive_pause): the deadline for stop
+    acknowledgements, which the first pass after a pause would otherwise
+    find passed before it read the acknowledgements queued meanwhile, and
+    the start of a preemption drain."""
+    changes: dict = {}
+    if state.phase is Phase.STOPPING:
+        changes["stop_deadline"] = state.stop_deadline + pause_s
+    if state.draining_since is not None:
+        changes["draining_since"] = state.draining_since + pause_s
+    return dataclasses.replace(state, **changes) if changes else state
