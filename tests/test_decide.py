@@ -523,10 +523,18 @@ def test_an_older_emergency_save_does_not_end_the_drain():
 
 
 def test_a_drain_ends_once_the_step_the_slice_stands_at_is_committed():
-    """As after an adoption: the emergency save ran while no controller did."""
+    """As after an adoption: the emergency save ran while no controller did.
+    A report of the committed step alone is not enough while the slice may
+    still be stepping (a commit of step 9 reported before step 10 was):
+    the step must have stayed there for two heartbeat intervals, within
+    which any step taken since would have been reported."""
+    s = spec()
     state, view = preempted_slice()
     observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 2)
-    decision = decide(state, view, T0 + 2, spec())
+    decision = decide(state, view, T0 + 2, s)
+    assert decision.state.phase is Phase.RUNNING and "draining" in decision.reason
+    quiet = T0 + 2 + 2 * s.health.heartbeat_interval_s
+    decision = decide(decision.state, view, quiet, s)
     assert decision.state.phase is Phase.STOPPING and decision.state.stop_kind == "preemption"
     assert "checkpoint step 9, the step the slice reached, committed" in decision.reason
 
