@@ -100,45 +100,32 @@ def test_killed_mid_save_is_ignored(tmp_path, proc_env):
     assert json.loads((tmp_path / "a.json").read_text())["checksums"] == restored["checksums"]
 
 
-def test_unreadable_latest_falls_back_and_is_reported(tmp_path, proc_env):
+def test_a_step_some_process_cannot_read_or_list_is_passed_over_by_all(tmp_path, proc_env):
+    """Steps 1 and 2 committed. Process 1 alone cannot read step 2 (a
+    storage fault on its host): process 0 reads it and must not wait for
+    process 1 in a barrier process 1 never reaches (Orbax's
+    Checkpointer.restore ends in one, 300 s); both move on to step 1
+    together. Process 1 alone does not list step 2 (a stale listing): both
+    restore step 1, the newest both list. Step 2 damaged for everyone: the
+    same, and a failed restore never deletes a committed step."""
     ckpt = tmp_path / "ckpt"
     run_processes(2, ["save", str(ckpt), "1", str(tmp_path / "a.json")], proc_env, ckpt)
     run_processes(2, ["save", str(ckpt), "2", str(tmp_path / "b.json")], proc_env, ckpt)
-    # damage the committed step 2: its array data is gone
-    for path in (ckpt / "2" / "state").rglob("*"):
+    out = tmp_path / "restore.json"
+
+    def restore(*args: str) -> tuple[int, list[str]]:
+        run_processes(2, ["restore", str(ckpt), str(out), *args], proc_env, ckpt, timeout_s=90)
+        restored = json.loads(out.read_text())
+        return restored["step"], [e["kind"] for e in restored["events"]]
+
+    failed_then_restored = ["checkpoint_restore_failed", "checkpoint_restored"]
+    assert restore("--unreadable-on", "1:2") == (1, failed_then_restored)
+    assert restore("--unlisted-on", "1:2") == (1, ["checkpoint_restored"])
+    for path in (ckpt / "2" / "state").rglob("*"):  # its array data is gone
         if path.is_file() and "metadata" not in path.name:
             path.write_bytes(b"garbage")
-    out = tmp_path / "restore.json"
-    run_processes(2, ["restore", str(ckpt), str(out)], proc_env, ckpt)
-    restored = json.loads(out.read_text())
-    assert restored["step"] == 1
-    kinds = [e["kind"] for e in restored["events"]]
-    assert kinds == ["checkpoint_restore_failed", "checkpoint_restored"], restored["events"]
+    assert restore() == (1, failed_then_restored)
     assert (ckpt / "2").exists(), "a committed step is never deleted by a failed restore"
-
-
-def test_a_step_one_process_cannot_read_or_does_not_list_is_restored_by_none(tmp_path, proc_env):
-    """Process 1 alone cannot read step 2 (a storage fault on its host);
-    process 0 reads it and must not wait for process 1 in a barrier process
-    1 never reaches (Orbax's Checkpointer.restore ends in one, 300 s): both
-    move on to step 1 together."""
-    ckpt = tmp_path / "ckpt"
-    run_processes(2, ["save", str(ckpt), "1", str(tmp_path / "a.json")], proc_env, ckpt)
-    run_processes(2, ["save", str(ckpt), "2", str(tmp_path / "b.json")], proc_env, ckpt)
-    out = tmp_path / "restore.json"
-    run_processes(2, ["restore", str(ckpt), str(out), "--unreadable-on", "1:2"], proc_env, ckpt,
-                  timeout_s=90)
-    restored = json.loads(out.read_text())
-    assert restored["step"] == 1
-    kinds = [e["kind"] for e in restored["events"]]
-    assert kinds == ["checkpoint_restore_failed", "checkpoint_restored"], restored["events"]
-    # process 1's listing lacks step 2 (stale): both restore step 1, the
-    # newest step both list, instead of trying different steps
-    run_processes(2, ["restore", str(ckpt), str(out), "--unlisted-on", "1:2"], proc_env, ckpt,
-                  timeout_s=90)
-    restored = json.loads(out.read_text())
-    assert restored["step"] == 1 and [e["kind"] for e in restored["events"]] == [
-        "checkpoint_restored"], restored["events"]
 
 
 def test_leftovers_that_cannot_be_removed_are_journaled_and_saves_go_on(tmp_path, proc_env):
