@@ -20,8 +20,9 @@ def record_failures(failures: Mapping[str, tuple[float, ...]],
     quarantined maps and the (host, reason) pairs newly quarantined: those
     with `quarantine.failures` failures within `quarantine.window_s` — unless
     that would leave fewer than `job.min_hosts` of the `registered` hosts
-    (those the controller knows and has not lost) outside quarantine (when every host fails, setting them all aside only
-    stops the job; the restart budget and crash loop bound that case)."""
+    (those the controller knows and has not lost) outside quarantine (when
+    every host fails, setting them all aside only stops the job; the restart
+    budget and crash loop bound that case)."""
     q = spec.quarantine
     failures, quarantined, newly = dict(failures), dict(quarantined), []
     for host in hosts:
