@@ -87,6 +87,9 @@ def test_training_with_checkpoints_in_a_bucket_survives_a_preemption_and_a_lost_
         assert job.wait(300) == 0, job.output()
     assert proxy.counts.requests > 100, proxy.counts
     journal = job.journal()
+    # (the emulator needs no credentials: google-auth's search for them logged
+    # a warning in every worker's last words)
+    assert not [e for e in journal if "Authentication failed" in e.get("stderr_tail", "")]
     started = [e for e in journal if e["kind"] == "generation_started"]
     # 4 hosts; 3 without the preempted host-1; then without the killed host-2
     # (host-1, back once its agent left, joins the restart after the kill)

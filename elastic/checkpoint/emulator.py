@@ -45,7 +45,11 @@ def endpoint_env(url: str) -> dict[str, str]:
             # address does not answer, as in an isolated host's namespace),
             # and gcsfs's bucket-type probe (hierarchical namespaces, which
             # the emulator lacks) would do so and warn at every open.
-            "NO_GCE_CHECK": "true", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+            "NO_GCE_CHECK": "true", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            # gcsfs without credentials (fsspec's configuration from the
+            # environment): it would ask google-auth for them first, which
+            # logs a warning in every worker that there is no GCE here
+            "FSSPEC_GCS_TOKEN": "anon"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
