@@ -128,6 +128,41 @@ def test_a_step_some_process_cannot_read_or_list_is_passed_over_by_all(tmp_path,
     assert (ckpt / "2").exists(), "a committed step is never deleted by a failed restore"
 
 
+@pytest.mark.parametrize("outcome", ["removed", "timed out"])
+def test_a_removal_of_leftovers_is_running_only_while_its_thread_runs(outcome):
+    """Orbax's future raises TimeoutError both while the removal runs and
+    when the removal itself timed out (asyncio's and aiohttp's timeouts are
+    TimeoutErrors): the second is a failure, journaled once, not a removal
+    that runs for ever (every save of the generation would be skipped)."""
+    import threading
+    import types
+
+    from orbax.checkpoint._src.futures import future
+
+    from elastic.checkpoint.manager import Checkpoints
+
+    go = threading.Event()
+
+    async def removal():
+        import asyncio
+        await asyncio.to_thread(go.wait, 30)
+        if outcome == "timed out":
+            raise asyncio.TimeoutError("rmtree of gs://b/ckpt/7.orbax-checkpoint-tmp-3")
+
+    events = []
+    fake = types.SimpleNamespace(
+        manager=types.SimpleNamespace(_cleanup_tmp_directory_future=future.CommitFuture(
+            removal())),
+        on_event=lambda kind, reason, fields: events.append(kind))
+    removing = fake.manager._cleanup_tmp_directory_future
+    assert Checkpoints._removing_leftovers(fake, wait=False) is True
+    go.set()
+    threading.Thread.join(removing._t, 30)  # its thread ended (Orbax's join would raise)
+    assert Checkpoints._removing_leftovers(fake, wait=False) is False
+    assert fake.manager._cleanup_tmp_directory_future is None
+    assert events == ([] if outcome == "removed" else ["checkpoint_delete_failed"])
+
+
 def test_leftovers_that_cannot_be_removed_are_journaled_and_saves_go_on(tmp_path, proc_env):
     """A save cut short left a temporary directory; removing it fails (a
     storage error). Orbax raised that error from process 0's first save,

@@ -537,6 +537,12 @@ def test_a_drain_ends_once_the_step_the_slice_stands_at_is_committed():
     decision = decide(decision.state, view, quiet, s)
     assert decision.state.phase is Phase.STOPPING and decision.state.stop_kind == "preemption"
     assert "checkpoint step 9, the step the slice reached, committed" in decision.reason
+    # rank 0 just registered (after an adoption: no step seen yet, step_at 0):
+    # quiet is counted from its registration
+    state, view = preempted_slice()
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 1.2)
+    view.hosts["h0"].step_at, view.hosts["h0"].registered_at = 0.0, T0 + 1.2  # (as a new record)
+    assert decide(state, view, T0 + 1.3, s).state.phase is Phase.RUNNING
 
 
 def test_a_failed_emergency_save_ends_the_drain_at_once():
@@ -627,6 +633,17 @@ def test_quarantine_counts_only_the_hosts_not_lost():
     stopping = decide(state, view, T0 + 1, s)
     assert stopping.state.phase is Phase.STOPPING
     assert not stopping.state.quarantined, kinds(stopping)
+    # a lost member blamed for the failure is set aside when the others
+    # still make min_hosts (it is not counted twice)
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    observe(view, Disconnected("h2", "inc-h2"), T0 + 0.5)  # its agent went away
+    for h in ("h0", "h1"):
+        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + 2)
+    stopping = decide(state, view, T0 + 2, s)
+    assert "h2" in stopping.state.lost and "h2" in stopping.state.quarantined, kinds(stopping)
 
 
 @pytest.mark.parametrize("forgiven", [True, False])

@@ -174,6 +174,28 @@ def test_a_start_lost_with_a_broken_stream_comes_again_on_the_next(tmp_path, pki
     run(main())
 
 
+@pytest.mark.parametrize("body,phase,members,lost,due", [
+    ("start", "starting", ("h0", "h1"), (), True),
+    ("start", "running", ("h0", "h1"), (), True),
+    ("start", "waiting", ("h0", "h1"), (), False),    # the generation stopped since
+    ("start", "starting", ("h0",), (), False),        # h1 is no member now
+    ("start", "running", ("h0", "h1"), ("h1",), False),  # h1 was lost meanwhile
+    ("stop", "stopping", ("h0", "h1"), ("h1",), True),
+    ("stop", "waiting", ("h0", "h1"), (), False),
+])
+def test_only_a_command_that_still_stands_is_sent_again(body, phase, members, lost, due):
+    from elastic.controller.servicer import _still_due
+    from elastic.policy.state import Phase, SliceState
+
+    state = SliceState(phase=Phase(phase), generation=1, members=members,
+                       lost=frozenset(lost))
+    command = pb.ControllerMessage(job_id="test", generation=1, **{
+        body: pb.StartWorker(generation=1) if body == "start" else pb.StopWorker(generation=1)})
+    assert _still_due(command, state, "h1") is due
+    assert _still_due(pb.ControllerMessage(job_id="test", generation=0, start=pb.StartWorker()),
+                      state, "h1") is False  # of another generation
+
+
 def test_a_status_call_does_not_wait_behind_streams_grpc_has_not_handed_over(tmp_path, pki):
     """Each of the controller's methods has its own queue in gRPC: with the
     controller's loop slow (10 ms a turn) and 15 streams waiting to be

@@ -26,6 +26,11 @@ from elastic.worker.coordination import abortable_barrier, all_gather, mark
 
 log = logging.getLogger("elastic.checkpoint")
 
+#: Seconds the processes wait for each other in a restore's agreements: as
+#: long as Orbax's own restore barrier (its default), which absorbed how much
+#: longer one process takes to read a large step than another.
+RESTORE_AGREEMENT_S = 300.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
@@ -263,10 +268,12 @@ class Checkpoints:
         cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
         if cleanup is None:
             return False
-        try:
-            cleanup.result(timeout=None if wait else 0)
-        except TimeoutError:
+        thread = getattr(cleanup, "_t", None)  # (its thread: result() raises TimeoutError
+        # both while it runs and when the removal itself timed out)
+        if not wait and thread is not None and thread.is_alive():
             return True
+        try:
+            cleanup.result()
         except Exception as e:  # noqa: BLE001 - storage errors of any kind
             self.on_event("checkpoint_delete_failed", f"removing the leftovers of saves cut "
                           f"short stopped: {type(e).__name__}: {str(e).splitlines()[0][:300]}; "
@@ -355,8 +362,8 @@ class Checkpoints:
                               + ("; later saves are skipped until it ends" if busy else ""),
                               {"step": step, "busy_processes": busy})
             self._skipped += 1
-            if preempted:  # the step is in storage already: nothing more to save
-                self.on_preempted(step, True)
+            if preempted:  # committed: the step is in storage already, nothing more to save
+                self.on_preempted(step, not (busy or cleaning))
             return False
         self._writing = step
         started = self.manager.save(step, args=ocp.args.Composite(
@@ -407,7 +414,8 @@ class Checkpoints:
         # system): processes that tried different steps would wait in
         # different agreements. Only the steps every process lists count.
         self._restores += 1
-        listed = all_gather(f"restore-{self._restores}-steps", self.committed_steps())
+        listed = all_gather(f"restore-{self._restores}-steps", self.committed_steps(),
+                            RESTORE_AGREEMENT_S)
         steps = sorted(set(listed[0]).intersection(*listed[1:]))
         if self.snapshots is not None:
             t0 = time.perf_counter()
@@ -440,7 +448,8 @@ class Checkpoints:
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
             except Exception as e:  # any failure to read this step: try the previous one
                 error = f"{type(e).__name__}: {e}"[:500]
-            if all(all_gather(f"restore-{self._restores}-{step}", not error)):
+            if all(all_gather(f"restore-{self._restores}-{step}", not error,
+                              RESTORE_AGREEMENT_S)):
                 seconds = time.perf_counter() - t0
                 self.on_event("checkpoint_restored", f"restored checkpoint step {step} in "
                               f"{seconds:.2f} s", {"step": step, "restore_s": round(seconds, 3)})

@@ -33,6 +33,7 @@ from elastic.controller.executor import Session
 from elastic.controller.status import job_status
 from elastic.policy import silence
 from elastic.policy import view as v
+from elastic.policy.state import Phase, SliceState
 from elastic.security.identity import Identity, IdentityError
 from elastic.security.text import clean_text
 from elastic.security.tls import peer_identity
@@ -113,6 +114,18 @@ def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
         step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics),
         suspended=status.suspended, process_id=status.process_id,
         num_processes=status.num_processes)
+
+
+def _still_due(command: pb.ControllerMessage | None, state: SliceState, host: str) -> bool:
+    """Whether `command`, the last start or stop sent to `host`, still
+    stands: a start of the generation being started or run, of which
+    `host` is a member not lost, or a stop of the generation being stopped."""
+    if command is None or command.generation != state.generation:
+        return False
+    if command.WhichOneof("body") == "start":
+        return state.phase in (Phase.STARTING, Phase.RUNNING) and host in state.members \
+            and host not in state.lost
+    return state.phase is Phase.STOPPING
 
 
 def fence(controller: Controller, header: pb.Header) -> str | None:
@@ -334,8 +347,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint,
                                                   registered_at=c.clock.monotonic())
         if previous is not None and previous.incarnation == h.incarnation and \
-                previous.last_command is not None and \
-                previous.last_command.generation == c.state.generation:
+                _still_due(previous.last_command, c.state, h.host_id):
             # The same agent process registering again: its stream broke, and a
             # start or stop of this generation may have gone down with it,
             # which nothing would send again (the slice would wait out the

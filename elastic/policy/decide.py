@@ -17,6 +17,7 @@ generation, or STOPPING when the agents' reports disagree with the journal.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Set
 
 from elastic.config import JobSpec
 from elastic.policy import adopt, fencing, grow, quarantine, silence
@@ -413,7 +414,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                      if host not in failed and (at := view.disconnected.get(host)) is not None]
         when, host, why = min(failures)
         return _begin_stop(state, now, spec, actions, "failure", why, (host,),
-                           len(view.hosts) - len(state.lost))
+                           view.hosts.keys() - state.lost)
     carried = sum(h in state.carried for h in state.members) if state.carried else 0
     if done == len(state.members) or (carried and done and done + carried == len(state.members)):
         reason = f"all {done} workers of generation {state.generation} exited 0"
@@ -442,7 +443,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                {"suspects": list(hang.suspects), "silent_s": round(hang.silent_s, 3),
                                 "timeout_s": round(hang.timeout_s, 3)}))
         return _begin_stop(state, now, spec, actions, "failure", f"hang: {hang.reason}",
-                           hang.suspects, len(view.hosts) - len(state.lost), dump_stacks=True)
+                           hang.suspects, view.hosts.keys() - state.lost, dump_stacks=True)
     return _consider_grow(state, view, now, spec, actions)
 
 
@@ -528,7 +529,7 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         why = (f"preemption of {hosts}: emergency checkpoint step "
                f"{view.emergency_save_step} committed")
     elif rank0 is not None and 0 <= rank0.worker.step <= view.committed_step and \
-            now - rank0.step_at >= 2 * spec.health.heartbeat_interval_s:
+            now - max(rank0.step_at, rank0.registered_at) >= 2 * spec.health.heartbeat_interval_s:
         # the step the slice stands at is committed: an emergency save this
         # controller did not see start (it was saved while no controller
         # ran, before an adoption), or a periodic one; nothing is lost. (Not
@@ -558,13 +559,13 @@ def _emergency_committed(view: ClusterView, since: float) -> bool:
 
 
 def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
-                kind: str, why: str, blamed: tuple[str, ...], registered: int = 0,
+                kind: str, why: str, blamed: tuple[str, ...], usable: Set[str] = frozenset(),
                 dump_stacks: bool = False) -> SliceState:
     """Stop every member. Failures (and preemptions, whose workers wait idle
     after their emergency save) stop with SIGKILL at once; grows get
     health.stop_grace_s, cut short once the emergency checkpoint the SIGTERM
     set off has committed (see _stopping). A failure is attributed to the `blamed` hosts
-    (`registered`: how many hosts the controller knows and has not lost, for quarantine).
+    (`usable`: the hosts the controller knows and has not lost, for quarantine).
     `dump_stacks` (a hang): every member's agent reports its worker's stacks first."""
     grace = spec.health.stop_grace_s if kind == "grow" else 0.0
     actions.append(Journal("slice_stopping", state.generation, why,
@@ -578,7 +579,7 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
         changes["failures_without_progress"] = (1 if state.progressed
                                                 else state.failures_without_progress + 1)
         failures, quarantined, newly = quarantine.record_failures(
-            state.host_failures, state.quarantined, blamed, now, spec, why, registered)
+            state.host_failures, state.quarantined, blamed, now, spec, why, usable)
         changes.update(host_failures=failures, quarantined=quarantined)
         # A failure that sets its host aside starts the crash-loop count again:
         # the next slice is another one, without that host (with the defaults both

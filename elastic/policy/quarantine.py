@@ -7,21 +7,21 @@ quarantined (host -> (until, reason)).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 
 from elastic.config import JobSpec
 
 
 def record_failures(failures: Mapping[str, tuple[float, ...]],
                     quarantined: Mapping[str, tuple[float, str]], hosts: Iterable[str],
-                    now: float, spec: JobSpec, why: str, registered: int
+                    now: float, spec: JobSpec, why: str, usable: Set[str]
                     ) -> tuple[dict, dict, list[tuple[str, str]]]:
     """Attribute a failure at `now` to `hosts`. Returns the new failures and
     quarantined maps and the (host, reason) pairs newly quarantined: those
     with `quarantine.failures` failures within `quarantine.window_s` — unless
-    that would leave fewer than `job.min_hosts` of the `registered` hosts
-    (those the controller knows and has not lost) outside quarantine (when
-    every host fails, setting them all aside only stops the job; the restart
+    that would leave fewer than `job.min_hosts` of the `usable` hosts (those
+    the controller knows and has not lost) outside quarantine (when every
+    host fails, setting them all aside only stops the job; the restart
     budget and crash loop bound that case)."""
     q = spec.quarantine
     failures, quarantined, newly = dict(failures), dict(quarantined), []
@@ -29,7 +29,7 @@ def record_failures(failures: Mapping[str, tuple[float, ...]],
         times = tuple(t for t in failures.get(host, ()) if t > now - q.window_s) + (now,)
         failures[host] = times
         if len(times) >= q.failures and host not in quarantined and \
-                registered - len(quarantined) - 1 >= spec.min_hosts:
+                len(usable - quarantined.keys() - {host}) >= spec.min_hosts:
             reason = (f"{len(times)} failures within {q.window_s:g} s "
                       f"(quarantine.failures = {q.failures}), last: {why}; "
                       f"set aside for {q.cooldown_s:g} s")

@@ -169,15 +169,12 @@ class Decision:
 
 
 def forgive_pause(state: SliceState, pause_s: float) -> SliceState:
-    """`state` with its own clocks of waiting for the hosts moved `pause_s`
+    """`state` with its deadline for stop acknowledgements moved `pause_s`
     seconds later, after the controller itself did not run that long (the
-    view's clocks move too: ClusterView.forgive_pause): the deadline for stop
-    acknowledgements, which the first pass after a pause would otherwise
-    find passed before it read the acknowledgements queued meanwhile, and
-    the start of a preemption drain."""
-    changes: dict = {}
-    if state.phase is Phase.STOPPING:
-        changes["stop_deadline"] = state.stop_deadline + pause_s
-    if state.draining_since is not None:
-        changes["draining_since"] = state.draining_since + pause_s
-    return dataclasses.replace(state, **changes) if changes else state
+    view's clocks move too: ClusterView.forgive_pause): the first pass after
+    a pause would otherwise find it passed before it read the
+    acknowledgements queued meanwhile. (A drain's start stays: the emergency
+    save it waits for is matched against it.)"""
+    if state.phase is not Phase.STOPPING:
+        return state
+    return dataclasses.replace(state, stop_deadline=state.stop_deadline + pause_s)
