@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elastic.security.allow import AllowList, check_launch, matches
@@ -116,3 +118,18 @@ def test_allowing_a_variable_that_runs_code_is_warned_about(pattern, risky):
         [warning] = warnings
         assert f"--allow-env {pattern!r} allows a variable that can make the worker run" in \
             warning and f"({risky})" in warning
+
+
+def test_the_variables_a_start_carries_unasked_are_the_controllers_own(tmp_path):
+    """worker_env.JOB_LEVEL_ENV names what Executor.worker_env sets besides
+    the job's env: a name set there and missing from it would make every
+    agent refuse every start."""
+    from elastic import worker_env
+    from elastic.clock import FakeClock
+    from elastic.controller.executor import Executor
+    from elastic.controller.journal import JournalWriter
+    from tests.policy_tables import spec
+
+    job = dataclasses.replace(spec(), env={"XLA_FLAGS": ""})
+    sent = Executor(job, JournalWriter(tmp_path), FakeClock()).worker_env()
+    assert set(sent) - set(job.env) == set(worker_env.JOB_LEVEL_ENV)

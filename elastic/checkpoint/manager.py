@@ -268,8 +268,10 @@ class Checkpoints:
         cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
         if cleanup is None:
             return False
-        thread = getattr(cleanup, "_t", None)  # (its thread: result() raises TimeoutError
-        # both while it runs and when the removal itself timed out)
+        # Its thread tells a removal still running from one that timed out
+        # (result() raises TimeoutError for both). Without it (another Orbax),
+        # wait for the removal, as Orbax's own first save would.
+        thread = getattr(cleanup, "_t", None)
         if not wait and thread is not None and thread.is_alive():
             return True
         try:
@@ -408,7 +410,9 @@ class Checkpoints:
         fails to restore on any process, every process moves on to the
         previous step together (agreed through the coordination service,
         elastic.worker.coordination) and the failure is reported through
-        `on_event`. Raises RuntimeError when every committed step fails."""
+        `on_event`. Raises RuntimeError when every committed step fails, and
+        the coordination service's error when a process does not reach one
+        of the agreements within RESTORE_AGREEMENT_S seconds."""
         # Every process lists storage itself, and the listings can differ (a
         # deposed process 0 committing late, a stale listing of a shared file
         # system): processes that tried different steps would wait in
