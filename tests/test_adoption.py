@@ -40,8 +40,11 @@ def come_back(view: ClusterView, host: str, now: float = T0, **worker) -> None:
     ({"h1": {"incarnation": "new"}}, HOSTS, 0.5, "restart", "agent of host h1 restarted"),
     ({"h1": {"generation": 5}}, HOSTS, 0.5, "restart", "a worker of generation 5"),
     ({"h1": {"generation": 0, "state": WorkerState.IDLE}}, HOSTS, 0.5, "restart", "no worker"),
-    ({"h2": {"state": WorkerState.EXITED, "exit_code": 1}}, HOSTS, 0.5, "restart",
-     "exited with exit code 1"),
+    ({"h2": {"state": WorkerState.EXITED, "exit_code": 1}}, HOSTS, 0.5, "failure",
+     "h2 exited with exit code 1 while no controller ran"),
+    # a crash is a failure even before every member is back
+    ({"h1": {"state": WorkerState.EXITED, "signal": 9}}, HOSTS[:2], 0.5, "failure",
+     "h1 exited with signal 9"),
     ({"h1": {"process_id": 2}}, HOSTS, 0.5, "restart", "runs rank 2 of 3"),
     # a worker that finished while no controller ran is adopted (the job may be done)
     ({"h0": {"state": WorkerState.EXITED}}, HOSTS, 0.5, "adopt", "all 3 hosts"),
@@ -101,6 +104,35 @@ def test_a_disagreeing_host_restarts_the_slice_without_blame():
     waiting = decide(stopping.state, view, T0 + 0.3, s)
     assert waiting.state.phase in (Phase.WAITING, Phase.STARTING)
     assert waiting.state.failure_restarts == () and waiting.state.restarts == 4
+
+
+def test_a_worker_that_crashed_while_no_controller_ran_is_a_failure_of_its_host():
+    """Not an adoption restart: the crash counts towards the restart budget
+    and the host's quarantine (and, with no step made, the crash loop), as
+    it would have with a controller running."""
+    for progressed, count in ((True, 1), (False, 3)):
+        view, s = ClusterView(), spec()
+        for host in HOSTS:
+            come_back(view, host, **({} if host != "h1" else
+                                     {"state": WorkerState.EXITED, "exit_code": 2}),
+                      **({} if progressed else {"step": -1}))
+        state = dataclasses.replace(adopting(), failures_without_progress=2,
+                                    inherited=dataclasses.replace(INHERITED,
+                                                                  progressed=False))
+        stopping = decide(state, view, T0 + 0.1, s)
+        entry = stopping.actions[0]
+        assert (entry.kind, entry.fields["cause"], entry.fields["blamed"]) == \
+            ("slice_stopping", "failure", ["h1"]), entry
+        assert "exit code 2 while no controller ran" in entry.reason
+        assert stopping.state.host_failures == {"h1": (T0 + 0.1,)}
+        assert stopping.state.failures_without_progress == count
+        for host in ("h0", "h2"):
+            come_back(view, host, T0 + 0.2, state=WorkerState.EXITED, signal=9)
+        after = decide(stopping.state, view, T0 + 0.3, s)
+        if progressed:
+            assert after.state.failure_restarts == (T0 + 0.1,), after.reason
+        else:
+            assert after.state.phase is Phase.FAILED and "crash loop" in after.reason
 
 
 def test_a_slice_cut_off_whole_is_replaced_only_after_its_lease():

@@ -213,3 +213,45 @@ def test_a_controller_stopped_past_the_heartbeat_timeout_loses_no_host(tmp_path,
     assert kinds.count("generation_started") == 1, kinds
     assert not {"host_lost", "slice_stopping", "agent_silent"} & set(kinds), kinds
     assert kinds[-2:] == ["job_succeeded", "controller_stopped"] and journal[-2]["step"] == 159
+
+
+def test_a_restarted_controller_counts_on_the_crash_loop(tmp_path, local_job):
+    """A worker that crashes at every start, and the controller killed at the
+    first failure's stop: its successor reads the count from the journal, so
+    the job fails after restart.crash_loop_failures (3) failures in all, not
+    3 more (which would let a crash loop that takes its controller down too
+    run forever). min_hosts = 2: no host can be set aside."""
+    job = local_job(tiny_spec(tmp_path, "--crash-on-start", min_hosts=2, max_hosts=2), hosts=2,
+                    faults=("kill-controller:all@after=slice_stopping",))
+    assert job.wait(90) == 1, job.output()
+    journal = job.journal()
+    starts = [e for e in journal if e["kind"] == "controller_started"]
+    assert len(starts) == 2, [e["kind"] for e in journal]
+    carried = starts[1]["carried"]
+    assert 1 <= carried["failures_without_progress"] == carried["failure_restarts"], carried
+    failed = job.outcome()
+    assert failed["kind"] == "job_failed" and "crash loop: 3 failures in a row" in failed["reason"]
+    stops = [e for e in journal if e["kind"] == "slice_stopping"]
+    assert [e["cause"] for e in stops] == ["failure"] * 3, stops
+    assert [e["generation"] for e in journal if e["kind"] == "generation_started"] == [1, 2, 3]
+
+
+def test_a_worker_crash_while_no_controller_runs_counts_as_a_failure(tmp_path, local_job):
+    """The controller is killed at the first step; host-1's worker crashes
+    (10 steps of 0.1 s in) before the next one starts (2 s later). The
+    successor finds it exited: a failure of host-1, not a mere restart of a
+    slice it could not adopt, so with restart.max_restarts = 1 the crash of
+    generation 2 exhausts the budget (2 failures), where uncounted it would
+    take a third generation."""
+    spec = tiny_spec(tmp_path, "--steps 2000 --step-time-s 0.1 --crash-on-host host-1 "
+                     "--crash-after-steps 10", min_hosts=2, max_hosts=2,
+                     extra="[restart]\nmax_restarts = 1")
+    job = local_job(spec, hosts=2, faults=("kill-controller:all@after=first_progress",))
+    assert job.wait(90) == 1, job.output()
+    journal = job.journal()
+    stops = [e for e in journal if e["kind"] == "slice_stopping"]
+    assert [(e["cause"], e["blamed"]) for e in stops] == [("failure", ["host-1"])] * 2, stops
+    assert "while no controller ran" in stops[0]["reason"], stops[0]
+    failed = job.outcome()
+    assert "restart budget exhausted: 2 failures" in failed["reason"], failed
+    assert [e["generation"] for e in journal if e["kind"] == "generation_started"] == [1, 2]

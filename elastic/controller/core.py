@@ -11,7 +11,9 @@ from elastic.config import JobSpec
 from elastic.controller.executor import Executor
 from elastic.controller.journal import JournalTail, JournalWriter
 from elastic.controller.lag import LagPromises, LoopLag, ReceiptDelay, ReceiveDrops
+from elastic.policy import failure_history
 from elastic.policy.adopt import Inherited
+from elastic.policy.failure_history import FailureHistory
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.state import forgive_pause
 from elastic.policy.view import ClusterView, Event, observe
@@ -57,12 +59,16 @@ class Controller:
     discover: with no `inherited`, look for a running generation in the
       agents' reports first (elastic.policy.adopt.discover): the journal
       may end before it.
+    failures: the failure accounting the journal carries (the restart
+      budget, the crash loop, quarantine), counted on from where the
+      previous controller stopped (elastic.policy.failure_history).
     """
 
     def __init__(self, spec: JobSpec, journal: JournalWriter, clock: Clock,
                  tick_s: float = 0.1, initial_generation: int = 0, known_step: int = -1,
                  inherited: Inherited | None = None, run_id: str = "",
-                 term: int = 0, discover: bool = False) -> None:
+                 term: int = 0, discover: bool = False,
+                 failures: FailureHistory = FailureHistory()) -> None:
         self.spec = spec
         self.known_step = known_step
         self.clock = clock
@@ -79,6 +85,8 @@ class Controller:
                 phase=Phase.ADOPTING, generation=initial_generation,
                 phase_since=clock.monotonic(),
                 reason="looking for a running generation in the agents' reports")
+        self.state = failure_history.carried_into(self.state, failures, clock.monotonic(),
+                                                  clock.time(), spec)
         self.executor = Executor(spec, journal, clock, run_id, term, self.view)
         # the journal as written so far, read incrementally (status computes ETTR from it)
         self.journal_tail = JournalTail(journal.path.parent)
@@ -184,7 +192,9 @@ class Controller:
                                     "checkpoint_dir": self.spec.checkpoint_dir,
                                     "run_id": self.executor.run_id,
                                     "term": self.executor.term,
-                                    "adopting": inherited.describe() if inherited else None})
+                                    "adopting": inherited.describe() if inherited else None,
+                                    "carried": failure_history.describe(self.state,
+                                                                       self.clock.monotonic())})
         pass_s = 0.0
         probe = asyncio.create_task(self.lag.probe(self._paused))
         try:

@@ -26,7 +26,9 @@ import pathlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from elastic.policy import failure_history
 from elastic.policy.adopt import Inherited
+from elastic.policy.failure_history import FailureHistory
 from elastic.security.files import open_private, private_dir
 
 JOURNAL_NAME = "events.jsonl"
@@ -166,7 +168,9 @@ class Recorded:
       stopped nor ended), or None;
     ended: the job's exit code when its last generation ended the job
       (0 after job_succeeded, 1 after job_failed), else None;
-    term: the highest leadership term a controller journaled (0 if none)."""
+    term: the highest leadership term a controller journaled (0 if none);
+    failures: the failure accounting of the job so far (the restart budget,
+      the crash loop, quarantine: elastic.policy.failure_history)."""
 
     generation: int = 0
     step: int = -1
@@ -175,6 +179,7 @@ class Recorded:
     running: Inherited | None = None
     ended: int | None = None
     term: int = 0
+    failures: FailureHistory = FailureHistory()
 
 
 #: Kinds after which the latest generation no longer runs.
@@ -187,8 +192,10 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
     running: Inherited | None = None
     ended: int | None = None
     term = 0
+    failures = FailureHistory()
     for e in read_journal(state_dir):
         kind = e["kind"]
+        failures = failure_history.after(failures, e)
         value = e.get("step")
         if isinstance(value, int) and not isinstance(value, bool):
             step = max(step, value)
@@ -209,7 +216,7 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
                 running = dataclasses.replace(running, progressed=True)
             elif kind in _ENDED:
                 running = None
-    return Recorded(generation, step, committed, run_id, running, ended, term)
+    return Recorded(generation, step, committed, run_id, running, ended, term, failures)
 
 
 def _inherited(entry: dict) -> Inherited | None:

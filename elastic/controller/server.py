@@ -74,7 +74,8 @@ class ControllerServer:
             initial_generation=before.generation,
             known_step=max(before.step, latest_step(self.spec.checkpoint_dir)),
             inherited=before.running, run_id=before.run_id, term=term,
-            discover=before.running is None and before.ended is None)
+            discover=before.running is None and before.ended is None,
+            failures=before.failures)
         self.ended = before.ended
         self.controller.view.committed_step = before.committed_step
         self.server = transport.aio_server()

@@ -67,13 +67,28 @@ def window_s(heartbeat_timeout_s: float) -> float:
     return max(heartbeat_timeout_s, 2 * AGENT_RECONNECT_MAX_S)
 
 
+def crashed(inherited: Inherited, view: ClusterView) -> list[str]:
+    """The members (in rank order) whose worker of the inherited generation
+    exited with a failure (a nonzero code, a signal) while no controller ran."""
+    g = inherited.generation
+    return [h for h in inherited.hosts
+            if (r := view.get(h)) is not None and r.worker.generation == g
+            and r.worker.state is WorkerState.EXITED and not r.worker.succeeded]
+
+
 def judge(inherited: Inherited, view: ClusterView, waited_s: float,
           window: float) -> tuple[str, str] | None:
     """("adopt", why) when every member reports the inherited generation
-    as the journal has it; ("restart", why) when one disagrees, or when
-    `waited_s` (seconds since the controller started) reached `window`
-    with members still missing; None while it waits for them."""
+    as the journal has it; ("failure", why) when a member's worker of it
+    crashed while no controller ran (a failure like any other: it counts
+    towards the restart budget, the crash loop and the host's quarantine);
+    ("restart", why) when a member disagrees otherwise, or when `waited_s`
+    (seconds since the controller started) reached `window` with members
+    still missing; None while it waits for them."""
     g = inherited.generation
+    for host in crashed(inherited, view)[:1]:
+        return "failure", (f"the worker on host {host} exited with "
+                           f"{view.hosts[host].worker.describe_exit()} while no controller ran")
     missing = []
     for rank, host in enumerate(inherited.hosts):
         record = view.get(host)
@@ -88,8 +103,6 @@ def judge(inherited: Inherited, view: ClusterView, waited_s: float,
         if w.generation != g:
             runs = f"a worker of generation {w.generation}" if w.generation else "no worker"
             return "restart", f"host {host} reports {runs}, not of generation {g}"
-        if w.state is WorkerState.EXITED and not w.succeeded:
-            return "restart", f"the worker on host {host} exited with {w.describe_exit()}"
         if w.state is WorkerState.IDLE:
             return "restart", f"host {host} reports no worker of generation {g}"
         if w.num_processes and (w.process_id, w.num_processes) != (rank, len(inherited.hosts)):

@@ -100,8 +100,8 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                   coordinator=inherited.coordinator, devices_per_host=inherited.devices_per_host,
                   device_kind=inherited.device_kind, restarts=inherited.restarts,
                   inherited=None)
+    steps = [view.hosts[h].worker.step for h in inherited.hosts if h in view.hosts]
     if what == "adopt":
-        steps = [view.hosts[h].worker.step for h in inherited.hosts]
         progressed = inherited.progressed or min(steps) >= 0
         actions.append(Journal("slice_adopted", g, why, None, {
             "hosts": list(inherited.hosts), "step": min(steps),
@@ -109,10 +109,16 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         state = _enter(state, Phase.RUNNING if progressed else Phase.STARTING, now,
                        f"generation {g} adopted on {len(inherited.hosts)} hosts",
                        progressed=progressed, **common)
-    else:
-        state = _begin_stop(dataclasses.replace(state, **common), now, spec, actions,
-                            "adoption", f"cannot adopt generation {g}: {why}", ())
+    else:  # (a crash counts as any failure: towards the crash loop, whose count
+        # needs whether the generation made a step, and the host's quarantine)
+        failed, progressed = what == "failure", inherited.progressed or max(steps, default=-1) >= 0
+        state = _begin_stop(
+            dataclasses.replace(state, progressed=progressed, **common), now, spec, actions,
+            "failure" if failed else "adoption",
+            f"generation {g} failed: {why}" if failed else f"cannot adopt generation {g}: {why}",
+            tuple(adopt.crashed(inherited, view)[:1]), view.hosts.keys() - state.lost)
     return state, tuple(actions), state.reason
+
 
 def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                 actions: list[Action]) -> SliceState:
@@ -630,7 +636,10 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         return _enter(state, Phase.WAITING, now, f"restarting: {state.reason}",
                       restarts=state.restarts + 1)
     r = spec.restart
-    recent = tuple(t for t in state.failure_restarts if t > now - r.window_s) + (now,)
+    # (a failure restart counts from when its stop began, as the journal's
+    # slice_stopping has it: elastic.policy.failure_history)
+    recent = tuple(t for t in state.failure_restarts if t > now - r.window_s) + \
+        (state.phase_since,)
     if state.failures_without_progress >= r.crash_loop_failures:
         return _fail(state, now, actions,
                      f"crash loop: {state.failures_without_progress} failures in a row with no "

@@ -1,0 +1,126 @@
+"""The failure accounting a controller inherits from the journal.
+
+The restart budget (`restart.max_restarts` failures within
+`restart.window_s`), the crash loop (`restart.crash_loop_failures` failures
+in a row without a step) and quarantine (`quarantine.failures` failures of a
+host within `quarantine.window_s`, then `quarantine.cooldown_s` set aside)
+count failures over time. A controller that starts on a job's journal (after
+its predecessor was killed, restarted by systemd, or deposed by a standby)
+must go on counting where that one stopped: otherwise every controller
+restart refills the budget, a crash loop that also takes the controller
+down never ends, and a quarantined host is back in the next slice.
+
+`after(history, entry)` folds one journal entry into a `FailureHistory` (in
+the journal's Unix seconds); `carried_into(state, history, ...)` puts it in
+a controller's `SliceState` on its own monotonic clock. Both are pure. A
+job that ended (`job_succeeded`, `job_failed`) starts its count again: a
+job started again on the same state directory is a new run, and a crash
+loop it ended on (the bug since fixed) must not fail it at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from elastic.config import JobSpec
+from elastic.policy.state import SliceState
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureHistory:
+    """What the journal says about failures (times in Unix seconds, as the
+    journal's `ts`):
+
+    restarts_at: when each failure restart began (`slice_stopping` with
+      cause "failure": the stop that began it is what the budget counts;
+      one whose controller died before `slice_stopped` still restarted).
+    without_progress: failures in a row with no step between them (the
+      crash-loop count); 0 again after a quarantine, as decide counts it.
+    progressed: the latest generation made a step (`first_progress`, or
+      adopted at a step).
+    host_failures: host -> when failures were attributed to it.
+    quarantined: host -> (until, reason), set aside and not yet released.
+    """
+
+    restarts_at: tuple[float, ...] = ()
+    without_progress: int = 0
+    progressed: bool = False
+    host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+
+
+def _number(entry: Mapping, key: str) -> float | None:
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
+    """`history` with one journal `entry` (as elastic.controller.journal
+    parses it: `ts`, `kind`, `generation`, `host` and the kind's fields)
+    folded in. Entries of other kinds, or missing the fields a kind needs,
+    leave it as it is."""
+    kind, ts, host = entry["kind"], float(entry["ts"]), entry.get("host")
+    if kind in ("job_succeeded", "job_failed"):
+        return FailureHistory()
+    if kind in ("generation_started", "generation_discovered"):
+        return dataclasses.replace(history, progressed=False)
+    adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
+    if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
+        return dataclasses.replace(history, progressed=True)
+    if kind == "slice_stopping" and entry.get("cause") == "failure":
+        blamed = entry.get("blamed") if isinstance(entry.get("blamed"), list) else []
+        failures = dict(history.host_failures)
+        for h in blamed:
+            if isinstance(h, str):
+                failures[h] = failures.get(h, ()) + (ts,)
+        return dataclasses.replace(
+            history, restarts_at=history.restarts_at + (ts,), host_failures=failures,
+            without_progress=1 if history.progressed else history.without_progress + 1)
+    if kind == "host_quarantined" and isinstance(host, str):
+        until_s = _number(entry, "until_s")
+        if until_s is None:
+            return history
+        failures = {h: t for h, t in history.host_failures.items() if h != host}
+        quarantined = {**history.quarantined, host: (ts + until_s, str(entry.get("reason", "")))}
+        return dataclasses.replace(history, host_failures=failures, quarantined=quarantined,
+                                   without_progress=0)
+    if kind == "host_released" and isinstance(host, str):
+        return dataclasses.replace(history, quarantined={
+            h: q for h, q in history.quarantined.items() if h != host})
+    return history
+
+
+def carried_into(state: SliceState, history: FailureHistory, monotonic_now: float,
+                 wall_now: float, spec: JobSpec) -> SliceState:
+    """`state` counting the failures of `history` on the controller's
+    monotonic clock (a journal time t becomes `monotonic_now - (wall_now -
+    t)`), keeping only what the windows still count: failure restarts within
+    `restart.window_s`, a host's failures within `quarantine.window_s`, and
+    quarantines that have not yet ended (those that ended while no
+    controller ran are released by the first pass, which journals it)."""
+    offset = monotonic_now - wall_now
+    restarts = tuple(t + offset for t in history.restarts_at
+                     if t > wall_now - spec.restart.window_s)
+    failures = {}
+    for host, times in history.host_failures.items():
+        kept = tuple(t + offset for t in times if t > wall_now - spec.quarantine.window_s)
+        if kept:
+            failures[host] = kept
+    quarantined = {h: (until + offset, reason)
+                   for h, (until, reason) in history.quarantined.items()}
+    return dataclasses.replace(state, failure_restarts=restarts,
+                               failures_without_progress=history.without_progress,
+                               host_failures=failures, quarantined=quarantined)
+
+
+def describe(state: SliceState, monotonic_now: float) -> dict:
+    """What `controller_started` journals about the failures `state`
+    counts: failure restarts within the budget's window, the crash-loop
+    count, and host -> seconds left in quarantine."""
+    return {"failure_restarts": len(state.failure_restarts),
+            "failures_without_progress": state.failures_without_progress,
+            "quarantined": {h: round(until - monotonic_now, 3)
+                            for h, (until, _) in sorted(state.quarantined.items())}}

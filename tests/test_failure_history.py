@@ -1,0 +1,182 @@
+"""A controller that starts on a job's journal counts failures on from where
+its predecessor stopped (elastic.policy.failure_history): by table with a
+fake clock, decisions journaled as the executor writes them, read back
+through the journal file, and carried into a new controller's state. (End to
+end, a controller killed in a crash loop: tests/test_controller_failover.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elastic.config import QuarantineSpec
+from elastic.controller.journal import JournalWriter, recorded
+from elastic.policy import decide as d
+from elastic.policy import failure_history
+from elastic.policy.decide import Phase, SliceState, decide
+from elastic.policy.failure_history import FailureHistory
+from elastic.policy.view import ClusterView, WorkerState
+from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
+                                 stop_and_settle, worker)
+
+#: The journal's Unix time at the fake clock's T0, and the successor's
+#: monotonic clock at the same instant (another process: another origin).
+WALL0 = 1.8e9
+SUCCESSOR_T0 = 5.0
+
+
+def journal(path, decisions, at):
+    """Write the Journal actions of `decisions` (made at monotonic times
+    `at`) as the executor does, at the matching Unix times."""
+    writer = JournalWriter(path)
+    for decision, now in zip(decisions, at):
+        for a in decision.actions:
+            if isinstance(a, d.Journal):
+                writer.write(WALL0 + now - T0, a.kind, a.generation, a.reason, a.host,
+                             a.fields)
+    writer.close()
+
+
+def carried(path, now, s) -> SliceState:
+    """A successor's state, started on the journal at `path` at monotonic
+    time `now` of the fake clock."""
+    history = recorded(path).failures
+    return failure_history.carried_into(SliceState(), history, SUCCESSOR_T0 + now - T0,
+                                        WALL0 + now - T0, s)
+
+
+def shifted(times):
+    return tuple(round(t - T0 + SUCCESSOR_T0, 6) for t in times)
+
+
+def test_a_successor_counts_what_its_predecessor_counted(tmp_path):
+    """Three failures blamed on h3 (one quarantines it, which starts the
+    crash-loop count again) and one on h1: what a controller counts and
+    what its successor reads back from the journal are the same, on the
+    successor's clock."""
+    s = dataclasses.replace(spec(restart={"crash_loop_failures": 99}),
+                            quarantine=QuarantineSpec(failures=3, window_s=100, cooldown_s=500))
+    view = ClusterView()
+    for h in ("h0", "h1", "h2", "h3"):
+        register(view, h)
+    state, now, decisions, at = SliceState(phase_since=T0), T0 + 2, [], []
+    for attempt, blamed in enumerate(["h3", "h3", "h3", "h1"]):
+        heartbeat_all(view, now)
+        for r in view.hosts.values():
+            r.free_port = 6000 + attempt * 10 + int(r.host_id[-1])
+        started = decide(state, view, now, s)
+        decisions.append(started), at.append(now)
+        state = started.state
+        for h in (a.host for a in started.actions if isinstance(a, d.StartWorker)):
+            worker(view, h, now + 0.5, state.generation, WorkerState.RUNNING)
+        worker(view, blamed, now + 1, state.generation, WorkerState.EXITED, exit_code=1)
+        stopping = decide(state, view, now + 1, s)
+        decisions.append(stopping), at.append(now + 1)
+        for h in stopping.state.members:
+            if view.hosts[h].worker.running:
+                worker(view, h, now + 1.1, state.generation, WorkerState.EXITED, sig=9)
+        stopped = decide(stopping.state, view, now + 1.2, s)
+        decisions.append(stopped), at.append(now + 1.2)
+        state, now = stopped.state, now + 2
+        assert state.phase is Phase.WAITING, stopped.reason
+    assert "h3" in state.quarantined and state.failures_without_progress == 1
+    journal(tmp_path, decisions, at)
+
+    successor = carried(tmp_path, now, s)
+    assert successor.failure_restarts == shifted(state.failure_restarts)
+    assert successor.failures_without_progress == state.failures_without_progress == 1
+    assert {h: tuple(round(t, 6) for t in times)
+            for h, times in successor.host_failures.items()} == \
+        {h: shifted(times) for h, times in state.host_failures.items() if times} == \
+        {"h1": shifted([T0 + 9])}
+    (until, reason), = successor.quarantined.values()
+    assert list(successor.quarantined) == ["h3"] and reason == state.quarantined["h3"][1]
+    assert round(until, 6) == shifted([state.quarantined["h3"][0]])[0]
+    described = failure_history.describe(successor, SUCCESSOR_T0 + now - T0)
+    assert described["failure_restarts"] == 4 and described["quarantined"]["h3"] > 490
+
+    # ... and the successor does not put h3 back in the next slice
+    later = SUCCESSOR_T0 + now - T0
+    successor = dataclasses.replace(successor, phase_since=later, generation=state.generation)
+    view = ClusterView()  # (the hosts register with the successor)
+    for h in ("h0", "h1", "h2", "h3"):
+        register(view, h, now=later)
+    heartbeat_all(view, later + 2)
+    nxt = decide(successor, view, later + 2, s)
+    assert [a.host for a in nxt.actions if isinstance(a, d.StartWorker)] == ["h0", "h1", "h2"]
+
+
+def test_a_crash_loop_goes_on_counting_across_a_controller_restart(tmp_path):
+    """Two failures without a step, then the controller restarts: the
+    successor's next failure is the third in a row, and fails the job."""
+    s = spec(min_hosts=2, restart={"crash_loop_failures": 3})
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    decisions, at, now = [], [], T0 + 1
+    state = running_slice(view, ["h0", "h1"], progressed=False)
+    for generation in (1, 2):
+        if generation == 2:
+            state = running_slice(view, ["h0", "h1"], now=now, generation=2, progressed=False,
+                                  failures_without_progress=state.failures_without_progress)
+        worker(view, "h0", now, generation, WorkerState.EXITED, exit_code=1)
+        decisions.append(decide(state, view, now, s)), at.append(now)
+        end = stop_and_settle(state, view, now, s)
+        decisions.append(end), at.append(now + 0.2)
+        state, now = end.state, now + 2
+    journal(tmp_path, decisions, at)
+    assert recorded(tmp_path).failures.without_progress == 2
+
+    successor = carried(tmp_path, now, s)
+    third = running_slice(view, ["h0", "h1"], now=now, generation=3, progressed=False,
+                          failures_without_progress=successor.failures_without_progress)
+    worker(view, "h1", now + 1, 3, WorkerState.EXITED, exit_code=1)
+    end = stop_and_settle(third, view, now + 1, s)
+    assert end.state.phase is Phase.FAILED and "crash loop: 3 failures" in end.reason
+
+
+def _entry(ts, kind, host=None, **fields):
+    return {"ts": WALL0 + ts, "kind": kind, "generation": 1, "host": host, "reason": "",
+            **fields}
+
+
+def test_the_fold_by_table():
+    """What each kind does to the history; a job that ended starts it again."""
+    h = FailureHistory()
+    h = failure_history.after(h, _entry(0, "generation_started"))
+    h = failure_history.after(h, _entry(1, "slice_stopping", cause="failure", blamed=["a"]))
+    assert (h.without_progress, h.restarts_at, dict(h.host_failures)) == \
+        (1, (WALL0 + 1,), {"a": (WALL0 + 1,)})
+    h = failure_history.after(h, _entry(2, "slice_stopping", cause="preemption", blamed=[]))
+    h = failure_history.after(h, _entry(3, "slice_stopping", cause="grow", blamed=[]))
+    assert len(h.restarts_at) == 1  # (only failures count)
+    h = failure_history.after(h, _entry(4, "slice_adopted", step=0))  # adopted at step 0
+    h = failure_history.after(h, _entry(5, "slice_stopping", cause="failure", blamed=["b"]))
+    assert h.without_progress == 1  # a step between: the count starts again
+    h = failure_history.after(h, _entry(6, "host_quarantined", "b", until_s=60.0))
+    assert h.without_progress == 0 and "b" not in h.host_failures
+    assert h.quarantined["b"][0] == WALL0 + 66
+    h = failure_history.after(h, _entry(7, "host_quarantined", "c"))  # no until_s: ignored
+    assert "c" not in h.quarantined
+    h = failure_history.after(h, _entry(8, "host_released", "b"))
+    assert not h.quarantined
+    h = failure_history.after(h, _entry(9, "slice_stopping", cause="failure", blamed="a"))
+    assert h.host_failures == {"a": (WALL0 + 1,)}  # (blamed not a list: no host blamed)
+    for end in ("job_failed", "job_succeeded"):
+        assert failure_history.after(h, _entry(10, end)) == FailureHistory()
+
+
+def test_only_what_the_windows_still_count_is_carried():
+    s = dataclasses.replace(spec(restart={"window_s": 100}),
+                            quarantine=QuarantineSpec(failures=3, window_s=50, cooldown_s=30))
+    history = FailureHistory(restarts_at=(WALL0 - 150, WALL0 - 50), without_progress=2,
+                             host_failures={"a": (WALL0 - 60, WALL0 - 10), "b": (WALL0 - 70,)},
+                             quarantined={"c": (WALL0 - 5, "old"), "d": (WALL0 + 20, "new")})
+    state = failure_history.carried_into(SliceState(), history, 300.0, WALL0, s)
+    assert state.failure_restarts == (250.0,)
+    assert state.host_failures == {"a": (290.0,)}
+    assert state.failures_without_progress == 2
+    assert state.quarantined == {"c": (295.0, "old"), "d": (320.0, "new")}
+    # the first pass releases the quarantine that ended while no controller ran
+    view = ClusterView()
+    first = decide(dataclasses.replace(state, phase_since=300.0), view, 300.0, s)
+    assert kinds(first).count("host_released") == 1 and list(first.state.quarantined) == ["d"]
