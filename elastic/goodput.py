@@ -388,7 +388,7 @@ def format_report(g: Goodput) -> str:
             lines += ["", "  stop -> first step of the next generation (seconds):"]
             for i in startups:
                 lines.append(f"  {i.generation:>4}  " + ", ".join(
-                    f"{k} {v:.2f}" for k, v in i.startup.items())
+                    f"{k} {round(v, 2) + 0.0:.2f}" for k, v in i.startup.items())  # (no -0.00)
                     + f"  (= {sum(i.startup.values()):.2f})")
         for i in g.incidents:
             if i.last_words:
