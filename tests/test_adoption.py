@@ -42,9 +42,23 @@ def come_back(view: ClusterView, host: str, now: float = T0, **worker) -> None:
     ({"h1": {"generation": 0, "state": WorkerState.IDLE}}, HOSTS, 0.5, "restart", "no worker"),
     ({"h2": {"state": WorkerState.EXITED, "exit_code": 1}}, HOSTS, 0.5, "failure",
      "h2 exited with exit code 1 while no controller ran"),
-    # a crash is a failure even before every member is back
-    ({"h1": {"state": WorkerState.EXITED, "signal": 9}}, HOSTS[:2], 0.5, "failure",
-     "h1 exited with signal 9"),
+    # a crash waits for every member (the missing one may be its cause) ...
+    ({"h1": {"state": WorkerState.EXITED, "signal": 9}}, HOSTS[:2], 0.5, None, ""),
+    # ... and, the window over, is blamed on the member still missing
+    ({"h1": {"state": WorkerState.EXITED, "signal": 9}}, HOSTS[:2], 5.0, "failure",
+     "h2 did not register within 5 s while no controller ran"),
+    # the likeliest cause: an exit of its own before a kill, an abort (what JAX
+    # does to a dead process's peers) last
+    ({"h0": {"state": WorkerState.EXITED, "signal": 6},
+      "h1": {"state": WorkerState.EXITED, "signal": 9},
+      "h2": {"state": WorkerState.EXITED, "exit_code": 1}}, HOSTS, 0.5, "failure",
+     "h2 exited with exit code 1"),
+    ({"h0": {"state": WorkerState.EXITED, "signal": 6},
+      "h1": {"state": WorkerState.EXITED, "signal": 9}}, HOSTS, 0.5, "failure", "h1 exited"),
+    # a worker its agent stopped (self-fencing once no controller was heard
+    # for its lease) failed nothing: the slice restarts, no host is blamed
+    ({"h1": {"state": WorkerState.EXITED, "signal": 9, "stopped_on_request": True}}, HOSTS, 0.5,
+     "restart", "h1 was stopped by its agent"),
     ({"h1": {"process_id": 2}}, HOSTS, 0.5, "restart", "runs rank 2 of 3"),
     # a worker that finished while no controller ran is adopted (the job may be done)
     ({"h0": {"state": WorkerState.EXITED}}, HOSTS, 0.5, "adopt", "all 3 hosts"),
@@ -59,7 +73,8 @@ def test_judge(changes, back, waited, verdict, why):
     if verdict is None:
         assert result is None
     else:
-        assert result[0] == verdict and why in result[1], result
+        assert result.what == verdict and why in result.why, result
+        assert len(result.blamed) == (verdict == "failure")
 
 
 def adopting(now: float = T0) -> SliceState:

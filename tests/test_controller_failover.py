@@ -238,13 +238,13 @@ def test_a_restarted_controller_counts_on_the_crash_loop(tmp_path, local_job):
 
 def test_a_worker_crash_while_no_controller_runs_counts_as_a_failure(tmp_path, local_job):
     """The controller is killed at the first step; host-1's worker crashes
-    (10 steps of 0.1 s in) before the next one starts (2 s later). The
+    (5 steps of 0.1 s in) before the next one starts (2 s later). The
     successor finds it exited: a failure of host-1, not a mere restart of a
     slice it could not adopt, so with restart.max_restarts = 1 the crash of
     generation 2 exhausts the budget (2 failures), where uncounted it would
     take a third generation."""
     spec = tiny_spec(tmp_path, "--steps 2000 --step-time-s 0.1 --crash-on-host host-1 "
-                     "--crash-after-steps 10", min_hosts=2, max_hosts=2,
+                     "--crash-after-steps 5", min_hosts=2, max_hosts=2,
                      extra="[restart]\nmax_restarts = 1")
     job = local_job(spec, hosts=2, faults=("kill-controller:all@after=first_progress",))
     assert job.wait(90) == 1, job.output()

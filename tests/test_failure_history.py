@@ -161,6 +161,18 @@ def test_the_fold_by_table():
     assert not h.quarantined
     h = failure_history.after(h, _entry(9, "slice_stopping", cause="failure", blamed="a"))
     assert h.host_failures == {"a": (WALL0 + 1,)}  # (blamed not a list: no host blamed)
+    assert h.without_progress == 1
+    # a first step starts the crash-loop count again, across restarts that are
+    # no failures (a grow), as decide's first_progress does
+    for kind, fields in (("generation_started", {}), ("first_progress", {}),
+                         ("slice_stopping", {"cause": "grow"}), ("generation_started", {})):
+        h = failure_history.after(h, _entry(9.5, kind, **fields))
+    assert h.without_progress == 0
+    # a damaged journal's numbers are passed over, not raised on or kept
+    for bad in (float("nan"), float("inf"), 10 ** 400):
+        assert failure_history.after(h, _entry(9.7, "host_quarantined", "d", until_s=bad)) == h
+        assert failure_history.after(h, {**_entry(0, "slice_stopping", cause="failure",
+                                                  blamed=["d"]), "ts": bad}) == h
     for end in ("job_failed", "job_succeeded"):
         assert failure_history.after(h, _entry(10, end)) == FailureHistory()
 
@@ -180,3 +192,23 @@ def test_only_what_the_windows_still_count_is_carried():
     view = ClusterView()
     first = decide(dataclasses.replace(state, phase_since=300.0), view, 300.0, s)
     assert kinds(first).count("host_released") == 1 and list(first.state.quarantined) == ["d"]
+
+
+def test_a_limit_used_up_before_the_controller_started_fails_the_job_at_once():
+    """Its predecessor died between the stop of the failure that used up the
+    crash loop and the check at the stop's end: the successor, waiting,
+    fails the job instead of starting another generation."""
+    s = spec(min_hosts=1, restart={"crash_loop_failures": 3})
+    view = ClusterView()
+    register(view, "h0")
+    heartbeat_all(view, T0 + 2)
+    state = SliceState(phase_since=T0, generation=3, failures_without_progress=3)
+    first = decide(state, view, T0 + 2, s)
+    assert first.state.phase is Phase.FAILED, first.reason
+    assert "crash loop: 3 failures" in first.reason and "before this controller" in first.reason
+    assert not [a for a in first.actions if isinstance(a, d.StartWorker)]
+    budget = spec(min_hosts=1, restart={"max_restarts": 1})
+    state = SliceState(phase_since=T0, generation=3, failure_restarts=(T0 - 10, T0 - 5))
+    assert decide(state, view, T0 + 2, budget).state.phase is Phase.FAILED
+    state = SliceState(phase_since=T0, generation=3, failure_restarts=(T0 - 5,))
+    assert decide(state, view, T0 + 2, budget).state.phase is not Phase.FAILED

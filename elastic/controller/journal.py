@@ -78,7 +78,10 @@ def parse_line(line: bytes) -> dict | None:
     if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
         return None
     ts = entry.get("ts")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+    try:  # (an integer too large for a float makes isfinite raise)
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            return None
+    except OverflowError:
         return None
     generation = entry.get("generation", 0)
     if isinstance(generation, bool) or not isinstance(generation, int):

@@ -28,6 +28,8 @@ elected master "reads state from the Paxos store and polls the Borglets").
 from __future__ import annotations
 
 import dataclasses
+import signal
+from typing import NamedTuple
 
 from elastic.policy.view import ClusterView, WorkerState
 
@@ -67,28 +69,55 @@ def window_s(heartbeat_timeout_s: float) -> float:
     return max(heartbeat_timeout_s, 2 * AGENT_RECONNECT_MAX_S)
 
 
+class Verdict(NamedTuple):
+    """What `judge` decided: `what` ("adopt", "failure" or "restart"), `why`
+    (a sentence), and for a failure the host it is blamed on."""
+
+    what: str
+    why: str
+    blamed: tuple[str, ...] = ()
+
+
 def crashed(inherited: Inherited, view: ClusterView) -> list[str]:
-    """The members (in rank order) whose worker of the inherited generation
-    exited with a failure (a nonzero code, a signal) while no controller ran."""
+    """The members whose worker of the inherited generation failed by itself
+    (a nonzero code, a signal; not stopped by its agent: a stop it was told,
+    or the agent's self-fencing once no controller was heard for its lease)
+    while no controller ran, the likeliest root cause first: a worker that
+    exited with a code of its own, then one killed by another signal, then
+    one aborted (SIGABRT: what JAX's coordination service does to the peers
+    of a dead process); in rank order within each."""
     g = inherited.generation
-    return [h for h in inherited.hosts
-            if (r := view.get(h)) is not None and r.worker.generation == g
-            and r.worker.state is WorkerState.EXITED and not r.worker.succeeded]
+    found = [(rank, r.worker) for rank, h in enumerate(inherited.hosts)
+             if (r := view.get(h)) is not None and r.worker.generation == g
+             and r.worker.state is WorkerState.EXITED and not r.worker.succeeded
+             and not r.worker.stopped_on_request]
+    found.sort(key=lambda item: (0 if not item[1].signal else
+                                 2 if item[1].signal == signal.SIGABRT else 1, item[0]))
+    return [inherited.hosts[rank] for rank, _ in found]
 
 
 def judge(inherited: Inherited, view: ClusterView, waited_s: float,
-          window: float) -> tuple[str, str] | None:
-    """("adopt", why) when every member reports the inherited generation
-    as the journal has it; ("failure", why) when a member's worker of it
-    crashed while no controller ran (a failure like any other: it counts
-    towards the restart budget, the crash loop and the host's quarantine);
-    ("restart", why) when a member disagrees otherwise, or when `waited_s`
+          window: float) -> Verdict | None:
+    """"adopt" when every member reports the inherited generation as the
+    journal has it; "failure" when a member's worker of it failed by itself
+    while no controller ran (`crashed`: a failure like any other, counted
+    towards the restart budget, the crash loop and quarantine), once every
+    member is back or `window` passed — blamed, as a live controller would,
+    on a member still missing (its host went away) or else on the likeliest
+    crash; "restart" when a member disagrees otherwise, or when `waited_s`
     (seconds since the controller started) reached `window` with members
     still missing; None while it waits for them."""
     g = inherited.generation
-    for host in crashed(inherited, view)[:1]:
-        return "failure", (f"the worker on host {host} exited with "
-                           f"{view.hosts[host].worker.describe_exit()} while no controller ran")
+    failed = crashed(inherited, view)
+    if failed:
+        absent = [h for h in inherited.hosts if view.get(h) is None]
+        if absent and waited_s < window:
+            return None  # (the one missing may be the cause)
+        culprit = (absent or failed)[0]
+        how = (f"did not register within {window:g} s" if absent else
+               f"exited with {view.hosts[culprit].worker.describe_exit()}")
+        return Verdict("failure", f"the worker on host {culprit} {how} while no controller "
+                                  f"ran", (culprit,))
     missing = []
     for rank, host in enumerate(inherited.hosts):
         record = view.get(host)
@@ -96,27 +125,31 @@ def judge(inherited: Inherited, view: ClusterView, waited_s: float,
             missing.append(host)
             continue
         if inherited.incarnations and record.incarnation != inherited.incarnations[rank]:
-            return "restart", (f"the agent of host {host} restarted while no controller ran "
-                               f"(incarnation {inherited.incarnations[rank]} -> "
-                               f"{record.incarnation})")
+            return Verdict("restart", f"the agent of host {host} restarted while no controller "
+                                      f"ran (incarnation {inherited.incarnations[rank]} -> "
+                                      f"{record.incarnation})")
         w = record.worker
         if w.generation != g:
             runs = f"a worker of generation {w.generation}" if w.generation else "no worker"
-            return "restart", f"host {host} reports {runs}, not of generation {g}"
+            return Verdict("restart", f"host {host} reports {runs}, not of generation {g}")
+        if w.state is WorkerState.EXITED and not w.succeeded:  # (stopped by its agent)
+            return Verdict("restart", f"the worker on host {host} was stopped by its agent "
+                                      f"({w.describe_exit()})")
         if w.state is WorkerState.IDLE:
-            return "restart", f"host {host} reports no worker of generation {g}"
+            return Verdict("restart", f"host {host} reports no worker of generation {g}")
         if w.num_processes and (w.process_id, w.num_processes) != (rank, len(inherited.hosts)):
-            return "restart", (f"host {host} runs rank {w.process_id} of {w.num_processes}; "
-                               f"the journal has rank {rank} of {len(inherited.hosts)}")
+            return Verdict("restart", f"host {host} runs rank {w.process_id} of "
+                                      f"{w.num_processes}; the journal has rank {rank} of "
+                                      f"{len(inherited.hosts)}")
         if inherited.devices_per_host and record.devices < inherited.devices_per_host:
-            return "restart", (f"host {host} now has {record.devices} device(s); generation "
-                               f"{g} uses {inherited.devices_per_host} per host")
+            return Verdict("restart", f"host {host} now has {record.devices} device(s); "
+                                      f"generation {g} uses {inherited.devices_per_host} per host")
     if not missing:
-        return "adopt", (f"all {len(inherited.hosts)} hosts of generation {g} report its "
-                         f"workers as the journal has them")
+        return Verdict("adopt", f"all {len(inherited.hosts)} hosts of generation {g} report "
+                                f"its workers as the journal has them")
     if waited_s >= window:
-        return "restart", (f"host(s) {', '.join(missing)} of generation {g} did not register "
-                           f"within {window:g} s")
+        return Verdict("restart", f"host(s) {', '.join(missing)} of generation {g} did not "
+                                  f"register within {window:g} s")
     return None
 
 

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Set
 
 from elastic.config import JobSpec
-from elastic.policy import adopt, fencing, grow, quarantine, silence
+from elastic.policy import adopt, failure_history, fencing, grow, quarantine, silence
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
@@ -85,15 +85,17 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     g = inherited.generation
     verdict = adopt.judge(inherited, view, now - state.phase_since, window)
     lost = [h for h in inherited.hosts if h in state.lost]
-    if lost:
-        verdict = "restart", f"host {lost[0]} was lost before the slice could be adopted"
+    if lost:  # (with a crash, the lost host is its likeliest cause)
+        failed = verdict is not None and verdict.what == "failure"
+        verdict = adopt.Verdict("failure" if failed else "restart", f"host {lost[0]} was lost "
+                                f"before the slice could be adopted", (lost[0],) if failed else ())
     if verdict is None:
         here = sum(h in view.hosts for h in inherited.hosts)
         reason = (f"adopting generation {g}: {here} of its {len(inherited.hosts)} hosts "
                   f"registered")
         state = dataclasses.replace(state, reason=reason) if reason != state.reason else state
         return state, tuple(actions), state.reason
-    what, why = verdict
+    what, why, blamed = verdict
     incarnations = tuple(view.hosts[h].incarnation if h in view.hosts else ""
                          for h in inherited.hosts)
     common = dict(members=inherited.hosts, incarnations=incarnations,
@@ -116,7 +118,7 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             dataclasses.replace(state, progressed=progressed, **common), now, spec, actions,
             "failure" if failed else "adoption",
             f"generation {g} failed: {why}" if failed else f"cannot adopt generation {g}: {why}",
-            tuple(adopt.crashed(inherited, view)[:1]), view.hosts.keys() - state.lost)
+            blamed, view.hosts.keys() - state.lost)
     return state, tuple(actions), state.reason
 
 
@@ -258,6 +260,13 @@ def _waiting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
              actions: list[Action]) -> SliceState:
     """Start the next generation if a plan allows; else wait, at most
     `restart.waiting_timeout_s` in all (then the job fails with the reason)."""
+    # (a controller that started on a journal whose last failure used up a
+    # limit, and died before its stop ended, finds it here)
+    spent = failure_history.exhausted(state.failures_without_progress,
+                                      failure_history.recent(state.failure_restarts, now, spec),
+                                      spec)
+    if spent:
+        return _fail(state, now, actions, f"{spent} (counted before this controller started)")
     after = _try_start(state, view, now, spec, actions)
     limit = spec.restart.waiting_timeout_s
     if after.phase is Phase.WAITING and limit and now - state.phase_since >= limit:
@@ -635,21 +644,12 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if state.stop_kind != "failure":
         return _enter(state, Phase.WAITING, now, f"restarting: {state.reason}",
                       restarts=state.restarts + 1)
-    r = spec.restart
     # (a failure restart counts from when its stop began, as the journal's
     # slice_stopping has it: elastic.policy.failure_history)
-    recent = tuple(t for t in state.failure_restarts if t > now - r.window_s) + \
-        (state.phase_since,)
-    if state.failures_without_progress >= r.crash_loop_failures:
-        return _fail(state, now, actions,
-                     f"crash loop: {state.failures_without_progress} failures in a row with no "
-                     f"step progress (restart.crash_loop_failures = {r.crash_loop_failures}); "
-                     f"last: {state.reason}")
-    if len(recent) > r.max_restarts:
-        return _fail(state, now, actions,
-                     f"restart budget exhausted: {len(recent)} failures within "
-                     f"{r.window_s:g} s (restart.max_restarts = {r.max_restarts}); "
-                     f"last: {state.reason}")
+    recent = failure_history.recent(state.failure_restarts, now, spec) + (state.phase_since,)
+    spent = failure_history.exhausted(state.failures_without_progress, recent, spec)
+    if spent:
+        return _fail(state, now, actions, f"{spent}; last: {state.reason}")
     return _enter(state, Phase.WAITING, now, f"restarting after failure: {state.reason}",
                   failure_restarts=recent, restarts=state.restarts + 1)
 

@@ -21,6 +21,7 @@ loop it ended on (the bug since fixed) must not fail it at once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from elastic.config import JobSpec
@@ -36,7 +37,8 @@ class FailureHistory:
       cause "failure": the stop that began it is what the budget counts;
       one whose controller died before `slice_stopped` still restarted).
     without_progress: failures in a row with no step between them (the
-      crash-loop count); 0 again after a quarantine, as decide counts it.
+      crash-loop count); 0 again after a step or a quarantine, as decide
+      counts it.
     progressed: the latest generation made a step (`first_progress`, or
       adopted at a step).
     host_failures: host -> when failures were attributed to it.
@@ -51,10 +53,35 @@ class FailureHistory:
 
 
 def _number(entry: Mapping, key: str) -> float | None:
+    """entry[key] as a finite float, else None (a damaged journal's
+    NaN, infinity, or an integer too large for a float included)."""
     value = entry.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def recent(restarts: tuple[float, ...], now: float, spec: JobSpec) -> tuple[float, ...]:
+    """The failure restarts (times, seconds) within `restart.window_s` before `now`."""
+    return tuple(t for t in restarts if t > now - spec.restart.window_s)
+
+
+def exhausted(without_progress: int, restarts: tuple[float, ...], spec: JobSpec) -> str | None:
+    """Why the job must fail (a sentence) with `without_progress` failures in
+    a row without a step and the failure restarts `restarts` within the
+    window; None while both limits hold."""
+    r = spec.restart
+    if without_progress >= r.crash_loop_failures:
+        return (f"crash loop: {without_progress} failures in a row with no step progress "
+                f"(restart.crash_loop_failures = {r.crash_loop_failures})")
+    if len(restarts) > r.max_restarts:
+        return (f"restart budget exhausted: {len(restarts)} failures within {r.window_s:g} s "
+                f"(restart.max_restarts = {r.max_restarts})")
+    return None
 
 
 def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
@@ -62,14 +89,17 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
     parses it: `ts`, `kind`, `generation`, `host` and the kind's fields)
     folded in. Entries of other kinds, or missing the fields a kind needs,
     leave it as it is."""
-    kind, ts, host = entry["kind"], float(entry["ts"]), entry.get("host")
+    kind, ts, host = entry["kind"], _number(entry, "ts"), entry.get("host")
+    if ts is None:
+        return history
     if kind in ("job_succeeded", "job_failed"):
         return FailureHistory()
     if kind in ("generation_started", "generation_discovered"):
         return dataclasses.replace(history, progressed=False)
     adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
     if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
-        return dataclasses.replace(history, progressed=True)
+        # (a step starts the crash-loop count again, as decide's first_progress does)
+        return dataclasses.replace(history, progressed=True, without_progress=0)
     if kind == "slice_stopping" and entry.get("cause") == "failure":
         blamed = entry.get("blamed") if isinstance(entry.get("blamed"), list) else []
         failures = dict(history.host_failures)
@@ -102,8 +132,7 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
     quarantines that have not yet ended (those that ended while no
     controller ran are released by the first pass, which journals it)."""
     offset = monotonic_now - wall_now
-    restarts = tuple(t + offset for t in history.restarts_at
-                     if t > wall_now - spec.restart.window_s)
+    restarts = tuple(t + offset for t in recent(history.restarts_at, wall_now, spec))
     failures = {}
     for host, times in history.host_failures.items():
         kept = tuple(t + offset for t in times if t > wall_now - spec.quarantine.window_s)
