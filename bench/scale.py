@@ -105,6 +105,7 @@ async def simulated_agent(stub, pb, address: str, host_id: str, job_id: str, rec
     import grpc
 
     from elastic import transport
+    from elastic.protocol import PROTOCOL
 
     incarnation = uuid.uuid4().hex[:12]
     status = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
@@ -126,7 +127,7 @@ async def simulated_agent(stub, pb, address: str, host_id: str, job_id: str, rec
                 with attempt:
                     reply = await stub.Register(pb.RegisterRequest(
                         header=header(), devices=1, address="127.0.0.1", failure_domain=host_id,
-                        worker=status, free_port=20000 + random.randrange(20000)), timeout=30)
+                        protocol=PROTOCOL, worker=status, free_port=20000 + random.randrange(20000)), timeout=30)
             stage = "stream"
             await session(stub, pb, address, reply, header, status, host_id, received, silence)
             code = "OK"

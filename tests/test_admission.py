@@ -7,6 +7,7 @@ import json
 import pytest
 
 from elastic.controller import admission as adm
+from elastic.protocol import PROTOCOL
 from elastic.security.identity import Identity, Role
 from elastic.security.text import clean_text
 from elastic.v1 import control_pb2 as pb
@@ -19,7 +20,7 @@ def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.
              domain="", free_port=0, pid=7, kind="", service_port=0,
              **worker) -> pb.RegisterRequest:
     return pb.RegisterRequest(
-        header=pb.Header(job_id=job, host_id=host, incarnation=incarnation),
+        header=pb.Header(job_id=job, host_id=host, incarnation=incarnation), protocol=PROTOCOL,
         devices=devices, device_kind=kind, address=address, failure_domain=domain,
         free_port=free_port, service_port=service_port,
         agent_pid=pid, worker=pb.WorkerStatus(**{"step": -1, "committed_step": -1, **worker}))

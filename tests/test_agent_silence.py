@@ -13,6 +13,7 @@ import pytest
 from elastic import transport
 from elastic.agent import session as agent_session
 from elastic.agent.agent import Agent
+from elastic.protocol import PROTOCOL
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
 from tests.test_grpc import agent_settings, run
@@ -32,7 +33,7 @@ class QuietController(pb_grpc.ControllerServicer):
         self.registered_at.append(time.monotonic())
         if len(self.registered_at) >= 2:
             self.again.set()
-        return pb.RegisterResponse(job_id="test", heartbeat_interval_s=0.1,
+        return pb.RegisterResponse(job_id="test", protocol=PROTOCOL, heartbeat_interval_s=0.1,
                                    heartbeat_timeout_s=0.5, controller_lease_s=self.lease_s,
                                    stream_wait_s=self.stream_wait_s)
 

@@ -30,6 +30,7 @@ from elastic.config import load_spec
 from elastic.controller.journal import load_journal
 from elastic.controller.server import ControllerServer
 from elastic.policy.view import WORKER_EVENT_KINDS
+from elastic.protocol import PROTOCOL
 from elastic.security.identity import Role, id_problem
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
@@ -166,6 +167,7 @@ def test_controller_survives_random_messages(live_controller, host, register, st
     if valid_start:  # get past registration so the random messages reach the handlers
         header = pb.Header(job_id="test", host_id=host, incarnation="i1")
         stub.Register(pb.RegisterRequest(header=header, devices=1, address="127.0.0.1",
+                                         protocol=PROTOCOL,
                                          worker=pb.WorkerStatus(step=-1, committed_step=-1)),
                       timeout=5)
         first = pb.AgentMessage(header=header, heartbeat=pb.Heartbeat(
@@ -223,7 +225,7 @@ class HostileController(pb_grpc.ControllerServicer):
         self.exits: list[pb.WorkerStatus] = []
 
     async def Register(self, request, context):
-        return pb.RegisterResponse(job_id="test", heartbeat_interval_s=0.1,
+        return pb.RegisterResponse(job_id="test", protocol=PROTOCOL, heartbeat_interval_s=0.1,
                                    heartbeat_timeout_s=2.0)
 
     async def Connect(self, request_iterator, context):

@@ -15,6 +15,7 @@ from elastic.agent.agent import Agent, AgentSettings
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.server import ControllerServer
+from elastic.protocol import PROTOCOL
 from elastic.security.allow import AllowList
 from elastic.security.identity import Role
 from elastic.v1 import control_pb2 as pb
@@ -61,6 +62,7 @@ def header(host="h0", incarnation="inc-1", generation=0, job="test") -> pb.Heade
 
 def register_request(**kw) -> pb.RegisterRequest:
     return pb.RegisterRequest(header=header(**kw), devices=1, address="127.0.0.1",
+                              protocol=PROTOCOL,
                               worker=pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1))
 
 

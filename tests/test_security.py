@@ -24,6 +24,7 @@ from elastic.agent.agent import Agent, AgentSettings
 from elastic.config import load_spec
 from elastic.controller.journal import load_journal
 from elastic.controller.server import ControllerServer
+from elastic.protocol import PROTOCOL
 from elastic.security import certs
 from elastic.security.allow import AllowList
 from elastic.security.identity import Role
@@ -58,6 +59,7 @@ def header(host="h0", incarnation="inc1", generation=0) -> pb.Header:
 
 def register_request(host="h0", incarnation="inc1", **worker) -> pb.RegisterRequest:
     return pb.RegisterRequest(header=header(host, incarnation), devices=1, address="127.0.0.1",
+                              protocol=PROTOCOL,
                               worker=pb.WorkerStatus(**{"step": -1, "committed_step": -1,
                                                         **worker}))
 
@@ -356,7 +358,7 @@ class FakeController(pb_grpc.ControllerServicer):
 
     async def Register(self, request, context):
         self.registered.set()
-        return pb.RegisterResponse(job_id="test", heartbeat_interval_s=0.2,
+        return pb.RegisterResponse(job_id="test", protocol=PROTOCOL, heartbeat_interval_s=0.2,
                                    heartbeat_timeout_s=2.0)
 
     async def Connect(self, request_iterator, context):

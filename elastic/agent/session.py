@@ -19,7 +19,7 @@ import time
 import grpc
 import tenacity
 
-from elastic import transport
+from elastic import protocol, transport
 from elastic.agent import fence
 from elastic.agent.datagrams import open_datagrams
 from elastic.policy.adopt import AGENT_RECONNECT_MAX_S
@@ -69,6 +69,10 @@ class _Deposed(Exception):
     """A controller answered with a lower term than one already followed."""
 
 
+class _Incompatible(Exception):
+    """A controller answered speaking another wire protocol (elastic.protocol)."""
+
+
 class ControllerSession:
     """Registration, the session's stream, reconnection and self-fencing
     (see the module docstring)."""
@@ -81,7 +85,8 @@ class ControllerSession:
             failure_domain=s.failure_domain, agent_pid=os.getpid(),
             worker=self.supervisor.status, fenced=self._fenced,
             free_port=0 if self.supervisor.running else self.ports.probe(),
-            service_port=self.service_port, metrics_port=self.metrics_port)
+            service_port=self.service_port, metrics_port=self.metrics_port,
+            protocol=protocol.PROTOCOL, release=protocol.release())
 
     async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
         """Register with the controller at `address` (one attempt) and
@@ -89,9 +94,18 @@ class ControllerSession:
         controller cannot be reached or refuses."""
         stub = pb_grpc.ControllerStub(channel)
         several = "," in self.settings.controller
-        reply = await stub.Register(self._register_request(), timeout=min(
-            self.settings.rpc_timeout_s, REGISTER_TIMEOUT_S) if several else
-            self.settings.rpc_timeout_s)
+        try:
+            reply = await stub.Register(self._register_request(), timeout=min(
+                self.settings.rpc_timeout_s, REGISTER_TIMEOUT_S) if several else
+                self.settings.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:  # (a registration's only one: another protocol)
+            if e.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                raise _Incompatible(f"it refused this agent: {e.details()}") from None
+            raise
+        problem = protocol.mismatch(reply.protocol, reply.release, f"controller at {address}",
+                                    "agent")
+        if problem:
+            raise _Incompatible(problem)
         if reply.term < self._term:
             raise _Deposed(f"controller {address} leads term {reply.term}; a controller of "
                            f"term {self._term} has led since: not following it")
@@ -249,7 +263,7 @@ class ControllerSession:
                 addresses.remove(address)
                 addresses.append(address)
                 return
-            except (TLSError, _Deposed) as e:
+            except (TLSError, _Deposed, _Incompatible) as e:
                 log.error("cannot follow %s: %s", address, e)
             except grpc.RpcError as e:
                 log.warning("controller %s: %s: %s", address, e.code().name, e.details())

@@ -33,6 +33,7 @@ import math
 import re
 from collections.abc import Mapping
 
+from elastic import protocol
 from elastic.config import DEVICE_KIND, MAX_DEVICES_PER_HOST as MAX_DEVICES
 from elastic.controller.journal import RESERVED_FIELDS
 from elastic.security.identity import Identity, Role, id_problem
@@ -64,8 +65,9 @@ _METRIC = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}")
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Why a message is refused: `kind` is "denied", "invalid" or
-    "implausible"; `reason` a sentence for the peer and the journal."""
+    """Why a message is refused: `kind` is "denied", "incompatible" (another
+    wire protocol), "invalid" or "implausible"; `reason` a sentence for the
+    peer and the journal."""
 
     kind: str
     reason: str
@@ -178,11 +180,16 @@ def _devices(count: int, kind: str, what: str) -> Refusal | None:
 
 def check_register(request, job_id: str, peer: Identity | None,
                    plausible: Plausible) -> Refusal | None:
-    """A RegisterRequest from `peer`."""
+    """A RegisterRequest from `peer`: once its job and identity hold, first
+    whether its agent speaks this controller's wire protocol
+    (elastic.protocol; the answer names this controller's release)."""
     h = request.header
     refusal = check_header(h, job_id, registering=True) or check_identity(peer, h.host_id)
     if refusal:
         return refusal
+    problem = protocol.mismatch(request.protocol, request.release, "agent", "controller")
+    if problem:
+        return Refusal("incompatible", problem)
     refusal = _devices(request.devices, request.device_kind, f"host {h.host_id}")
     if refusal:
         return refusal

@@ -26,6 +26,7 @@ from typing import Callable
 import grpc
 
 from elastic import heartbeat_datagram as hd
+from elastic import protocol
 from elastic import transport
 from elastic.controller import admission as adm
 from elastic.controller.core import Controller
@@ -45,6 +46,7 @@ log = logging.getLogger("elasticd")
 _STATES = {pb.WORKER_IDLE: v.WorkerState.IDLE, pb.WORKER_RUNNING: v.WorkerState.RUNNING,
            pb.WORKER_EXITED: v.WorkerState.EXITED}
 _CODES = {"denied": grpc.StatusCode.PERMISSION_DENIED,
+          "incompatible": grpc.StatusCode.FAILED_PRECONDITION,
           "invalid": grpc.StatusCode.INVALID_ARGUMENT,
           "implausible": grpc.StatusCode.INVALID_ARGUMENT}
 #: Streams one peer may hold at once (an agent needs one; a reconnect may
@@ -367,7 +369,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                                     heartbeat_timeout_s=health.heartbeat_timeout_s,
                                     controller_lease_s=health.controller_lease_s,
                                     term=c.executor.term,
-                                    stream_wait_s=c.view.lag_s)
+                                    stream_wait_s=c.view.lag_s, protocol=protocol.PROTOCOL,
+                                    release=protocol.release())
         if self.heartbeat_port:
             key = hd.new_key()
             session.datagrams = hd.DatagramChannel(key, h.host_id, hd.TO_AGENT)

@@ -70,7 +70,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., suspended: _Optional[bool] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("header", "devices", "address", "failure_domain", "agent_pid", "worker", "free_port", "device_kind", "fenced", "service_port", "metrics_port")
+    __slots__ = ("header", "devices", "address", "failure_domain", "agent_pid", "worker", "free_port", "device_kind", "fenced", "service_port", "metrics_port", "protocol", "release")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class RegisterRequest(_message.Message):
     FENCED_FIELD_NUMBER: _ClassVar[int]
     SERVICE_PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     header: Header
     devices: int
     address: str
@@ -93,10 +95,12 @@ class RegisterRequest(_message.Message):
     fenced: str
     service_port: int
     metrics_port: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., device_kind: _Optional[str] = ..., fenced: _Optional[str] = ..., service_port: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    protocol: int
+    release: str
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., device_kind: _Optional[str] = ..., fenced: _Optional[str] = ..., service_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., protocol: _Optional[int] = ..., release: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term", "heartbeat_port", "heartbeat_key", "stream_wait_s")
+    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term", "heartbeat_port", "heartbeat_key", "stream_wait_s", "protocol", "release")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +111,8 @@ class RegisterResponse(_message.Message):
     HEARTBEAT_PORT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_KEY_FIELD_NUMBER: _ClassVar[int]
     STREAM_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     heartbeat_interval_s: float
@@ -117,7 +123,9 @@ class RegisterResponse(_message.Message):
     heartbeat_port: int
     heartbeat_key: bytes
     stream_wait_s: float
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ..., heartbeat_port: _Optional[int] = ..., heartbeat_key: _Optional[bytes] = ..., stream_wait_s: _Optional[float] = ...) -> None: ...
+    protocol: int
+    release: str
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ..., heartbeat_port: _Optional[int] = ..., heartbeat_key: _Optional[bytes] = ..., stream_wait_s: _Optional[float] = ..., protocol: _Optional[int] = ..., release: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "worker", "free_port", "preemption", "sent_at", "devices", "device_kind")
