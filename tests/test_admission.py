@@ -17,10 +17,10 @@ PLAUSIBLE = adm.Plausible(generation=5, known_step=1_000)
 
 
 def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.0.2",
-             domain="", free_port=0, pid=7, kind="", service_port=0,
+             domain="", free_port=0, pid=7, kind="", service_port=0, protocol=PROTOCOL,
              **worker) -> pb.RegisterRequest:
     return pb.RegisterRequest(
-        header=pb.Header(job_id=job, host_id=host, incarnation=incarnation), protocol=PROTOCOL,
+        header=pb.Header(job_id=job, host_id=host, incarnation=incarnation), protocol=protocol,
         devices=devices, device_kind=kind, address=address, failure_domain=domain,
         free_port=free_port, service_port=service_port,
         agent_pid=pid, worker=pb.WorkerStatus(**{"step": -1, "committed_step": -1, **worker}))
@@ -51,6 +51,11 @@ def register(host="h0", job="job", incarnation="inc1", devices=1, address="10.0.
     (register(step=10**18), HOST_H0, "implausible", "more than 10,000,000 past"),
     (register(committed_step=-5), HOST_H0, "invalid", "is below -1"),
     (register(generation=10**9), HOST_H0, None, None),  # a worker of a lost journal's run: a stray
+    (register(protocol=0), HOST_H0, "incompatible", "speaks no protocol version"),
+    (register(protocol=PROTOCOL + 1), HOST_H0, "incompatible", f"protocol {PROTOCOL + 1}"),
+    # only a host of the job learns this controller's release: identity first
+    (register(protocol=0), Identity(Role.OPERATOR, "h0", "bb"), "denied", "operator"),
+    (register(protocol=0, job="other"), HOST_H0, "invalid", "message for job 'other'"),
 ])
 def test_register(request_, peer, kind, reason):
     refusal = adm.check_register(request_, "job", peer, PLAUSIBLE)
