@@ -36,7 +36,7 @@ RELEASE_CHARS = 40
 #: The version of the wire protocol's meaning (see the module docstring).
 PROTOCOL = 1
 #: `fingerprint()` of the proto that PROTOCOL was last looked at for.
-PROTOCOL_FINGERPRINT = "c3a7e0df452fa85b"
+PROTOCOL_FINGERPRINT = "6387014d73134154"
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from elastic import config, transport
 
 from elastic import worker_env
 from elastic.agent import snapshot_dir, stacks
+from elastic.agent.clock_offset import ClockOffset
 from elastic.agent.datagrams import HeartbeatDatagrams
 from elastic.agent.replicas import ReplicaSender, ReplicaStore
 from elastic.agent.host import Devices, PortProber, discover_devices
@@ -153,6 +154,9 @@ class Agent(ControllerSession):
         # a controller of a lower term was deposed and is not obeyed
         self._term = 0
         self.sessions_opened = 0
+        #: the controller's clock against this host's, from heartbeat acks: the
+        #: heartbeats' send times are stamped on the controller's clock
+        self.clock_offset = ClockOffset()
         self.worker_exits: dict[str, int] = {}  # outcome -> count (the metrics)
         self.service = None  # elastic.agent.service.AgentService, with --listen
         self.metrics_server = None
@@ -223,7 +227,8 @@ class Agent(ControllerSession):
         free_port = 0 if running or self.preemption else self.ports.probe()
         heartbeat = pb.Heartbeat(seq=self._seq, worker=self.supervisor.status,
                                  free_port=free_port, preemption=self.preemption,
-                                 sent_at=time.time(), devices=self.devices.count,
+                                 sent_at=self.clock_offset.stamp(self._seq),
+                                 devices=self.devices.count,
                                  device_kind=self.devices.kind)
         idle = periodic and self._outbox is not None and self._outbox.empty() and \
             not self._writing  # (nothing on the stream for a datagram to overtake)
@@ -448,6 +453,8 @@ class Agent(ControllerSession):
                 self._spawn(self._dump_stacks_then_stop(stop))
             else:
                 self._spawn(self.supervisor.stop(stop.generation, stop.grace_s))
+        elif kind == "ack":
+            self.clock_offset.acked(message.ack.seq, message.ack.received_at)
         elif kind == "rejected":
             r = message.rejected
             log.warning("controller refused a report: %s", clean_text(r.reason, 500))

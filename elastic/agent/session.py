@@ -94,6 +94,7 @@ class ControllerSession:
         controller cannot be reached or refuses."""
         stub = pb_grpc.ControllerStub(channel)
         several = "," in self.settings.controller
+        sent = self.clock_offset.now()
         try:
             reply = await stub.Register(self._register_request(), timeout=min(
                 self.settings.rpc_timeout_s, REGISTER_TIMEOUT_S) if several else
@@ -111,6 +112,8 @@ class ControllerSession:
                            f"term {self._term} has led since: not following it")
         self._term = reply.term
         self.job_id = reply.job_id
+        self.clock_offset.reset()  # (perhaps another controller, another clock)
+        self.clock_offset.answered(sent, reply.received_at)
         self._heard_at, self._fenced = time.monotonic(), ""
         self._heartbeat_interval_s = reply.heartbeat_interval_s
         self._lease_s = reply.controller_lease_s or fence.lease_s(reply.heartbeat_interval_s,

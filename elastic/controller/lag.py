@@ -107,14 +107,16 @@ class ReceiptDelay:
     loop cannot see (messages queued in gRPC's core and the kernel while
     its I/O thread works through a storm of TLS handshakes, say).
 
-    Each heartbeat carries its send time on the agent's clock; receipt -
-    send is its delay when the two clocks agree (NTP keeps a cluster's
-    within milliseconds). `recent_s` is the median of the heartbeats
+    Each heartbeat carries its send time on the controller's clock as its
+    agent estimates it from earlier acks (elastic.agent.clock_offset; on
+    the agent's own clock before the first estimate, or from an agent that
+    makes none): receipt - send is its delay, whatever the clocks' offset. `recent_s` is the median of the heartbeats
     received in the last second, over at least MIN_SAMPLES of them: how late
     the typical heartbeat is read now. A few hosts with wrong clocks do not
-    move a median. (A per-host baseline, the least delay each host ever
-    showed, would remove clock offsets but not this: in a storm a host's
-    first heartbeats are already late, and its baseline with them.)"""
+    move a median. (A per-host baseline kept here, the least delay each host
+    ever showed, would also remove offsets, but in a storm a host's first
+    heartbeats are already late, and its baseline with them; the agents'
+    estimate takes the shortest round trip of the last 16 instead.)"""
 
     MIN_SAMPLES = 3
     #: Heartbeats (the latest within the window) whose median is the delay.

@@ -369,7 +369,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                                     heartbeat_timeout_s=health.heartbeat_timeout_s,
                                     controller_lease_s=health.controller_lease_s,
                                     term=c.executor.term,
-                                    stream_wait_s=c.view.lag_s, protocol=protocol.PROTOCOL,
+                                    stream_wait_s=c.view.lag_s, received_at=c.clock.time(),
+                                    protocol=protocol.PROTOCOL,
                                     release=protocol.release())
         if self.heartbeat_port:
             key = hd.new_key()
@@ -574,7 +575,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 # a promise for ever)
                 ack = pb.ControllerMessage(job_id=c.spec.job_id, generation=c.state.generation,
                                            term=c.executor.term, ack=pb.HeartbeatAck(
-                                               seq=hb.seq, controller_lag_s=c.measured_lag_s))
+                                               seq=hb.seq, controller_lag_s=c.measured_lag_s,
+                                               received_at=now_s))
                 if datagram_reply is None:
                     session.acked_at = now
                     session.send(ack)

@@ -100,7 +100,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., devices: _Optional[int] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., agent_pid: _Optional[int] = ..., worker: _Optional[_Union[WorkerStatus, _Mapping]] = ..., free_port: _Optional[int] = ..., device_kind: _Optional[str] = ..., fenced: _Optional[str] = ..., service_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., protocol: _Optional[int] = ..., release: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term", "heartbeat_port", "heartbeat_key", "stream_wait_s", "protocol", "release")
+    __slots__ = ("job_id", "generation", "heartbeat_interval_s", "heartbeat_timeout_s", "launch", "controller_lease_s", "term", "heartbeat_port", "heartbeat_key", "stream_wait_s", "protocol", "release", "received_at")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class RegisterResponse(_message.Message):
     STREAM_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     heartbeat_interval_s: float
@@ -125,7 +126,8 @@ class RegisterResponse(_message.Message):
     stream_wait_s: float
     protocol: int
     release: str
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ..., heartbeat_port: _Optional[int] = ..., heartbeat_key: _Optional[bytes] = ..., stream_wait_s: _Optional[float] = ..., protocol: _Optional[int] = ..., release: _Optional[str] = ...) -> None: ...
+    received_at: float
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., launch: _Optional[_Union[StartWorker, _Mapping]] = ..., controller_lease_s: _Optional[float] = ..., term: _Optional[int] = ..., heartbeat_port: _Optional[int] = ..., heartbeat_key: _Optional[bytes] = ..., stream_wait_s: _Optional[float] = ..., protocol: _Optional[int] = ..., release: _Optional[str] = ..., received_at: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "worker", "free_port", "preemption", "sent_at", "devices", "device_kind")
@@ -288,12 +290,14 @@ class ControllerMessage(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., start: _Optional[_Union[StartWorker, _Mapping]] = ..., stop: _Optional[_Union[StopWorker, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
-    __slots__ = ("seq", "controller_lag_s")
+    __slots__ = ("seq", "controller_lag_s", "received_at")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_LAG_S_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     controller_lag_s: float
-    def __init__(self, seq: _Optional[int] = ..., controller_lag_s: _Optional[float] = ...) -> None: ...
+    received_at: float
+    def __init__(self, seq: _Optional[int] = ..., controller_lag_s: _Optional[float] = ..., received_at: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

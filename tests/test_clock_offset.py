@@ -1,0 +1,138 @@
+"""The controller's clock against an agent's (elastic.agent.clock_offset):
+the estimate by table with fake clocks, and a controller whose clock runs
+30 s ahead of its agents' on real gRPC: heartbeats stamped on its clock do
+not read as lag; stamped on the agents' own they would."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+from elastic.agent.agent import Agent, AgentSettings
+from elastic.agent.clock_offset import WINDOW, ClockOffset
+from elastic.config import load_spec
+from elastic.controller.server import ControllerServer
+from elastic.security.allow import AllowList
+from tests.conftest import TINY_WORKER, tiny_spec
+
+SKEW_S = 30.0
+
+
+class Clocks:
+    """An agent's wall and monotonic clocks, moved by hand."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = 1_000.0, 50.0
+
+    def advance(self, s: float) -> None:
+        self.wall += s
+        self.mono += s
+
+
+def exchange(c: ClockOffset, clocks: Clocks, seq: int, there_s: float, back_s: float,
+             controller_ahead_s: float) -> float:
+    """Heartbeat `seq` takes `there_s` to be read, its ack `back_s` to come
+    back; returns the send time it was stamped with."""
+    stamped = c.stamp(seq)
+    clocks.advance(there_s)
+    read_at = clocks.wall + controller_ahead_s
+    clocks.advance(back_s)
+    c.acked(seq, read_at)
+    return stamped
+
+
+def test_the_estimate_is_the_one_of_the_shortest_round_trip():
+    clocks = Clocks()
+    c = ClockOffset(lambda: clocks.wall, lambda: clocks.mono)
+    assert c.offset_s is None and c.stamp(1) == clocks.wall  # none yet: its own clock
+    c.acked(1, 0.0)  # a controller that does not say: nothing learnt
+    assert c.offset_s is None
+    exchange(c, clocks, 2, 0.01, 0.01, SKEW_S)
+    assert c.offset_s == pytest.approx(SKEW_S)
+    # a heartbeat that waited 2 s in the controller's queue (the lag it
+    # means to measure) has the longer round trip: the estimate stays
+    exchange(c, clocks, 3, 2.0, 0.01, SKEW_S)
+    assert c.offset_s == pytest.approx(SKEW_S)
+    stamped = c.stamp(4)
+    assert stamped == pytest.approx(clocks.wall + SKEW_S)  # on the controller's clock
+    # an ack of an unknown or forgotten heartbeat, or one acked twice, is no sample
+    c.acked(99, clocks.wall + SKEW_S)
+    c.acked(2, clocks.wall + SKEW_S)
+    assert c.offset_s == pytest.approx(SKEW_S)
+
+
+def test_asymmetric_ways_err_by_at_most_half_the_round_trip():
+    clocks = Clocks()
+    c = ClockOffset(lambda: clocks.wall, lambda: clocks.mono)
+    exchange(c, clocks, 1, 0.2, 0.0, SKEW_S)
+    assert abs(c.offset_s - SKEW_S) <= 0.1 + 1e-9
+
+
+def test_a_step_of_the_clock_is_followed_within_the_window_and_a_session_starts_afresh():
+    clocks = Clocks()
+    c = ClockOffset(lambda: clocks.wall, lambda: clocks.mono)
+    exchange(c, clocks, 1, 0.001, 0.001, SKEW_S)  # the shortest round trip ever
+    for seq in range(2, 2 + WINDOW):
+        exchange(c, clocks, seq, 0.01, 0.01, -5.0)  # the controller's clock was stepped
+    assert c.offset_s == pytest.approx(-5.0)
+    c.reset()
+    assert c.offset_s is None
+    sent = c.now()
+    clocks.advance(0.3)
+    c.answered(sent, clocks.wall - 0.15 + 7.0)  # a registration answered: the first sample
+    assert c.offset_s == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("corrected", [True, False])
+def test_a_controller_clock_ahead_of_its_agents_is_not_read_as_lag(tmp_path, pki, corrected):
+    """Two real agents whose clocks run 30 s behind the controller's. With
+    their heartbeats stamped on its clock, the controller reads no lag and
+    admits a third agent; stamped on their own (`corrected` False: the agents
+    learn no offset), it reads the 30 s as its lag and defers the third."""
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=4, max_hosts=4))  # (it waits: idle hosts)
+
+    def agent(address: str, host: str) -> Agent:
+        a = Agent(AgentSettings(controller=address, host_id=host, devices=1,
+                                address="127.0.0.1", failure_domain=host,
+                                state_dir=str(tmp_path / f"agent-{host}"), tls=pki.host(host),
+                                allow=AllowList.parse([f"{sys.executable} {TINY_WORKER}"]),
+                                job_id="test"))
+        a.clock_offset.wall = lambda: time.time() - SKEW_S
+        if not corrected:
+            a.clock_offset.answered = lambda sent, received_at: None
+        return a
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        address = await server.start()
+        loop_task = asyncio.create_task(server.run())
+        c = server.controller
+        agents = [agent(address, h) for h in ("h0", "h1")]
+        tasks = [asyncio.create_task(a.run()) for a in agents]
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(c.receipts.latencies()) < 8:  # heartbeats of both, acked
+            assert asyncio.get_running_loop().time() < deadline, "no heartbeats"
+            await asyncio.sleep(0.02)
+        delays = c.receipts.latencies()[-4:]
+        third = agent(address, "h2")
+        tasks.append(asyncio.create_task(third.run()))
+        while third.sessions_opened == 0 and c.registrations_deferred == 0:
+            assert asyncio.get_running_loop().time() < deadline, "h2 never answered"
+            await asyncio.sleep(0.02)
+        lag_s, deferred = c.measured_lag_s, c.registrations_deferred
+        for a in agents + [third]:
+            a.shutdown()
+        await asyncio.gather(*tasks)
+        loop_task.cancel()
+        await server.stop("test over")
+        return delays, lag_s, deferred
+
+    delays, lag_s, deferred = asyncio.run(asyncio.wait_for(main(), 60))
+    if corrected:
+        assert max(delays) < 1.0 and lag_s < 1.0 and deferred == 0, (delays, lag_s, deferred)
+    else:  # (the skew is real in this test, and would be read as lag)
+        assert min(delays) > SKEW_S - 1 and lag_s > SKEW_S - 1 and deferred >= 1, \
+            (delays, lag_s, deferred)
