@@ -44,46 +44,56 @@ def exchange(c: ClockOffset, clocks: Clocks, seq: int, there_s: float, back_s: f
     return stamped
 
 
-def test_the_estimate_is_the_one_of_the_shortest_round_trip():
+def test_the_correction_is_the_smallest_the_bounds_allow():
     clocks = Clocks()
     c = ClockOffset(lambda: clocks.wall, lambda: clocks.mono)
     assert c.offset_s is None and c.stamp(1) == clocks.wall  # none yet: its own clock
     c.acked(1, 0.0)  # a controller that does not say: nothing learnt
+    for seq, bad in ((8, float("nan")), (9, float("inf"))):  # nor from nonsense
+        c.stamp(seq)
+        c.acked(seq, bad)
     assert c.offset_s is None
     exchange(c, clocks, 2, 0.01, 0.01, SKEW_S)
-    assert c.offset_s == pytest.approx(SKEW_S)
-    # a heartbeat that waited 2 s in the controller's queue (the lag it
-    # means to measure) has the longer round trip: the estimate stays
-    exchange(c, clocks, 3, 2.0, 0.01, SKEW_S)
-    assert c.offset_s == pytest.approx(SKEW_S)
+    assert SKEW_S - 0.01 <= c.offset_s <= SKEW_S + 0.01
     stamped = c.stamp(4)
-    assert stamped == pytest.approx(clocks.wall + SKEW_S)  # on the controller's clock
+    assert stamped == pytest.approx(clocks.wall + SKEW_S, abs=0.01)  # on the controller's clock
     # an ack of an unknown or forgotten heartbeat, or one acked twice, is no sample
-    c.acked(99, clocks.wall + SKEW_S)
-    c.acked(2, clocks.wall + SKEW_S)
-    assert c.offset_s == pytest.approx(SKEW_S)
+    before = c.offset_s
+    c.acked(99, clocks.wall + SKEW_S + 5)
+    c.acked(2, clocks.wall + SKEW_S + 5)
+    assert c.offset_s == before
 
 
-def test_asymmetric_ways_err_by_at_most_half_the_round_trip():
+@pytest.mark.parametrize("controller_ahead_s", [0.0, SKEW_S])
+def test_a_lasting_wait_in_the_controllers_queues_stays_visible(controller_ahead_s):
+    """Heartbeats that wait 3.2 s before the controller reads them, for far
+    longer than the window: the delay it computes stays 3.2 s (a midpoint
+    estimate would have hidden half of it once the calm samples left)."""
     clocks = Clocks()
     c = ClockOffset(lambda: clocks.wall, lambda: clocks.mono)
-    exchange(c, clocks, 1, 0.2, 0.0, SKEW_S)
-    assert abs(c.offset_s - SKEW_S) <= 0.1 + 1e-9
+    exchange(c, clocks, 1, 0.01, 0.01, controller_ahead_s)  # a calm start
+    for seq in range(2, 4 * WINDOW):
+        stamped = exchange(c, clocks, seq, 3.2, 0.01, controller_ahead_s)
+        read_at = clocks.wall - 0.01 + controller_ahead_s
+        assert read_at - stamped == pytest.approx(3.2, abs=0.03), seq
+    if controller_ahead_s == 0.0:
+        assert c.offset_s == 0.0  # clocks that agree are not corrected at all
 
 
-def test_a_step_of_the_clock_is_followed_within_the_window_and_a_session_starts_afresh():
+def test_a_controller_behind_is_corrected_and_a_step_is_followed_at_once():
     clocks = Clocks()
     c = ClockOffset(lambda: clocks.wall, lambda: clocks.mono)
-    exchange(c, clocks, 1, 0.001, 0.001, SKEW_S)  # the shortest round trip ever
-    for seq in range(2, 2 + WINDOW):
-        exchange(c, clocks, seq, 0.01, 0.01, -5.0)  # the controller's clock was stepped
-    assert c.offset_s == pytest.approx(-5.0)
+    exchange(c, clocks, 1, 0.01, 0.01, -5.0)
+    assert -5.01 <= c.offset_s <= -4.99
+    exchange(c, clocks, 2, 0.01, 0.01, SKEW_S)  # the controller's clock was stepped
+    assert SKEW_S - 0.01 <= c.offset_s <= SKEW_S + 0.01
     c.reset()
     assert c.offset_s is None
     sent = c.now()
-    clocks.advance(0.3)
-    c.answered(sent, clocks.wall - 0.15 + 7.0)  # a registration answered: the first sample
-    assert c.offset_s == pytest.approx(7.0)
+    clocks.advance(20.0)  # a registration that waited 20 s (a storm of handshakes)
+    c.answered(sent, clocks.wall - 0.01 + 7.0)
+    assert 7.0 - 0.01 <= c.offset_s <= 7.0 + 20.0  # the bounds it proves, nearest 0: ~7
+    assert c.offset_s == pytest.approx(7.0, abs=0.02)
 
 
 @pytest.mark.parametrize("corrected", [True, False])

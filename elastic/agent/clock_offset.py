@@ -1,65 +1,79 @@
-"""How far the controller's clock is from this agent's, from its heartbeat
-acks, so that a heartbeat's send time is stamped on the controller's clock.
+"""How far the controller's clock is from this agent's, from its answers,
+so that a heartbeat's send time is stamped on the controller's clock.
 
 The controller reads how late heartbeats reach it (receipt minus send time:
 elastic.controller.lag.ReceiptDelay) and judges silence against that
 lateness. With send times on the agents' own clocks, a controller whose
 clock runs ahead of the agents' would read the offset as its own lag: it
 would wait that much longer before declaring a host lost, and defer idle
-agents' registrations while it lasted. So each ack says when the controller
-read the heartbeat (`HeartbeatAck.received_at`, its wall clock), and the
-agent estimates the offset as NTP's on-wire protocol does (RFC 5905, §8):
-for a heartbeat sent at t1 (agent) and read at t2 (controller), acked and
-the ack received at t4 (agent), offset = t2 - (t1 + t4) / 2, exact when the
-two ways take as long; the controller's hold between reading and acking is
-in the round trip. As NTP's clock filter does, the estimate is that of the
-sample with the shortest round trip among the last `WINDOW` (its error is
-at most half that round trip): a heartbeat that waited in the controller's
-queues, the lateness the controller means to measure, has a long round
-trip and does not move the estimate. An old sample leaves the window, so a
-step of either clock is followed within `WINDOW` acks.
+agents' registrations while it lasted.
 
-A session's first sample comes from its registration (its answer says when
-the controller read it: `RegisterResponse.received_at`), so its first
-heartbeats are stamped too; a registration that waited long in a storm
-gives a rough one, which the acks' shorter round trips replace. A session
-starts afresh (a new controller may keep another clock); with a controller
-that says nothing, heartbeats carry the agent's own time, as before.
+So each ack, and the answer to a registration, says when the controller
+read the request (`received_at`, its wall clock). A request sent at t1 and
+answered at t4 (this agent's clock) was read at t2 (the controller's)
+somewhere in between, so the offset (controller minus agent) lies within
+[t2 - t4, t2 - t1]: the bounds NTP's intersection algorithm works with
+(RFC 5905, §11.2.1; Marzullo). The agent intersects the bounds of its last
+`WINDOW` samples and corrects by the smallest amount the intersection
+allows: nothing when it contains 0 (clocks that agree, however long the
+round trips), else its bound nearest 0. Not the midpoint of a round trip,
+as NTP's offset is: a heartbeat that waited in the controller's queues —
+the lag the controller means to measure — lengthens only the way there,
+and a midpoint would hide half of it from the controller for as long as the
+wait lasts; a bound moves only with the way it lies on. (With the
+controller's clock ahead, the lower bound t2 - t4 holds the correction, and
+waits on the way there leave it alone; with it behind, a wait can hide up
+to the shortest one within the window, where uncorrected stamps hid all of
+it.)
+
+Samples whose bounds do not meet (a clock was stepped) leave the newest
+alone. A session starts afresh (a new controller may keep another clock);
+with a controller that says nothing, heartbeats carry the agent's own time,
+as before.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable
 
-#: Acks whose shortest round trip gives the estimate.
+#: Samples whose bounds are intersected.
 WINDOW = 16
 #: Heartbeats remembered for matching their acks (by seq).
 REMEMBERED = 64
 
 
 class ClockOffset:
-    """The controller's clock minus this agent's (seconds), from heartbeat
-    acks. `wall` and `monotonic` are the agent's clocks (seconds)."""
+    """The controller's clock minus this agent's (seconds), from the
+    controller's answers. `wall` and `monotonic` are the agent's clocks
+    (seconds)."""
 
     def __init__(self, wall: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.wall, self.monotonic = wall, monotonic
         self._sent: collections.OrderedDict[int, tuple[float, float]] = collections.OrderedDict()
-        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
+        self._bounds: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
 
     def reset(self) -> None:
         """Forget every sample (a new session: perhaps another controller)."""
         self._sent.clear()
-        self._samples.clear()
+        self._bounds.clear()
 
     @property
     def offset_s(self) -> float | None:
-        """The estimate (seconds; None before the first ack)."""
-        if not self._samples:
+        """The correction (seconds; None before the first sample): the point
+        of the samples' common bounds nearest 0."""
+        if not self._bounds:
             return None
-        return min(self._samples)[1]
+        low = max(b[0] for b in self._bounds)
+        high = min(b[1] for b in self._bounds)
+        return min(max(0.0, low), high)
+
+    def now(self) -> tuple[float, float]:
+        """(wall, monotonic) now: a request's send time, for `answered`."""
+        return self.wall(), self.monotonic()
 
     def stamp(self, seq: int) -> float:
         """The send time to put in heartbeat `seq`, sent now: the
@@ -71,10 +85,6 @@ class ClockOffset:
         offset = self.offset_s
         return wall if offset is None else wall + offset
 
-    def now(self) -> tuple[float, float]:
-        """(wall, monotonic) now: a request's send time, for `answered`."""
-        return self.wall(), self.monotonic()
-
     def acked(self, seq: int, received_at: float) -> None:
         """The ack of heartbeat `seq` arrived now, saying the controller read
         it at `received_at` (its wall clock; 0: a controller that does not
@@ -85,10 +95,15 @@ class ClockOffset:
 
     def answered(self, sent: tuple[float, float], received_at: float) -> None:
         """A request sent at `sent` (`now()` then) was answered now, the
-        controller saying it read it at `received_at` (0: not said, ignored):
-        one sample. (The registration's answer gives a session its first.)"""
+        controller saying it read it at `received_at` (0, or not a finite
+        number: not said, ignored): one sample. (The registration's answer
+        gives a session its first.)"""
         t1, sent_mono = sent
         round_trip = self.monotonic() - sent_mono
-        if received_at <= 0 or round_trip < 0:
+        if not math.isfinite(received_at) or received_at <= 0 or round_trip < 0:
             return
-        self._samples.append((round_trip, received_at - (t1 + round_trip / 2)))
+        low, high = received_at - (t1 + round_trip), received_at - t1
+        if self._bounds and (low > min(b[1] for b in self._bounds)
+                             or high < max(b[0] for b in self._bounds)):
+            self._bounds.clear()  # (they do not meet: a clock was stepped)
+        self._bounds.append((low, high))

@@ -116,7 +116,8 @@ class ReceiptDelay:
     move a median. (A per-host baseline kept here, the least delay each host
     ever showed, would also remove offsets, but in a storm a host's first
     heartbeats are already late, and its baseline with them; the agents'
-    estimate takes the shortest round trip of the last 16 instead.)"""
+    correction moves only by what round trips prove, and a wait on the way
+    to the controller proves nothing about its clock.)"""
 
     MIN_SAMPLES = 3
     #: Heartbeats (the latest within the window) whose median is the delay.
@@ -134,12 +135,13 @@ class ReceiptDelay:
 
     def note(self, latency_s: float, at: float) -> None:
         """A heartbeat received at `at` (controller-monotonic seconds),
-        `latency_s` after its send time (agent's clock, seconds). O(1): it
+        `latency_s` after its send time (seconds). O(1): it
         runs for every heartbeat."""
         self._recent.append((at, latency_s))
 
     def heard(self, sent_at: float, received_at: float, at: float) -> float | None:
-        """A heartbeat sent at `sent_at` (agent's wall clock) and received at
+        """A heartbeat sent at `sent_at` (on this controller's wall clock as
+        its agent estimates it, elastic.agent.clock_offset) and received at
         `received_at` (controller's wall clock) and `at` (its monotonic
         clock): its delay (seconds), noted; None when it tells nothing
         (no send time, or sent before the controller resumed from a pause:
