@@ -8,6 +8,7 @@ kills leftovers and fails the test if it finds any.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -149,6 +150,16 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02)
 def write_spec(path: pathlib.Path, body: str) -> pathlib.Path:
     path.write_text(textwrap.dedent(body))
     return path
+
+
+async def until(predicate, timeout_s: float = 20.0, what: str = "the condition") -> None:
+    """Return once `predicate()` is true, checking every 20 ms on the running
+    event loop (what an in-process controller or agent changes has no event
+    to await); fail the test after `timeout_s` seconds naming `what`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 def tiny_spec(tmp_path: pathlib.Path, args: str = "--steps 2000 --step-time-s 0.02",

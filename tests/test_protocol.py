@@ -22,7 +22,7 @@ from elastic.controller.server import ControllerServer
 from elastic.security.allow import AllowList
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
-from tests.conftest import TINY_WORKER, tiny_spec
+from tests.conftest import TINY_WORKER, tiny_spec, until
 
 
 def test_generated_code_is_up_to_date(tmp_path):
@@ -112,10 +112,8 @@ def test_an_agent_and_a_controller_of_other_protocols_refuse_each_other(tmp_path
                                  job_id="test")
         agent = Agent(settings)
         task = asyncio.create_task(agent.run())
-        deadline = asyncio.get_running_loop().time() + 30
-        while sum("cannot follow" in r.message for r in caplog.records) < 2:  # (and again)
-            assert asyncio.get_running_loop().time() < deadline, "the agent never refused"
-            await asyncio.sleep(0.02)
+        await until(lambda: sum("cannot follow" in r.message for r in caplog.records) >= 2,
+                    30, "the agent to refuse twice")  # (once, and again)
         assert agent.sessions_opened == 0
         agent.shutdown()
         await task

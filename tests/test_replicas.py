@@ -17,7 +17,7 @@ from elastic.checkpoint.snapshot import replica_name
 from elastic.policy.buddies import buddies, keep_replicas_within
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
-from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples
+from tests.conftest import assert_matches_reference, lm_run_spec, lm_samples, until
 
 YES = {h: True for h in ("a", "b", "c", "d")}
 
@@ -63,13 +63,6 @@ def snapshot_file(directory: pathlib.Path, step: int, size: int = 3_000_000) -> 
     data = bytes([step % 251]) * size
     (directory / f"step-{step:010d}.snap").write_bytes(data)
     return data
-
-
-async def until(predicate, timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp_path, pki):

@@ -67,9 +67,12 @@ class ClockOffset:
         of the samples' common bounds nearest 0."""
         if not self._bounds:
             return None
-        low = max(b[0] for b in self._bounds)
-        high = min(b[1] for b in self._bounds)
+        low, high = self._common()
         return min(max(0.0, low), high)
+
+    def _common(self) -> tuple[float, float]:
+        """(low, high): the intersection of the samples' bounds (seconds)."""
+        return max(b[0] for b in self._bounds), min(b[1] for b in self._bounds)
 
     def now(self) -> tuple[float, float]:
         """(wall, monotonic) now: a request's send time, for `answered`."""
@@ -103,7 +106,8 @@ class ClockOffset:
         if not math.isfinite(received_at) or received_at <= 0 or round_trip < 0:
             return
         low, high = received_at - (t1 + round_trip), received_at - t1
-        if self._bounds and (low > min(b[1] for b in self._bounds)
-                             or high < max(b[0] for b in self._bounds)):
-            self._bounds.clear()  # (they do not meet: a clock was stepped)
+        if self._bounds:
+            common_low, common_high = self._common()
+            if low > common_high or high < common_low:
+                self._bounds.clear()  # (they do not meet: a clock was stepped)
         self._bounds.append((low, high))

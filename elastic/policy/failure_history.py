@@ -39,15 +39,12 @@ class FailureHistory:
     without_progress: failures in a row with no step between them (the
       crash-loop count); 0 again after a step or a quarantine, as decide
       counts it.
-    progressed: the latest generation made a step (`first_progress`, or
-      adopted at a step).
     host_failures: host -> when failures were attributed to it.
     quarantined: host -> (until, reason), set aside and not yet released.
     """
 
     restarts_at: tuple[float, ...] = ()
     without_progress: int = 0
-    progressed: bool = False
     host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
@@ -94,12 +91,10 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
         return history
     if kind in ("job_succeeded", "job_failed"):
         return FailureHistory()
-    if kind in ("generation_started", "generation_discovered"):
-        return dataclasses.replace(history, progressed=False)
     adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
     if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
         # (a step starts the crash-loop count again, as decide's first_progress does)
-        return dataclasses.replace(history, progressed=True, without_progress=0)
+        return dataclasses.replace(history, without_progress=0)
     if kind == "slice_stopping" and entry.get("cause") == "failure":
         blamed = entry.get("blamed") if isinstance(entry.get("blamed"), list) else []
         failures = dict(history.host_failures)
@@ -108,7 +103,7 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
                 failures[h] = failures.get(h, ()) + (ts,)
         return dataclasses.replace(
             history, restarts_at=history.restarts_at + (ts,), host_failures=failures,
-            without_progress=1 if history.progressed else history.without_progress + 1)
+            without_progress=history.without_progress + 1)  # (0 after a step: see above)
     if kind == "host_quarantined" and isinstance(host, str):
         until_s = _number(entry, "until_s")
         if until_s is None:
