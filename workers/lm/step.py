@@ -85,10 +85,20 @@ def build(cfg: model_lib.ModelConfig, mesh: jax.sharding.Mesh,
                 "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed + 1)}
 
     pspecs = model_lib.param_specs(cfg)
-    shapes = jax.eval_shape(init_state, seed)
-    opt_specs = optax.tree_map_params(optimizer, lambda _, spec: spec, shapes["opt_state"], pspecs,
-                                      transform_non_params=lambda _: P(),
-                                      is_leaf=lambda x: isinstance(x, P))
+    found = {}
+
+    def init_and_opt_specs(seed):
+        # (the optimizer state's specs are found while tracing: optax maps
+        # them by calling init, which outside a trace runs eagerly and
+        # compiles each op it dispatches in every new process)
+        state = init_state(seed)
+        found["opt"] = optax.tree_map_params(optimizer, lambda _, spec: spec, state["opt_state"],
+                                             pspecs, transform_non_params=lambda _: P(),
+                                             is_leaf=lambda x: isinstance(x, P))
+        return state
+
+    shapes = jax.eval_shape(init_and_opt_specs, seed)
+    opt_specs = found["opt"]
     specs = {"params": pspecs, "opt_state": opt_specs, "ema": pspecs, "step": P(), "rng": P()}
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
