@@ -63,10 +63,18 @@ class TrainParts:
         return [jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
                 for a, s in zip(rows, self.batch_shardings)]
 
-    def held_out_losses(self, state: dict, rows: tuple[np.ndarray, ...]) -> tuple[float, float]:
-        """The loss of the params and of their EMA on one held-out batch."""
+    def held_out_losses(self, state: dict, rows: tuple[np.ndarray, ...],
+                        eval_loss: Callable | None = None) -> tuple[float, float]:
+        """The loss of the params and of their EMA on one held-out batch, by
+        `eval_loss` (default: the jitted `self.eval_loss`; or the same
+        compiled, see `lower_eval`)."""
+        eval_loss = eval_loss or self.eval_loss
         batch = self.global_rows(rows)
-        return float(self.eval_loss(state["params"], *batch)), float(self.eval_loss(state["ema"], *batch))
+        return float(eval_loss(state["params"], *batch)), float(eval_loss(state["ema"], *batch))
+
+    def lower_eval(self, rows: tuple[np.ndarray, ...]):
+        """eval_loss lowered for the params and one batch shaped as `rows`."""
+        return self.eval_loss.lower(self.abstract["params"], *self.rows_abstract(rows))
 
     def rows_abstract(self, rows: tuple[np.ndarray, ...]) -> list[jax.ShapeDtypeStruct]:
         """ShapeDtypeStructs of one batch, for lowering the step."""

@@ -119,6 +119,7 @@ def main() -> int:
         t_last, steps_since = time.perf_counter(), 0
         loss_value = float("nan")
         step_ends = [] if args.step_times and ctx.process_index == 0 else None
+        eval_fn = None  # (compiled at the first evaluation)
         for step in range(start, args.steps):
             rows = batches.rows(step, plan.data_shards)
             state, loss = step_fn(state, *parts.global_rows(rows))
@@ -133,7 +134,12 @@ def main() -> int:
                                     "mesh": dict(mesh.shape), "loss": loss_value})
             steps_since += 1
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                held, ema_held = parts.held_out_losses(state, held_out.rows(0, plan.data_shards))
+                held_rows = held_out.rows(0, plan.data_shards)
+                if eval_fn is None:  # (through the executable cache, as the train step:
+                    # jitted alone it would compile again in every generation, on
+                    # every process at once)
+                    eval_fn, _, _ = ctx.compile(lambda: parts.lower_eval(held_rows), "eval_loss")
+                held, ema_held = parts.held_out_losses(state, held_rows, eval_fn)
                 elapsed = time.perf_counter() - t_last
                 log.info("step %d: loss %.4f, held-out %.4f (EMA %.4f), %.0f tokens/s", step,
                          loss_value, held, ema_held,
