@@ -17,6 +17,7 @@ slice rather than the hosts this generation uses.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
@@ -24,6 +25,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -73,6 +75,9 @@ class WorkerContext:
       first step_done: state creation, any compile outside ctx.compile,
       the step itself). Phases a program does not go through are absent.
     launched_at: Unix time of the process's start or launch (seconds).
+    finished: set once `finish()` has left the distributed runtime (a
+      process that exits before then exits promptly: see
+      `exit_promptly_on_failure`).
     """
 
     env: WorkerEnv
@@ -92,6 +97,7 @@ class WorkerContext:
         default_factory=lambda: collections.deque(maxlen=50))
     _ahead: list = dataclasses.field(default_factory=list)  # (lower_for, name, entry)
     ahead_thread: Any = None  # (the thread compiling ahead, on process 0)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
                     snapshot_every: int = 10, save_timeout_s: float = 600.0):
@@ -274,6 +280,7 @@ class WorkerContext:
             self._checkpoints.close()
         barrier("elastic-finish", timeout_s=300.0)
         jax.distributed.shutdown()
+        self.finished.set()
         if self.ahead_thread is not None:
             # after the others are let go: a compile still running when the
             # interpreter exits can crash it, and at the end of training the
@@ -366,10 +373,67 @@ def allow_stack_dumps() -> None:
         pass
 
 
+# how long a process that leaves without WorkerContext.finish() waits in
+# JAX's distributed shutdown for its peers before it exits anyway (seconds)
+UNFINISHED_EXIT_WAIT_S = 5.0
+
+
+def exit_promptly_on_failure(finished: threading.Event) -> None:
+    """Make a worker that fails end at once instead of waiting for its peers.
+
+    Python's exit runs JAX's distributed shutdown, which waits at a barrier
+    for every other process; they are still training, or blocked in a
+    collective with this one. A worker that raised used to wait there until
+    the controller's hang detection stopped the slice, and its crash was
+    reported as a hang (2026-11-28: a ValueError in one of 2 processes
+    stepping every 0.05 s was seen 10.5 s later, as `hang_detected`). So:
+
+    - an exception nothing catches ends the process with exit code 1 right
+      after Python's own hook has printed its traceback (a KeyboardInterrupt
+      is left to Python);
+    - a process leaving otherwise before `finished` is set (`sys.exit(3)`,
+      or the program's end without `finish()`) gets UNFINISHED_EXIT_WAIT_S
+      seconds in that shutdown, in case its peers leave too, and then exits
+      with code 1, saying so on stderr.
+
+    A save in flight is abandoned either way: it could not commit without
+    this process. Call after importing JAX (its exit handler must run after
+    this one's)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        previous(kind, value, traceback)
+        if not issubclass(kind, KeyboardInterrupt):
+            _exit_now(1)
+
+    def leaving() -> None:
+        if finished.is_set():
+            return
+        print(f"elastic.worker: leaving without finish(): waiting at most "
+              f"{UNFINISHED_EXIT_WAIT_S:g} s for the other processes, then exit code 1",
+              file=sys.stderr, flush=True)
+        timer = threading.Timer(UNFINISHED_EXIT_WAIT_S, _exit_now, (1,))
+        timer.daemon = True
+        timer.start()
+
+    sys.excepthook = hook
+    atexit.register(leaving)
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # (closed, or its reader gone)
+            pass
+    os._exit(code)
+
+
 def init(log_all: bool = False, environ: dict[str, str] | None = None) -> WorkerContext:
     """Initialise this worker process for the current generation.
 
     Reads the agent's variables (raises RuntimeError naming a missing one),
+    makes a failing process end at once (`exit_promptly_on_failure`),
     sets JAX's CPU device count to the host's device count (simulated hosts),
     calls `jax.distributed.initialize` with explicit arguments, and builds the
     mesh from the first `devices_per_host` devices of every process (see
@@ -383,6 +447,9 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     env = WorkerEnv.from_environ(environ)
     allow_stack_dumps()
     import jax
+
+    finished = threading.Event()
+    exit_promptly_on_failure(finished)
 
     jax.config.update("jax_num_cpu_devices", env.host_devices)
     timings["import_jax"] = round(time.perf_counter() - t, 3)
@@ -408,6 +475,7 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     ctx = WorkerContext(env=env, mesh=mesh, process_index=jax.process_index(),
                         process_count=jax.process_count(), generation=env.generation,
                         progress=ProgressReporter(env.progress_socket, env.generation),
-                        log=log, timings=timings, launched_at=started, _started=t)
+                        log=log, timings=timings, launched_at=started, _started=t,
+                        finished=finished)
     ctx._phase("mesh")
     return ctx
