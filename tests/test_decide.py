@@ -11,6 +11,7 @@ import pytest
 
 from elastic.config import MeshSpec
 from elastic.policy import decide as d
+from elastic.policy import strays
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.state import forgive_pause
 from elastic.policy.view import (ClusterView, Disconnected, HeartbeatReceived, ProgressReported,
@@ -103,6 +104,30 @@ def test_a_disconnected_member_is_blamed_before_a_peer_that_aborted():
     assert "host h1 disconnected" in decision.reason
     stopping = next(a for a in decision.actions if getattr(a, "kind", "") == "slice_stopping")
     assert stopping.fields["blamed"] == ["h1"]
+    # h0 exited, h2 is stopped: the stop waits only for h1, whose connection
+    # is closed; it is lost now, 0.15 s after it closed, not after
+    # reconnect_grace_s (1 s), and the next slice starts without it
+    worker(view, "h2", T0 + 1.1, 1, WorkerState.EXITED, sig=9)
+    heartbeat_all(view, T0 + 1.15)
+    stopped = decide(decision.state, view, T0 + 1.15, spec())
+    assert kinds(stopped)[:2] == ["host_lost", "slice_stopped"], kinds(stopped)
+    assert "not waiting out reconnect_grace_s" in stopped.actions[0].reason
+    assert stopped.state.lost == {"h1"} and stopped.state.phase is Phase.WAITING
+    started = decide(stopped.state, view, T0 + 1.2, spec())
+    assert started.state.members == ("h0", "h2"), kinds(started)
+
+
+def test_a_stop_waits_for_a_closed_member_while_another_has_not_stopped():
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    observe(view, Disconnected("h1", "inc-h1"), T0 + 1.0)
+    worker(view, "h0", T0 + 1.05, 1, WorkerState.EXITED, exit_code=1)
+    stopping = decide(state, view, T0 + 1.05, spec()).state
+    heartbeat_all(view, T0 + 1.1)
+    waiting = decide(stopping, view, T0 + 1.1, spec())  # h2 still runs
+    assert waiting.state.phase is Phase.STOPPING and not waiting.state.lost
 
 
 def test_agent_restart_is_member_failure():
@@ -349,7 +374,7 @@ def test_stray_workers_table(phase, members, ran, lost, why):
                        incarnations=tuple(f"inc-{h}" for h in members), progressed=True,
                        devices_per_host=2, device_kind="cpu", lost=frozenset(lost))
     actions = []
-    after = d._stop_strays(state, view, T0 + 0.1, spec(), actions)
+    after = strays.stop_strays(state, view, T0 + 0.1, spec(), actions)
     journaled = [(a.host, a.reason) for a in actions if isinstance(a, d.Journal)]
     stops = [(a.host, a.generation, a.reason) for a in actions if isinstance(a, d.StopWorker)]
     if why is None:
@@ -358,14 +383,14 @@ def test_stray_workers_table(phase, members, ran, lost, why):
     assert journaled == [("h1", why)] and stops == [("h1", ran, why)]
     assert after.stop_requested == {"h1": T0 + 0.1}
     # not again within stop_timeout_s (10 s); again after it
-    assert d._stop_strays(after, view, T0 + 5, spec(), []) is after
+    assert strays.stop_strays(after, view, T0 + 5, spec(), []) is after
     resent = []
-    assert d._stop_strays(after, view, T0 + 10.2, spec(), resent).stop_requested == \
+    assert strays.stop_strays(after, view, T0 + 10.2, spec(), resent).stop_requested == \
         {"h1": T0 + 10.2}
     assert [a.host for a in resent if isinstance(a, d.StopWorker)] == ["h1"]
     # once its worker has stopped, the request is forgotten
     worker(view, "h1", T0 + 11, ran, WorkerState.EXITED)
-    assert d._stop_strays(after, view, T0 + 11, spec(), []).stop_requested == {}
+    assert strays.stop_strays(after, view, T0 + 11, spec(), []).stop_requested == {}
 
 
 def test_stops_requested_are_kept_for_strays_and_unknown_hosts_only():
@@ -374,7 +399,7 @@ def test_stops_requested_are_kept_for_strays_and_unknown_hosts_only():
         register(view, h)
     state = dataclasses.replace(running_slice(view, ["h0", "h1"], generation=5),
                                 stop_requested={"h1": T0, "gone": T0})
-    after = d._stop_strays(state, view, T0 + 1, spec(), [])
+    after = strays.stop_strays(state, view, T0 + 1, spec(), [])
     # h1 runs its slice's worker now: no stray, its request is dropped; a host
     # the view no longer knows keeps its request
     assert after.stop_requested == {"gone": T0}
