@@ -134,6 +134,42 @@ def test_a_crash_loop_goes_on_counting_across_a_controller_restart(tmp_path):
     assert end.state.phase is Phase.FAILED and "crash loop: 3 failures" in end.reason
 
 
+def test_a_successor_weighs_grows_with_the_restart_costs_its_predecessor_measured(tmp_path):
+    """Decide remembers every first step's restart cost for the grow policy;
+    a successor reads the same costs back from the journal."""
+    s = spec(min_hosts=2)
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state, now, decisions, at = SliceState(phase_since=T0), T0 + 2, [], []
+    for attempt in range(2):
+        heartbeat_all(view, now)
+        for r in view.hosts.values():
+            r.free_port = 6000 + attempt * 10 + int(r.host_id[-1])
+        started = decide(state, view, now, s)
+        decisions.append(started), at.append(now)
+        state = started.state
+        first_step = now + 1.5 + attempt  # (the second start costs a second more)
+        for h in state.members:
+            worker(view, h, first_step, state.generation, WorkerState.RUNNING, step=0)
+        running = decide(state, view, first_step, s)
+        decisions.append(running), at.append(first_step)
+        assert "first_progress" in kinds(running)
+        state = running.state
+        if attempt == 0:
+            worker(view, "h1", first_step + 1, state.generation, WorkerState.EXITED, exit_code=1)
+            end = stop_and_settle(state, view, first_step + 1, s)
+            decisions.append(end), at.append(first_step + 1.2)
+            state, now = end.state, first_step + 2
+    assert len(state.restart_costs_s) == 2
+    journal(tmp_path, decisions, at)
+
+    successor = carried(tmp_path, now, s)
+    assert successor.restart_costs_s == state.restart_costs_s
+    assert failure_history.describe(successor, now)["restart_costs_s"] == \
+        list(state.restart_costs_s)
+
+
 def _entry(ts, kind, host=None, **fields):
     return {"ts": WALL0 + ts, "kind": kind, "generation": 1, "host": host, "reason": "",
             **fields}

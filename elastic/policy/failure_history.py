@@ -8,7 +8,9 @@ count failures over time. A controller that starts on a job's journal (after
 its predecessor was killed, restarted by systemd, or deposed by a standby)
 must go on counting where that one stopped: otherwise every controller
 restart refills the budget, a crash loop that also takes the controller
-down never ends, and a quarantined host is back in the next slice.
+down never ends, and a quarantined host is back in the next slice. The
+latest restarts' costs come along too: without them a successor's grow
+policy would grow whenever it can until it has restarted itself.
 
 `after(history, entry)` folds one journal entry into a `FailureHistory` (in
 the journal's Unix seconds); `carried_into(state, history, ...)` puts it in
@@ -25,6 +27,7 @@ import math
 from collections.abc import Mapping
 
 from elastic.config import JobSpec
+from elastic.policy import grow
 from elastic.policy.state import SliceState
 
 
@@ -41,12 +44,17 @@ class FailureHistory:
       counts it.
     host_failures: host -> when failures were attributed to it.
     quarantined: host -> (until, reason), set aside and not yet released.
+    restart_costs_s: what the latest restarts cost (`first_progress`'s
+      restart_cost_s, seconds, the newest last; at most
+      elastic.policy.grow.COSTS_KEPT), which the grow policy weighs: not a
+      failure count, but carried the same way.
     """
 
     restarts_at: tuple[float, ...] = ()
     without_progress: int = 0
     host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+    restart_costs_s: tuple[float, ...] = ()
 
 
 def _number(entry: Mapping, key: str) -> float | None:
@@ -93,8 +101,12 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
         return FailureHistory()
     adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
     if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
-        # (a step starts the crash-loop count again, as decide's first_progress does)
-        return dataclasses.replace(history, without_progress=0)
+        # (a step starts the crash-loop count again, as decide's first_progress
+        # does, which also remembers the restart's cost)
+        cost = _number(entry, "restart_cost_s") if kind == "first_progress" else None
+        costs = history.restart_costs_s if cost is None or cost < 0 else \
+            grow.remember_cost(history.restart_costs_s, cost)
+        return dataclasses.replace(history, without_progress=0, restart_costs_s=costs)
     if kind == "slice_stopping" and entry.get("cause") == "failure":
         blamed = entry.get("blamed") if isinstance(entry.get("blamed"), list) else []
         failures = dict(history.host_failures)
@@ -137,14 +149,17 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
                    for h, (until, reason) in history.quarantined.items()}
     return dataclasses.replace(state, failure_restarts=restarts,
                                failures_without_progress=history.without_progress,
-                               host_failures=failures, quarantined=quarantined)
+                               host_failures=failures, quarantined=quarantined,
+                               restart_costs_s=history.restart_costs_s)
 
 
 def describe(state: SliceState, monotonic_now: float) -> dict:
     """What `controller_started` journals about the failures `state`
     counts: failure restarts within the budget's window, the crash-loop
-    count, and host -> seconds left in quarantine."""
+    count, the latest restarts' costs (seconds), and host -> seconds left
+    in quarantine."""
     return {"failure_restarts": len(state.failure_restarts),
             "failures_without_progress": state.failures_without_progress,
+            "restart_costs_s": list(state.restart_costs_s),
             "quarantined": {h: round(until - monotonic_now, 3)
                             for h, (until, _) in sorted(state.quarantined.items())}}
