@@ -119,17 +119,19 @@ def aio_channel(target: str, tls: TLSFiles | None,
 
 
 def aio_agent_channel(target: str, tls: TLSFiles | None,
-                      roles: tuple[Role, ...] = (Role.OPERATOR, Role.CONTROLLER)
-                      ) -> grpc.aio.Channel:
+                      roles: tuple[Role, ...] = (Role.OPERATOR, Role.CONTROLLER),
+                      server_name: str = HOST_SERVER_NAME) -> grpc.aio.Channel:
     """An asyncio channel to an agent's own port (elastic.agent.service) at
-    "HOST:PORT": mutual TLS with `tls` (one of `roles`), the server known by
-    the host certificates' name, elastic-host; plaintext if None. Raises
-    TLSError when the files cannot be used."""
+    "HOST:PORT": mutual TLS with `tls` (one of `roles`), the server's
+    certificate checked for `server_name` (default: the name every host
+    certificate carries, elastic-host; `certs.host_server_name(host)` for one
+    host's); plaintext if None. Raises TLSError when the files cannot be
+    used."""
     if tls is None:
         return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
     return grpc.aio.secure_channel(
         target, tls_.channel_credentials(tls, roles),
-        options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", HOST_SERVER_NAME)])
+        options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name)])
 
 
 def channel(target: str, tls: TLSFiles | None,

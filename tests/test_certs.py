@@ -45,7 +45,8 @@ def test_bundles_name_their_holder_and_keep_keys_private(ca):
     # a host serves only its own port, under a name that is not the controller's
     assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     host_sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert host_sans.get_values_for_type(x509.DNSName) == [certs.HOST_SERVER_NAME]
+    assert host_sans.get_values_for_type(x509.DNSName) == [certs.HOST_SERVER_NAME,
+                                                           "host-3.elastic-host"]
     from elastic.agent.service import can_serve
 
     operator = certs.issue(ca, Role.OPERATOR, "alice", now=NOW)

@@ -102,6 +102,20 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
                 await until(lambda: sender.failures_total == (1 if run == "run-0" else 2))
                 assert not (theirs / replica_name("h0", 40)).exists()
 
+            # the receiver must be the buddy by its certificate: an agent serving
+            # with h2's certificate where the controller said h1 gets nothing
+            impostor = AgentService("127.0.0.1:0", pki.host("h2"), str(tmp_path / "h2-state"),
+                                    replicas=lambda: store)
+            impostor_port = await impostor.start()
+            try:
+                failed = sender.failures_total
+                sender.target("h1", f"127.0.0.1:{impostor_port}", "run-1", 2)
+                sender.offer(40)
+                await until(lambda: sender.failures_total == failed + 1)
+                assert not (theirs / replica_name("h0", 40)).exists()
+            finally:
+                await impostor.stop()
+
             # only hosts send replicas; a short stream is not kept
             async with transport.aio_agent_channel(f"127.0.0.1:{port}", pki.operator) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as denied:

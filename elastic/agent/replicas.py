@@ -15,8 +15,9 @@ failure domains) and ByteRobust's in-memory backups on peers.
 
 Off the training loop: the worker only tells its agent that a snapshot is
 written (one datagram); the agent reads the file and streams it to the
-buddy's agent (`PutReplica` on the agents' own port, mutual TLS), one at a
-time; a newer snapshot waiting replaces an older one not yet sent. The
+buddy's agent (`PutReplica` on the agents' own port, mutual TLS, the
+receiver's certificate checked for the buddy's name,
+certs.host_server_name), one at a time; a newer snapshot waiting replaces an older one not yet sent. The
 receiving agent names a replica after the caller's certificate (a host can
 only ever write its own replicas), takes replicas only from the hosts the
 controller made it the buddy of in its worker's generation (any other host
@@ -49,6 +50,7 @@ import grpc
 from elastic import transport
 from elastic.checkpoint.snapshot import (REPLICA_PREFIX, SUFFIX, parse_replica_name,
                                          replica_name)
+from elastic.security.certs import host_server_name
 from elastic.security.files import open_private
 from elastic.security.identity import IdentityError, Role
 from elastic.security.tls import TLSFiles, peer_identity
@@ -274,7 +276,11 @@ class ReplicaSender:
                 self.failed += 1
                 self.failures_total += 1
                 if self.failed == 1 or self.failed % 100 == 0:
-                    detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else e
+                    detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                    if "not in peer certificate" in detail:
+                        detail += (f" (the agent at {self.address} is not host {self.host} by its "
+                                   f"certificate, or its certificate was issued before host "
+                                   f"certificates named their hosts: issue it again)")
                     log.warning("replica of step %d to host %s (%s) not sent (%d failed so "
                                 "far): %s", step, self.host, self.address, self.failed, detail)
 
@@ -296,9 +302,10 @@ class ReplicaSender:
                            if first else pb.ReplicaChunk(data=data))
                     first = False
 
-            if self._channel is None:
-                self._channel = transport.aio_agent_channel(self.address, self.tls,
-                                                            roles=(Role.HOST,))
+            if self._channel is None:  # (the receiver must be the buddy, by its certificate)
+                self._channel = transport.aio_agent_channel(
+                    self.address, self.tls, roles=(Role.HOST,),
+                    server_name=host_server_name(self.host))
             t0 = time.monotonic()
             await pb_grpc.AgentStub(self._channel).PutReplica(chunks(), timeout=self.timeout_s)
         finally:

@@ -36,6 +36,14 @@ from elastic.security.identity import Role, check_id
 CONTROLLER_SERVER_NAME = "elastic-controller"
 #: The name an agent's own port is served under (elastic.agent.service).
 HOST_SERVER_NAME = "elastic-host"
+
+
+def host_server_name(host_id: str) -> str:
+    """The DNS name a host certificate also carries for its own host, so a
+    peer can check which host it reached (replicas go to one buddy):
+    `<host id>.elastic-host`."""
+    return f"{host_id}.{HOST_SERVER_NAME}"
+
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 BUNDLE_CA, BUNDLE_CERT, BUNDLE_KEY = "ca.pem", "cert.pem", "key.pem"
 _ROLE_DIRS = {Role.CONTROLLER: None, Role.HOST: "hosts", Role.OPERATOR: "operators"}
@@ -166,8 +174,8 @@ class Authority:
         expiry in UTC). `sans`: extra DNS names or IP addresses (controller
         only; it always gets CONTROLLER_SERVER_NAME). A host certificate may
         serve the agent's own port (health, reflection: elastic.agent.service)
-        under HOST_SERVER_NAME, which is never the controller's name, so it
-        cannot stand in for a controller. Raises CertError when `name` is
+        under HOST_SERVER_NAME and `host_server_name(name)`, never the
+        controller's name, so it cannot stand in for a controller. Raises CertError when `name` is
         not a valid id, `days` is not positive or outlives the CA, or
         `sans` are given for another role."""
         from cryptography import x509
@@ -217,7 +225,8 @@ class Authority:
             # (an operator certificate cannot serve at all)
             usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
             builder = builder.add_extension(
-                x509.SubjectAlternativeName([_san(HOST_SERVER_NAME)]), critical=False)
+                x509.SubjectAlternativeName([_san(HOST_SERVER_NAME),
+                                             _san(host_server_name(name))]), critical=False)
         builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         return _pem_cert(cert), _pem_key(key), not_after
