@@ -117,6 +117,36 @@ def test_a_disconnected_member_is_blamed_before_a_peer_that_aborted():
     assert started.state.members == ("h0", "h2"), kinds(started)
 
 
+def test_a_stop_waits_out_the_grace_when_no_member_is_known_to_have_ended():
+    """Every agent closed its stream (they do when the controller is silent
+    for 5 s, then register again): nobody is known stopped, so their workers
+    may still train together; the stop waits for acknowledgements."""
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"])
+    worker(view, "h0", T0 + 1.0, 1, WorkerState.RUNNING, step=5)
+    stopping = d._begin_stop(state, T0 + 1.0, spec(), [], "grow", "grow", ())
+    for h in ("h0", "h1"):
+        observe(view, Disconnected(h, f"inc-{h}"), T0 + 1.1)
+    waiting = decide(stopping, view, T0 + 1.5, spec())
+    assert waiting.state.phase is Phase.STOPPING and not waiting.state.lost, kinds(waiting)
+
+
+def test_a_stop_waits_for_a_closed_member_while_the_controller_is_behind():
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    observe(view, Disconnected("h1", "inc-h1"), T0 + 1.0)
+    worker(view, "h0", T0 + 1.05, 1, WorkerState.EXITED, exit_code=1)
+    worker(view, "h2", T0 + 1.05, 1, WorkerState.EXITED, sig=9)
+    stopping = decide(state, view, T0 + 1.05, spec()).state
+    view.lag_s = 0.5  # (its Register may be queued unread)
+    assert decide(stopping, view, T0 + 1.3, spec()).state.phase is Phase.STOPPING
+    assert decide(stopping, view, T0 + 1.55, spec()).state.lost == {"h1"}
+
+
 def test_a_stop_waits_for_a_closed_member_while_another_has_not_stopped():
     view = ClusterView()
     for h in ("h0", "h1", "h2"):
