@@ -1,7 +1,7 @@
 """A worker that fails ends at once (elastic.worker.runtime's
-exit_promptly_on_failure), not in JAX's distributed shutdown waiting for
-peers that are still training: real 2-process JAX jobs under
-`elasticd local`."""
+exit_promptly_on_failure), once a checkpoint save in flight has ended, not
+in JAX's distributed shutdown waiting for peers that are still training:
+real 2-process JAX jobs under `elasticd local`."""
 
 from __future__ import annotations
 
@@ -49,8 +49,13 @@ def test_a_raising_worker_is_a_crash_at_once_and_an_early_exit_within_the_wait(t
              if e["kind"] == "worker_exited" and e["host"] == "host-1"}
     failed_at = {g: float(re.search(r"failing at ([0-9.]+)", e["stderr_tail"]).group(1))
                  for g, e in exits.items()}
-    # generation 1 raised: its traceback, and the stop within a second
+    # generation 1 raised right after every process started saving step 10:
+    # its traceback, the save committed with its peer's before it exited (the
+    # next generation restores it), and the stop within a second
     assert "ValueError: failing on purpose" in exits[1]["stderr_tail"]
+    assert "letting the save of checkpoint step 10 in flight end" in exits[1]["stderr_tail"]
+    restored = next(e for e in events if e["kind"] == "checkpoint_restored")
+    assert restored["generation"] == 2 and restored["step"] == 10, restored
     assert stops[0]["ts"] - failed_at[1] < 1.0, (stops[0]["ts"], failed_at[1])
     # generation 2 left by sys.exit(3) before finish(): it waited its 5 s for
     # peers that did not leave with it, then exited with code 1, saying so

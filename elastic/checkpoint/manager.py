@@ -468,6 +468,11 @@ class Checkpoints:
                                f"(tried steps {steps})")
         return None
 
+    def saving(self) -> int | None:
+        """The step of this process's save in flight (started, not yet
+        reported ended), or None."""
+        return self._pending
+
     def wait(self) -> None:
         """Block until this process's save in flight has ended (committed and
         reported, or failed and recorded)."""

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from elastic.config import SpecError
 from elastic.worker_env import WorkerEnv
+from elastic.worker import preemption_notice
 from elastic.worker.progress import ProgressReporter
 
 
@@ -378,7 +379,7 @@ def allow_stack_dumps() -> None:
 UNFINISHED_EXIT_WAIT_S = 5.0
 
 
-def exit_promptly_on_failure(finished: threading.Event) -> None:
+def exit_promptly_on_failure(ctx: WorkerContext) -> None:
     """Make a worker that fails end at once instead of waiting for its peers.
 
     Python's exit runs JAX's distributed shutdown, which waits at a barrier
@@ -389,25 +390,34 @@ def exit_promptly_on_failure(finished: threading.Event) -> None:
     stepping every 0.05 s was seen 10.5 s later, as `hang_detected`). So:
 
     - an exception nothing catches ends the process with exit code 1 right
-      after Python's own hook has printed its traceback (a KeyboardInterrupt
-      is left to Python);
-    - a process leaving otherwise before `finished` is set (`sys.exit(3)`,
-      or the program's end without `finish()`) gets UNFINISHED_EXIT_WAIT_S
-      seconds in that shutdown, in case its peers leave too, and then exits
-      with code 1, saying so on stderr.
+      after Python's own hook has printed its traceback, once a checkpoint
+      save in flight has ended (its peers, alive, commit it with this
+      process; with a peer gone it cannot commit, and the controller's
+      detection of that peer ends the wait); a KeyboardInterrupt is left
+      to Python;
+    - a process leaving otherwise before `ctx.finished` is set
+      (`sys.exit(3)`, or the program's end without `finish()`), once Python
+      has let such a save end too, gets UNFINISHED_EXIT_WAIT_S seconds in
+      JAX's shutdown, in case its peers leave as well, and then exits with
+      code 1, saying so on stderr.
 
-    A save in flight is abandoned either way: it could not commit without
-    this process. Call after importing JAX (its exit handler must run after
-    this one's)."""
+    Call after importing JAX (its exit handler must run after this one's)."""
     previous = sys.excepthook
 
     def hook(kind, value, traceback) -> None:
         previous(kind, value, traceback)
-        if not issubclass(kind, KeyboardInterrupt):
-            _exit_now(1)
+        if issubclass(kind, KeyboardInterrupt):
+            return
+        checkpoints = ctx._checkpoints
+        if checkpoints is not None and checkpoints.saving() is not None:
+            print(f"elastic.worker: letting the save of checkpoint step "
+                  f"{checkpoints.saving()} in flight end before exiting", file=sys.stderr,
+                  flush=True)
+            checkpoints.wait()
+        _exit_now(1)
 
     def leaving() -> None:
-        if finished.is_set():
+        if ctx.finished.is_set():
             return
         print(f"elastic.worker: leaving without finish(): waiting at most "
               f"{UNFINISHED_EXIT_WAIT_S:g} s for the other processes, then exit code 1",
@@ -433,13 +443,14 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     """Initialise this worker process for the current generation.
 
     Reads the agent's variables (raises RuntimeError naming a missing one),
-    makes a failing process end at once (`exit_promptly_on_failure`),
     sets JAX's CPU device count to the host's device count (simulated hosts),
-    calls `jax.distributed.initialize` with explicit arguments, and builds the
-    mesh from the first `devices_per_host` devices of every process (see
-    `mesh_devices`). Raises elastic.config.SpecError when a process has too
-    few devices or the mesh spec does not fit them (the controller's planner
-    prevents both for slices it starts).
+    calls `jax.distributed.initialize` with explicit arguments (and makes a
+    SIGTERM reach its preemption sync at once: elastic.worker.preemption_notice),
+    builds the mesh from the first `devices_per_host` devices of every
+    process (see `mesh_devices`), and makes a failing process end at once
+    (`exit_promptly_on_failure`). Raises elastic.config.SpecError when a
+    process has too few devices or the mesh spec does not fit them (the
+    controller's planner prevents both for slices it starts).
     """
     started = _process_start_time()
     t_init, t = time.time(), time.perf_counter()
@@ -448,8 +459,6 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     allow_stack_dumps()
     import jax
 
-    finished = threading.Event()
-    exit_promptly_on_failure(finished)
 
     jax.config.update("jax_num_cpu_devices", env.host_devices)
     timings["import_jax"] = round(time.perf_counter() - t, 3)
@@ -461,6 +470,7 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
                                initialization_timeout=120,
                                heartbeat_timeout_seconds=env.jax_heartbeat_timeout_s)
     timings["distributed_init"] = round(time.perf_counter() - t, 3)
+    preemption_notice.hasten()
     t = time.perf_counter()
 
     mesh = build_mesh(jax.devices(), env.devices_per_host, env.mesh)
@@ -475,7 +485,7 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     ctx = WorkerContext(env=env, mesh=mesh, process_index=jax.process_index(),
                         process_count=jax.process_count(), generation=env.generation,
                         progress=ProgressReporter(env.progress_socket, env.generation),
-                        log=log, timings=timings, launched_at=started, _started=t,
-                        finished=finished)
+                        log=log, timings=timings, launched_at=started, _started=t)
+    exit_promptly_on_failure(ctx)
     ctx._phase("mesh")
     return ctx
