@@ -377,9 +377,15 @@ def allow_stack_dumps() -> None:
 # how long a process that leaves without WorkerContext.finish() waits in
 # JAX's distributed shutdown for its peers before it exits anyway (seconds)
 UNFINISHED_EXIT_WAIT_S = 5.0
+# how long a process whose exception nothing caught lets a checkpoint save in
+# flight go on before it exits anyway (seconds): well inside the hang
+# detection's allowance for a save (hang.min_timeout_s + checkpoint_allowance_s,
+# 70 s by default), so that its peers, which wait for it meanwhile, are not
+# found hung first and the crash is reported as the crash it is
+FAILED_SAVE_WAIT_S = 30.0
 
 
-def exit_promptly_on_failure(ctx: WorkerContext) -> None:
+def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> None:
     """Make a worker that fails end at once instead of waiting for its peers.
 
     Python's exit runs JAX's distributed shutdown, which waits at a barrier
@@ -391,33 +397,40 @@ def exit_promptly_on_failure(ctx: WorkerContext) -> None:
 
     - an exception nothing catches ends the process with exit code 1 right
       after Python's own hook has printed its traceback, once a checkpoint
-      save in flight has ended (its peers, alive, commit it with this
-      process; with a peer gone it cannot commit, and the controller's
-      detection of that peer ends the wait); a KeyboardInterrupt is left
-      to Python;
-    - a process leaving otherwise before `ctx.finished` is set
+      save in flight has ended or FAILED_SAVE_WAIT_S have passed (its peers,
+      alive, commit it with this process; with a peer gone it cannot commit,
+      and the controller's detection of that peer ends the wait); a
+      KeyboardInterrupt is left to Python;
+    - a process leaving otherwise before its context's `finished` is set
       (`sys.exit(3)`, or the program's end without `finish()`), once Python
       has let such a save end too, gets UNFINISHED_EXIT_WAIT_S seconds in
       JAX's shutdown, in case its peers leave as well, and then exits with
       code 1, saying so on stderr.
 
-    Call after importing JAX (its exit handler must run after this one's)."""
+    `context()`: the process's WorkerContext, None while `init()` has not
+    made it yet (a failure then has no save to wait for). Call before
+    `jax.distributed.initialize` and after importing JAX (its exit handler
+    must run after this one's)."""
     previous = sys.excepthook
 
     def hook(kind, value, traceback) -> None:
         previous(kind, value, traceback)
         if issubclass(kind, KeyboardInterrupt):
             return
-        checkpoints = ctx._checkpoints
-        if checkpoints is not None and checkpoints.saving() is not None:
-            print(f"elastic.worker: letting the save of checkpoint step "
-                  f"{checkpoints.saving()} in flight end before exiting", file=sys.stderr,
+        ctx = context()
+        checkpoints = ctx._checkpoints if ctx is not None else None
+        if checkpoints is not None and (step := checkpoints.saving()) is not None:
+            print(f"elastic.worker: letting the save of checkpoint step {step} in flight "
+                  f"end (at most {FAILED_SAVE_WAIT_S:g} s) before exiting", file=sys.stderr,
                   flush=True)
-            checkpoints.wait()
+            waiting = threading.Thread(target=checkpoints.wait, daemon=True)
+            waiting.start()
+            waiting.join(FAILED_SAVE_WAIT_S)
         _exit_now(1)
 
     def leaving() -> None:
-        if ctx.finished.is_set():
+        ctx = context()
+        if ctx is not None and ctx.finished.is_set():
             return
         print(f"elastic.worker: leaving without finish(): waiting at most "
               f"{UNFINISHED_EXIT_WAIT_S:g} s for the other processes, then exit code 1",
@@ -459,7 +472,8 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     allow_stack_dumps()
     import jax
 
-
+    made: list[WorkerContext] = []
+    exit_promptly_on_failure(lambda: made[0] if made else None)
     jax.config.update("jax_num_cpu_devices", env.host_devices)
     timings["import_jax"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
@@ -486,6 +500,6 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
                         process_count=jax.process_count(), generation=env.generation,
                         progress=ProgressReporter(env.progress_socket, env.generation),
                         log=log, timings=timings, launched_at=started, _started=t)
-    exit_promptly_on_failure(ctx)
+    made.append(ctx)
     ctx._phase("mesh")
     return ctx
