@@ -113,6 +113,17 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
                 sender.offer(40)
                 await until(lambda: sender.failures_total == failed + 1)
                 assert not (theirs / replica_name("h0", 40)).exists()
+                # ... also when the buddy becomes h3 at the address h1 had: the
+                # channel that checked h1's name is not used for h3
+                sent = sender.sent
+                sender.target("h1", f"127.0.0.1:{port}", "run-1", 2)
+                sender.offer(40)
+                await until(lambda: sender.sent == sent + 1)
+                (theirs / replica_name("h0", 40)).unlink()
+                sender.target("h3", f"127.0.0.1:{port}", "run-1", 2)
+                sender.offer(40)
+                await until(lambda: sender.failures_total == failed + 2)
+                assert not (theirs / replica_name("h0", 40)).exists()
             finally:
                 await impostor.stop()
 

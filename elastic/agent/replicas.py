@@ -247,7 +247,8 @@ class ReplicaSender:
         """Send to `host`'s agent at `address` ("host:port"; "" for none)
         from now on, replicas of controller run `run_id` written by the
         worker of `generation`."""
-        if address != self.address and self._channel is not None:
+        if (address, host) != (self.address, self.host) and self._channel is not None:
+            # (the channel checks the receiver's name: another host, another channel)
             channel, self._channel = self._channel, None
             asyncio.get_running_loop().create_task(channel.close())
         if generation != self.generation and self._task is not None:
