@@ -133,28 +133,29 @@ def test_a_stop_waits_out_the_grace_when_no_member_is_known_to_have_ended():
     assert waiting.state.phase is Phase.STOPPING and not waiting.state.lost, kinds(waiting)
 
 
-def test_a_stop_waits_for_a_closed_member_while_the_controller_is_behind():
+def h1_closed_and_h0_exited():
+    """(view, state) of a 3-host slice that began to stop at T0 + 1.05:
+    h1's stream closed at T0 + 1.0, h0's worker exited with code 1 (its
+    collective failed); h2's worker still runs."""
     view = ClusterView()
     for h in ("h0", "h1", "h2"):
         register(view, h)
     state = running_slice(view, ["h0", "h1", "h2"])
     observe(view, Disconnected("h1", "inc-h1"), T0 + 1.0)
     worker(view, "h0", T0 + 1.05, 1, WorkerState.EXITED, exit_code=1)
+    return view, decide(state, view, T0 + 1.05, spec()).state
+
+
+def test_a_stop_waits_for_a_closed_member_while_the_controller_is_behind():
+    view, stopping = h1_closed_and_h0_exited()
     worker(view, "h2", T0 + 1.05, 1, WorkerState.EXITED, sig=9)
-    stopping = decide(state, view, T0 + 1.05, spec()).state
     view.lag_s = 0.5  # (its Register may be queued unread)
     assert decide(stopping, view, T0 + 1.3, spec()).state.phase is Phase.STOPPING
     assert decide(stopping, view, T0 + 1.55, spec()).state.lost == {"h1"}
 
 
 def test_a_stop_waits_for_a_closed_member_while_another_has_not_stopped():
-    view = ClusterView()
-    for h in ("h0", "h1", "h2"):
-        register(view, h)
-    state = running_slice(view, ["h0", "h1", "h2"])
-    observe(view, Disconnected("h1", "inc-h1"), T0 + 1.0)
-    worker(view, "h0", T0 + 1.05, 1, WorkerState.EXITED, exit_code=1)
-    stopping = decide(state, view, T0 + 1.05, spec()).state
+    view, stopping = h1_closed_and_h0_exited()
     heartbeat_all(view, T0 + 1.1)
     waiting = decide(stopping, view, T0 + 1.1, spec())  # h2 still runs
     assert waiting.state.phase is Phase.STOPPING and not waiting.state.lost

@@ -44,6 +44,15 @@ def carried(path, now, s) -> SliceState:
                                         WALL0 + now - T0, s)
 
 
+def start_generation(view, state, now, s, attempt):
+    """Decide's start of the next generation at `now`, every host heartbeating
+    and offering a coordinator port of its own for this `attempt`."""
+    heartbeat_all(view, now)
+    for r in view.hosts.values():
+        r.free_port = 6000 + attempt * 10 + int(r.host_id[-1])
+    return decide(state, view, now, s)
+
+
 def shifted(times):
     return tuple(round(t - T0 + SUCCESSOR_T0, 6) for t in times)
 
@@ -60,10 +69,7 @@ def test_a_successor_counts_what_its_predecessor_counted(tmp_path):
         register(view, h)
     state, now, decisions, at = SliceState(phase_since=T0), T0 + 2, [], []
     for attempt, blamed in enumerate(["h3", "h3", "h3", "h1"]):
-        heartbeat_all(view, now)
-        for r in view.hosts.values():
-            r.free_port = 6000 + attempt * 10 + int(r.host_id[-1])
-        started = decide(state, view, now, s)
+        started = start_generation(view, state, now, s, attempt)
         decisions.append(started), at.append(now)
         state = started.state
         for h in (a.host for a in started.actions if isinstance(a, d.StartWorker)):
@@ -143,10 +149,7 @@ def test_a_successor_weighs_grows_with_the_restart_costs_its_predecessor_measure
         register(view, h)
     state, now, decisions, at = SliceState(phase_since=T0), T0 + 2, [], []
     for attempt in range(2):
-        heartbeat_all(view, now)
-        for r in view.hosts.values():
-            r.free_port = 6000 + attempt * 10 + int(r.host_id[-1])
-        started = decide(state, view, now, s)
+        started = start_generation(view, state, now, s, attempt)
         decisions.append(started), at.append(now)
         state = started.state
         first_step = now + 1.5 + attempt  # (the second start costs a second more)

@@ -17,7 +17,8 @@ Off the training loop: the worker only tells its agent that a snapshot is
 written (one datagram); the agent reads the file and streams it to the
 buddy's agent (`PutReplica` on the agents' own port, mutual TLS, the
 receiver's certificate checked for the buddy's name,
-certs.host_server_name), one at a time; a newer snapshot waiting replaces an older one not yet sent. The
+certs.host_server_name), one at a time; a newer snapshot waiting replaces
+an older one not yet sent. The
 receiving agent names a replica after the caller's certificate (a host can
 only ever write its own replicas), takes replicas only from the hosts the
 controller made it the buddy of in its worker's generation (any other host

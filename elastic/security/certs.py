@@ -175,9 +175,9 @@ class Authority:
         only; it always gets CONTROLLER_SERVER_NAME). A host certificate may
         serve the agent's own port (health, reflection: elastic.agent.service)
         under HOST_SERVER_NAME and `host_server_name(name)`, never the
-        controller's name, so it cannot stand in for a controller. Raises CertError when `name` is
-        not a valid id, `days` is not positive or outlives the CA, or
-        `sans` are given for another role."""
+        controller's name, so it cannot stand in for a controller. Raises
+        CertError when `name` is not a valid id, `days` is not positive or
+        outlives the CA, or `sans` are given for another role."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
