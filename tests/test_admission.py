@@ -125,6 +125,20 @@ def test_rebinding_a_host_id_to_another_certificate(bound, incarnation, live, re
     assert refusal is None or refusal.kind == "denied"
 
 
+@pytest.mark.parametrize("host_id,refused_for", [
+    ("h1", None),            # itself again
+    ("h2", None),            # another host
+    ("H1", "h1"),            # TLS would take h1's certificate for H1's
+    ("HOST-1", "host-1"),
+    ("host-10", None),
+])
+def test_host_ids_that_differ_only_in_letter_case(host_id, refused_for):
+    registered = {"h1": "h1", "host-1": "host-1"}
+    refusal = adm.check_letter_case(host_id, registered)
+    assert (refusal and refusal.kind, refusal and f"registered host {refused_for!r}" in
+            refusal.reason) == (("invalid", True) if refused_for else (None, None))
+
+
 @pytest.mark.parametrize("behind_s,jitter,wait_s", [
     (0.0, 0.5, None), (0.99, 1.0, None),      # keeping up: admitted
     (1.0, 0.0, 1.0), (2.0, 0.5, 4.0),          # behind: 1x to 3x its lag

@@ -138,6 +138,27 @@ def test_a_host_speaks_only_for_itself_and_reads_no_status(tmp_path, pki):
     assert not any(e["kind"] == "worker_exited" for e in journal(tmp_path))
 
 
+def test_a_host_id_that_differs_from_another_only_in_letter_case_is_refused(tmp_path, pki):
+    async def main():
+        async with controller(tmp_path, pki.controller) as (_, address):
+            async with transport.aio_channel(address, pki.host("h1")) as h1, \
+                    transport.aio_channel(address, pki.host("H1")) as upper:
+                await pb_grpc.ControllerStub(h1).Register(register_request("h1"), timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await pb_grpc.ControllerStub(upper).Register(register_request("H1"),
+                                                                 timeout=5)
+                # the first stays admitted
+                await pb_grpc.ControllerStub(h1).Register(register_request("h1", "inc2"),
+                                                          timeout=5)
+                return refused.value
+
+    refused = run(main())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "differs from that of registered host 'h1' only in letter case" in refused.details()
+    registered = [e["host"] for e in journal(tmp_path) if e["kind"] == "host_registered"]
+    assert registered == ["h1", "h1"]
+
+
 def test_a_second_certificate_for_a_live_host_waits_until_it_is_lost(tmp_path, pki):
     issued = pki.host("h5").cert.parent
     shutil.copytree(issued, tmp_path / "first")  # the bundle h5 holds now

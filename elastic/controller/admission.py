@@ -88,6 +88,21 @@ def check_identity(peer: Identity | None, host_id: str) -> Refusal | None:
     return None
 
 
+def check_letter_case(host_id: str, registered: Mapping[str, str]) -> Refusal | None:
+    """A host id that differs from a registered one only in letter case.
+    `registered` maps the `str.casefold()` of every host id this controller
+    has admitted to that id. Certificates name hosts by DNS name
+    (`<host id>.elastic-host`) and TLS compares DNS names regardless of case
+    (RFC 6125, 6.4.1), so the sender of a replica could not tell such two
+    hosts apart: the later one is refused, naming the other."""
+    first = registered.get(host_id.casefold())
+    if first is None or first == host_id:
+        return None
+    return Refusal("invalid", f"host id {host_id!r} differs from that of registered host "
+                              f"{first!r} only in letter case, which TLS cannot tell apart; "
+                              f"give hosts ids that differ in more than case")
+
+
 def check_status_peer(peer: Identity | None) -> Refusal | None:
     """Status (pids, addresses, incarnations of every host) is for
     operators and controllers, not for hosts."""

@@ -189,6 +189,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self.calls = adm.StreamLimits(CALLS_PER_PEER, 4 * total)
         # host id -> fingerprint of the certificate it registered with
         self.certificates: dict[str, str] = {}
+        # casefolded host id -> the host id admitted with it (adm.check_letter_case)
+        self.folded_ids: dict[str, str] = {}
         # host id -> the session whose stream ended last, while it is not
         # registered again (its last command: see _register)
         self.ended: dict[str, Session] = {}
@@ -333,10 +335,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         record = c.view.get(h.host_id)
         live = record is not None and h.host_id not in c.state.lost and \
             c.clock.monotonic() - record.last_heartbeat_at < c.spec.health.heartbeat_timeout_s
-        refusal = adm.check_rebind(self.certificates.get(h.host_id), fingerprint, h.incarnation,
-                                   record.incarnation if record else None, live)
+        refusal = adm.check_letter_case(h.host_id, self.folded_ids) or adm.check_rebind(
+            self.certificates.get(h.host_id), fingerprint, h.incarnation,
+            record.incarnation if record else None, live)
         if refusal:
             await self._refuse(context, h.host_id, refusal)
+        self.folded_ids.setdefault(h.host_id.casefold(), h.host_id)
         worker = self._observed(h.host_id, request.worker, refusal_of_worker)
         self.certificates[h.host_id] = fingerprint
         # The session (and its outbox) exists from registration on, so commands
