@@ -168,11 +168,12 @@ def test_a_slice_cut_off_whole_is_replaced_only_after_its_lease():
     stopped = decide(lost.state, view, T0 + 5.6, s)
     assert "waiting_for_fencing" in kinds(stopped)
     assert stopped.state.phase is Phase.WAITING
-    assert "fence themselves" in decide(stopped.state, view, T0 + 20.0, s).reason
+    assert "host h0, process 0 of generation 1, to fence itself" in decide(
+        stopped.state, view, T0 + 20.0, s).reason
     # the lease (30 s from when they were last heard) plus an interval later
     assert stopped.state.fenced_until == T0 + 31.0
     register(view, "h3", T0 + 30.0, incarnation="inc-h3")
-    assert "fence themselves" in decide(stopped.state, view, T0 + 30.9, s).reason
+    assert "to fence itself" in decide(stopped.state, view, T0 + 30.9, s).reason
     started = decide(stopped.state, view, T0 + 31.1, s)
     assert "generation_started" in kinds(started), started.reason
 

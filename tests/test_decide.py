@@ -177,17 +177,56 @@ def test_stop_then_restart_on_survivors():
         register(view, h)
     state = running_slice(view, ["h0", "h1", "h2"])
     heartbeat_all(view, T0 + 4)
-    observe(view, HeartbeatReceived("h1", "inc-h1", view.hosts["h1"].worker, 0), T0 + 6)
+    observe(view, HeartbeatReceived("h0", "inc-h0", view.hosts["h0"].worker, 0), T0 + 6)
     observe(view, HeartbeatReceived("h2", "inc-h2", view.hosts["h2"].worker, 0), T0 + 6)
     s = spec()
-    stopped = stop_and_settle(state, view, T0 + 9.5, s)  # h0 silent 5.5 s
+    stopped = stop_and_settle(state, view, T0 + 9.5, s)  # h1 silent 5.5 s
     assert stopped.state.phase is Phase.WAITING
-    assert "slice_stopped" in kinds(stopped)
+    assert "slice_stopped" in kinds(stopped) and "waiting_for_fencing" not in kinds(stopped)
     restart = decide(stopped.state, view, T0 + 11, s)
     starts = [a for a in restart.actions if isinstance(a, d.StartWorker)]
     assert restart.state.generation == 2
-    assert [a.host for a in starts] == ["h1", "h2"]  # h0 lost; ranks dense
+    assert [a.host for a in starts] == ["h0", "h2"]  # h1 lost; ranks dense
     assert [a.process_id for a in starts] == [0, 1]
+
+
+@pytest.mark.parametrize("how_h0_went, fenced", [
+    ("silent", True),        # cut off or frozen: its worker may commit a save late
+    ("closed", False),       # its agent's connection closed: agent and worker ended
+    ("heard_stopped", False),  # heard again after the stop, its worker ended: lifted
+])
+def test_a_lost_process_0_is_waited_out_unless_seen_stopped(how_h0_went, fenced):
+    """Process 0 alone makes a checkpoint's commit (after every process
+    wrote its part): its host lost without being seen to stop its worker,
+    no generation starts until that host's controller lease has run out,
+    though its peers acknowledged the stop."""
+    s = spec()
+    s = dataclasses.replace(s, health=dataclasses.replace(s.health, controller_lease_s=30.0))
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1", "h2"])
+    heartbeat_all(view, T0 + 4)
+    for h in ("h1", "h2"):
+        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + 6)
+    if how_h0_went == "closed":
+        observe(view, Disconnected("h0", "inc-h0"), T0 + 5)
+    stopped = stop_and_settle(state, view, T0 + 9.5, s)  # h0 silent 5.5 s
+    assert ("waiting_for_fencing" in kinds(stopped)) is (how_h0_went != "closed")
+    if how_h0_went == "heard_stopped":  # (its stop acknowledgement, read late)
+        worker(view, "h0", T0 + 12, 1, WorkerState.EXITED, sig=9)
+    for h in ("h1", "h2"):
+        worker(view, h, T0 + 13, 1, WorkerState.EXITED, sig=9)
+    restart = decide(stopped.state, view, T0 + 13, s)
+    if fenced:  # its lease: 30 s from when it was last heard, and an interval
+        assert stopped.state.fenced_until == T0 + 4 + 31.0
+        assert restart.state.generation == 1
+        assert "for host h0, process 0 of generation 1, to fence itself" in restart.reason
+        for h in ("h1", "h2"):
+            worker(view, h, T0 + 35.1, 1, WorkerState.EXITED, sig=9)
+        restart = decide(restart.state, view, T0 + 35.1, s)
+    assert restart.state.generation == 2, restart.reason
+    assert ("fence_lifted" in kinds(restart)) is (how_h0_went == "heard_stopped")
 
 
 @pytest.mark.parametrize("grow,mesh,restarted_on", [

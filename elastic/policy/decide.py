@@ -281,8 +281,8 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if now < state.fenced_until:
         state = fencing.lift_fence(state, view, actions)
     if now < state.fenced_until:
-        reason = (f"waiting {state.fenced_until - now:.1f} s more for the lost hosts of "
-                  f"generation {state.generation} to fence themselves")
+        reason = (f"waiting {state.fenced_until - now:.1f} s more for host {state.members[0]}, "
+                  f"process 0 of generation {state.generation}, to fence itself")
         return dataclasses.replace(state, reason=reason)
     heartbeating = len(view.hosts) - len(state.lost)
     if heartbeating < spec.min_hosts:  # O(1): no plan can start (thousands registering)
@@ -676,9 +676,10 @@ def _lose_closed(state: SliceState, view: ClusterView, now: float, actions: list
     """The members a stop still waits for are hosts whose agents'
     connections closed, and the worker of another member (`ended`) has
     ended: they are lost now, not after reconnect_grace_s. With one process
-    of the generation gone, the others cannot step or commit, whatever they
-    do (as elastic.policy.fencing reasons); a closed connection is most
-    often the agent ended, and its worker with it; the stop could not reach
+    of the generation gone, the others cannot step, whatever they do; a
+    closed connection is most often the agent ended, and its worker with it
+    (so elastic.policy.fencing takes a process 0 among them as stopped, and
+    commits nothing late); the stop could not reach
     them before they reconnect, and the grace would only delay the next
     generation, which starts without them (one that reconnects returns as
     any lost host does, its old worker stopped as a stray, and a grow may

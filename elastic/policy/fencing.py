@@ -1,11 +1,20 @@
-"""Fencing a slice the controller lost all at once (pure).
+"""Fencing a stopped slice whose process 0 may live on (pure).
 
 Agents keep their workers for `health.controller_lease_s` without a
-controller, then stop them (elastic.agent.fence). A generation whose members
-were all lost together, none seen to stop, may train on meanwhile: no new
-generation starts until their leases have run out (`fence_lost_slice`), or
-until one of them is seen to have stopped after all (`lift_fence`): every
-step and every commit needs all processes, so the others cannot go on.
+controller, then stop them (elastic.agent.fence). Every step needs all
+processes, but the last act of a checkpoint needs only process 0: once
+every process has written its part and passed Orbax's barrier, process 0
+alone renames the step's directory (or writes its commit marker on a
+bucket), and a worker that raised waits for that save
+(elastic.worker.runtime). A process 0 that lives on after the others
+stopped can so commit a step late, while the next generation's process 0
+removes that step's unfinished directory as a leftover, or writes the same
+step again: a step committed half-written. So when the host of process 0
+was lost without being seen to stop its worker, no new generation starts
+until its lease has run out (`fence_lost_slice`), or until it is seen to
+have stopped after all (`lift_fence`). Seen to stop: its agent acknowledged
+the stop, or its agent's connection was closed (the agent process ended,
+and its worker, which dies with it, elastic.agent.supervisor).
 """
 
 from __future__ import annotations
@@ -19,45 +28,49 @@ from elastic.policy.view import ClusterView
 
 def fence_lost_slice(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                       actions: list[Action], pending: list[str]) -> SliceState:
-    """Agents keep their workers for `health.controller_lease_s` without a
-    controller. Once one member of the stopped generation is seen to have
-    stopped (its agent acknowledged the stop, or its agent's connection was
-    closed: the agent process ended, and its worker with it), the others
-    cannot step or commit (every step and every commit needs all
-    processes). When none was (all cut off from the controller together,
-    `pending` ones dropped unanswered), they may train on together, so no
-    generation starts until their leases have run out."""
-    seen_stopped = [h for h in state.members if h in view.disconnected or (
-        h in view.hosts and h not in state.lost and h not in pending)]
-    if not state.members or seen_stopped:
+    """`state` of a generation that just stopped, fenced until the
+    controller lease of its process 0's host has run out (`fenced_until`)
+    when that host is not seen to have stopped its worker: lost (or
+    `pending`, dropped unanswered) and its agent's connection not closed.
+    Journals `waiting_for_fencing`. Unchanged otherwise: the others cannot
+    step without process 0, and only process 0 commits."""
+    if not state.members:
+        return state
+    first = state.members[0]
+    if first in view.disconnected or (
+            first in view.hosts and first not in state.lost and first not in pending):
         return state
     # (never heard by this controller, as after an adoption that found none
     # of them: their lease may have begun just now)
-    heard = max((view.hosts[h].last_heartbeat_at for h in state.members if h in view.hosts),
-                default=now)
+    record = view.hosts.get(first)
+    heard = record.last_heartbeat_at if record is not None else now
     until = heard + spec.health.controller_lease_s + spec.health.heartbeat_interval_s
+    lost = [h for h in state.members if h in state.lost or h in pending]
+    whole = "every host" if len(lost) == len(state.members) else f"host {first}"
     actions.append(Journal("waiting_for_fencing", state.generation,
-                           f"every host of generation {state.generation} was lost; none is "
-                           f"known to have stopped its worker, so no generation starts "
-                           f"until their controller lease (health.controller_lease_s = "
-                           f"{spec.health.controller_lease_s:g}) has run out", None,
-                           {"hosts": list(state.members)}))
+                           f"{whole} of generation {state.generation} was lost, with its "
+                           f"process 0 (host {first}, the one that commits checkpoints), which "
+                           f"is not known to have stopped its worker: no generation starts "
+                           f"until its controller lease (health.controller_lease_s = "
+                           f"{spec.health.controller_lease_s:g}) has run out", first,
+                           {"hosts": lost}))
     return dataclasses.replace(state, fenced_until=until)
 
 
 def lift_fence(state: SliceState, view: ClusterView, actions: list[Action]) -> SliceState:
-    """`state` without its fence once a member of the fenced generation is
-    seen stopped: its agent, heard again and not lost, reports no worker of
-    that generation running (a stop acknowledgement read after the members
-    were dropped, say after the controller itself was paused)."""
-    for host in state.members:
+    """`state` without its fence once process 0 of the fenced generation
+    is seen stopped: its agent, heard again and not lost, reports no worker
+    of that generation running (a stop acknowledgement read after the
+    members were dropped, say after the controller itself was paused)."""
+    for host in state.members[:1]:
         record = view.get(host)
         stopped = record is not None and host not in state.lost and not (
             record.worker.running and record.worker.generation == state.generation)
         if stopped:
             actions.append(Journal("fence_lifted", state.generation,
-                                   f"host {host} of generation {state.generation} is seen to "
-                                   f"have stopped its worker: the others cannot train on",
+                                   f"host {host}, process 0 of generation {state.generation}, "
+                                   f"is seen to have stopped its worker: nothing of that "
+                                   f"generation can step or commit",
                                    host))
             return dataclasses.replace(state, fenced_until=0.0)
     return state
