@@ -242,11 +242,11 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     # holds its own host certificate (the controller binds a host id to the
     # certificate of the connection), issued here from the benchmark's CA
     import grpc
-    from elastic.transport import CHANNEL_OPTIONS
+    from elastic.transport import CONTROLLER_CHANNEL_OPTIONS
     hosts = [f"sim-{first + i:05d}" for i in range(count)]
     # (and the real agents' options: their keepalive pings, which close a
     # connection whose pings go unanswered, are part of the load)
-    options = [("grpc.use_local_subchannel_pool", 1), *CHANNEL_OPTIONS]
+    options = [("grpc.use_local_subchannel_pool", 1), *CONTROLLER_CHANNEL_OPTIONS]
     if ca_dir == "-":
         channels = [grpc.aio.insecure_channel(address, options=options) for _ in hosts]
     else:

@@ -26,6 +26,23 @@ CHANNEL_OPTIONS = [
     # a status of 10,000 hosts is ~2 MB
     ("grpc.max_receive_message_length", 64 << 20),
 ]
+#: An agent's channel to the controller: the same, with keepalive pings a
+#: minute apart and 20 s to answer one. The agent's own check finds a silent
+#: controller sooner (nothing heard for heartbeat_timeout_s while the
+#: session's stream is open, its Register call has a deadline:
+#: elastic.agent.session), and a ping answered late is no sign of a dead
+#: controller, only of a busy one; with
+#: 10 s pings closed after 5 s unanswered, 10,000 agents sent 1,000 pings a
+#: second to one controller and dropped their connections whenever it fell
+#: behind (bench/scale.py, 2026-11-26). The pings keep idle connections
+#: open through NAT and firewalls, and notice a connection that died while
+#: heartbeats still go as datagrams.
+CONTROLLER_CHANNEL_OPTIONS = [
+    *[option for option in CHANNEL_OPTIONS if not option[0].startswith("grpc.keepalive_")],
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 #: Largest message the controller accepts (its largest honest one, a
 #: worker's exit report with its stderr tail, is a few KiB).
 MAX_REQUEST_BYTES = 1 << 20
@@ -101,18 +118,19 @@ def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str,
     return port
 
 
-def _client(tls: TLSFiles | None, roles: tuple[Role, ...]):
+def _client(tls: TLSFiles | None, roles: tuple[Role, ...], base=CHANNEL_OPTIONS):
     if tls is None:
-        return None, list(CHANNEL_OPTIONS)
-    return tls_.channel_credentials(tls, roles), [*CHANNEL_OPTIONS, *tls_.SERVER_NAME_OPTIONS]
+        return None, list(base)
+    return tls_.channel_credentials(tls, roles), [*base, *tls_.SERVER_NAME_OPTIONS]
 
 
 def aio_channel(target: str, tls: TLSFiles | None,
                 roles: tuple[Role, ...] = (Role.HOST,)) -> grpc.aio.Channel:
-    """An asyncio channel to the controller at "HOST:PORT": mutual TLS
-    with `tls` (whose certificate must be one of `roles`), plaintext if
-    None. Raises TLSError when the files cannot be used."""
-    credentials, options = _client(tls, roles)
+    """An asyncio channel to the controller at "HOST:PORT", as an agent's
+    (CONTROLLER_CHANNEL_OPTIONS): mutual TLS with `tls` (whose certificate
+    must be one of `roles`), plaintext if None. Raises TLSError when the
+    files cannot be used."""
+    credentials, options = _client(tls, roles, CONTROLLER_CHANNEL_OPTIONS)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
