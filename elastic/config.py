@@ -138,8 +138,9 @@ class HealthSpec:
       trains on, and a controller restarted meanwhile (by systemd, or a
       standby taking over) adopts the running slice. Well above a restart of
       the controller (~1-3 s) and above heartbeat_timeout_s. A slice whose
-      members are all lost at once (cut off from the controller together)
-      is replaced only after this long (see elastic.policy.decide).
+      process 0's host was lost without being seen to stop its worker (cut
+      off, frozen) is replaced only after this long: process 0 alone
+      finishes a checkpoint's commit (elastic.policy.fencing).
     leader_lease_s: with checkpoints in a bucket, the controllers' lease on
       the journal object there (elastic.controller.bucket_lease): a standby
       takes over once the leader has not renewed it for this long.

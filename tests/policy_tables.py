@@ -3,6 +3,8 @@ and offsets from it, in controller-monotonic seconds)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from elastic.config import HealthSpec, JobSpec, RestartSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, SliceState, decide
@@ -63,6 +65,18 @@ def running_slice(view: ClusterView, hosts: list[str], now: float = T0,
                       generation=generation, phase_since=now, members=tuple(hosts),
                       incarnations=tuple(view.hosts[h].incarnation for h in hosts),
                       progressed=progressed, **kw)
+
+
+def three_hosts_leased(lease_s: float = 30.0) -> tuple[JobSpec, ClusterView, SliceState]:
+    """A spec whose agents keep their workers `lease_s` without a controller
+    (health.controller_lease_s), and generation 1 running on h0, h1, h2
+    (process 0 on h0): (spec, view, state)."""
+    s = spec()
+    s = dataclasses.replace(s, health=dataclasses.replace(s.health, controller_lease_s=lease_s))
+    view = ClusterView()
+    for h in ("h0", "h1", "h2"):
+        register(view, h)
+    return s, view, running_slice(view, ["h0", "h1", "h2"])
 
 
 def stop_and_settle(state, view, now, s):

@@ -170,11 +170,12 @@ def test_a_slice_cut_off_whole_is_replaced_only_after_its_lease():
     assert stopped.state.phase is Phase.WAITING
     assert "host h0, process 0 of generation 1, to fence itself" in decide(
         stopped.state, view, T0 + 20.0, s).reason
-    # the lease (30 s from when they were last heard) plus an interval later
-    assert stopped.state.fenced_until == T0 + 31.0
-    register(view, "h3", T0 + 30.0, incarnation="inc-h3")
-    assert "to fence itself" in decide(stopped.state, view, T0 + 30.9, s).reason
-    started = decide(stopped.state, view, T0 + 31.1, s)
+    # the lease (30 s from when they were last heard), the grace of an agent
+    # whose checks were held up (2 intervals) and two checks (0.25 s) later
+    assert stopped.state.fenced_until == T0 + 32.5
+    register(view, "h3", T0 + 31.5, incarnation="inc-h3")
+    assert "to fence itself" in decide(stopped.state, view, T0 + 32.4, s).reason
+    started = decide(stopped.state, view, T0 + 32.6, s)
     assert "generation_started" in kinds(started), started.reason
 
 

@@ -15,9 +15,9 @@ from elastic.policy import strays
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.state import forgive_pause
 from elastic.policy.view import (ClusterView, Disconnected, HeartbeatReceived, ProgressReported,
-                                 WorkerState, observe)
+                                 WorkerExited, WorkerObs, WorkerState, observe)
 from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
-                                 stop_and_settle, worker)
+                                 stop_and_settle, three_hosts_leased, worker)
 
 # --- failures ------------------------------------------------------------------------
 
@@ -191,8 +191,11 @@ def test_stop_then_restart_on_survivors():
 
 
 @pytest.mark.parametrize("how_h0_went, fenced", [
-    ("silent", True),        # cut off or frozen: its worker may commit a save late
-    ("closed", False),       # its agent's connection closed: agent and worker ended
+    ("silent", True),          # cut off or frozen: its worker may commit a save late
+    ("closed", False),         # its agent's connection closed, a peer's worker crashed:
+    #                            a killed host (its worker dies with its agent)
+    ("closed_quietly", True),  # closed, the peers stopped on request: perhaps its agent
+    #                            gave up on a controller it stopped hearing, its worker on
     ("heard_stopped", False),  # heard again after the stop, its worker ended: lifted
 ])
 def test_a_lost_process_0_is_waited_out_unless_seen_stopped(how_h0_went, fenced):
@@ -200,31 +203,36 @@ def test_a_lost_process_0_is_waited_out_unless_seen_stopped(how_h0_went, fenced)
     wrote its part): its host lost without being seen to stop its worker,
     no generation starts until that host's controller lease has run out,
     though its peers acknowledged the stop."""
-    s = spec()
-    s = dataclasses.replace(s, health=dataclasses.replace(s.health, controller_lease_s=30.0))
-    view = ClusterView()
-    for h in ("h0", "h1", "h2"):
-        register(view, h)
-    state = running_slice(view, ["h0", "h1", "h2"])
+    s, view, state = three_hosts_leased()
     heartbeat_all(view, T0 + 4)
     for h in ("h1", "h2"):
         observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + 6)
-    if how_h0_went == "closed":
+    if how_h0_went.startswith("closed"):
         observe(view, Disconnected("h0", "inc-h0"), T0 + 5)
-    stopped = stop_and_settle(state, view, T0 + 9.5, s)  # h0 silent 5.5 s
+    if how_h0_went == "closed":  # its peer's collective failed
+        worker(view, "h1", T0 + 5.1, 1, WorkerState.EXITED, exit_code=1)
+    stopping = decide(state, view, T0 + 9.5, s)  # h0 silent 5.5 s
+    for h in ("h1", "h2"):
+        if view.hosts[h].worker.running:
+            exited = WorkerObs(generation=1, state=WorkerState.EXITED, pid=42, signal=9,
+                               stopped_on_request=True)
+            observe(view, WorkerExited(h, f"inc-{h}", exited), T0 + 9.6)
+    stopped = decide(stopping.state, view, T0 + 9.7, s)
     assert ("waiting_for_fencing" in kinds(stopped)) is (how_h0_went != "closed")
     if how_h0_went == "heard_stopped":  # (its stop acknowledgement, read late)
         worker(view, "h0", T0 + 12, 1, WorkerState.EXITED, sig=9)
-    for h in ("h1", "h2"):
-        worker(view, h, T0 + 13, 1, WorkerState.EXITED, sig=9)
+    def peers_heard(now):  # (h0 stays silent unless heard above)
+        for h in ("h1", "h2"):
+            observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), now)
+
+    peers_heard(T0 + 13)
     restart = decide(stopped.state, view, T0 + 13, s)
-    if fenced:  # its lease: 30 s from when it was last heard, and an interval
-        assert stopped.state.fenced_until == T0 + 4 + 31.0
+    if fenced:  # its lease: 30 s from when it was last heard, 2 intervals, 2 checks
+        assert stopped.state.fenced_until == T0 + 4 + 32.5
         assert restart.state.generation == 1
         assert "for host h0, process 0 of generation 1, to fence itself" in restart.reason
-        for h in ("h1", "h2"):
-            worker(view, h, T0 + 35.1, 1, WorkerState.EXITED, sig=9)
-        restart = decide(restart.state, view, T0 + 35.1, s)
+        peers_heard(T0 + 36.6)
+        restart = decide(restart.state, view, T0 + 36.6, s)
     assert restart.state.generation == 2, restart.reason
     assert ("fence_lifted" in kinds(restart)) is (how_h0_went == "heard_stopped")
 

@@ -7,9 +7,10 @@ registration (`health.controller_lease_s`, 30 s by default): long enough
 that a controller restarted by systemd, or a standby taking over, finds the
 slice still training and adopts it (elastic.policy.adopt). A host cut off
 from the controller alone cannot step meanwhile: the controller stops its
-peers, and every step needs all processes. Only when every member of a
-generation is cut off together could they train on, and then the controller
-starts no generation until their lease has run out (elastic.policy.decide).
+peers, and every step needs all processes. But process 0 alone finishes a
+checkpoint's commit, so when its host is cut off the controller starts no
+generation until that host's lease has run out (`fenced_by`,
+elastic.policy.fencing).
 This is the lease of Gray and Cheriton ("Leases", SOSP 1989) as fencing uses
 it: the holder stops acting before the grantor acts as if it had.
 
@@ -24,6 +25,23 @@ from __future__ import annotations
 #: An agent whose checks were held up this much longer than their interval
 #: was not running; its lease clock restarts with a grace.
 HELD_UP_S = 1.0
+#: Seconds between an agent's checks of its lease.
+CHECK_EVERY_S = 0.25
+
+
+def grace_s(heartbeat_interval_s: float) -> float:
+    """Seconds an agent whose checks were held up gives the controller to
+    be heard again before it fences: two heartbeat intervals."""
+    return 2 * heartbeat_interval_s
+
+
+def fenced_by(heard_at: float, lease: float, heartbeat_interval_s: float) -> float:
+    """When an agent last heard at `heard_at` (seconds, its controller's
+    clock) has stopped its worker at the latest, its lease being `lease`:
+    the lease, a check's interval, and, should its checks have been held
+    up once before it ran out, the grace it then gives and another check.
+    An agent stopped for longer fences later (README: stopped agents)."""
+    return heard_at + lease + grace_s(heartbeat_interval_s) + 2 * CHECK_EVERY_S
 
 
 def lease_s(heartbeat_interval_s: float, heartbeat_timeout_s: float) -> float:

@@ -278,7 +278,7 @@ class ControllerSession:
                     await channel.close()
         raise _NoController(retry_after_s)
 
-    async def _keep_lease(self, tick_s: float = 0.25) -> None:
+    async def _keep_lease(self, tick_s: float = fence.CHECK_EVERY_S) -> None:
         """Stop the worker when the controller has not been heard for the
         lease (elastic.agent.fence); the next registration says so."""
         checked_at = time.monotonic()
@@ -290,7 +290,7 @@ class ControllerSession:
                 continue
             expired, self._heard_at = fence.check(self._heard_at, checked_at, now,
                                                   self._lease_s, tick_s,
-                                                  2 * self._heartbeat_interval_s)
+                                                  fence.grace_s(self._heartbeat_interval_s))
             checked_at = now
             if expired and self.supervisor.running and not self._fenced:
                 generation = self.supervisor.status.generation

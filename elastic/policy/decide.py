@@ -281,9 +281,7 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if now < state.fenced_until:
         state = fencing.lift_fence(state, view, actions)
     if now < state.fenced_until:
-        reason = (f"waiting {state.fenced_until - now:.1f} s more for host {state.members[0]}, "
-                  f"process 0 of generation {state.generation}, to fence itself")
-        return dataclasses.replace(state, reason=reason)
+        return dataclasses.replace(state, reason=fencing.waiting(state, now))
     heartbeating = len(view.hosts) - len(state.lost)
     if heartbeating < spec.min_hosts:  # O(1): no plan can start (thousands registering)
         reason = f"waiting for hosts: {heartbeating} heartbeating, min_hosts is {spec.min_hosts}"

@@ -13,14 +13,19 @@ step again: a step committed half-written. So when the host of process 0
 was lost without being seen to stop its worker, no new generation starts
 until its lease has run out (`fence_lost_slice`), or until it is seen to
 have stopped after all (`lift_fence`). Seen to stop: its agent acknowledged
-the stop, or its agent's connection was closed (the agent process ended,
-and its worker, which dies with it, elastic.agent.supervisor).
+the stop, or its agent's connection was closed and a peer's worker ended by
+itself, not on a stop (a killed host: its worker dies with its agent,
+elastic.agent.supervisor, and its peers' collectives fail). A closed
+connection alone is not enough: an agent that stops hearing the controller
+closes its connection itself and keeps its worker for the lease (a host cut
+off one way, or a controller stalled).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from elastic.agent.fence import fenced_by
 from elastic.config import JobSpec
 from elastic.policy.state import Action, Journal, SliceState
 from elastic.policy.view import ClusterView
@@ -29,22 +34,24 @@ from elastic.policy.view import ClusterView
 def fence_lost_slice(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                       actions: list[Action], pending: list[str]) -> SliceState:
     """`state` of a generation that just stopped, fenced until the
-    controller lease of its process 0's host has run out (`fenced_until`)
-    when that host is not seen to have stopped its worker: lost (or
-    `pending`, dropped unanswered) and its agent's connection not closed.
-    Journals `waiting_for_fencing`. Unchanged otherwise: the others cannot
-    step without process 0, and only process 0 commits."""
+    controller lease of its process 0's host has run out (`fenced_until`,
+    elastic.agent.fence.fenced_by) when that host is not seen to have
+    stopped its worker (the module docstring): lost, or `pending` (dropped
+    unanswered). Journals `waiting_for_fencing` with the seconds left
+    (`lease_left_s`: a controller that takes over keeps the fence,
+    elastic.policy.failure_history). Unchanged otherwise: the others
+    cannot step without process 0, and only process 0 commits."""
     if not state.members:
         return state
     first = state.members[0]
-    if first in view.disconnected or (
-            first in view.hosts and first not in state.lost and first not in pending):
+    acknowledged = first in view.hosts and first not in state.lost and first not in pending
+    if acknowledged or (first in view.disconnected and _a_peer_ended_by_itself(state, view)):
         return state
     # (never heard by this controller, as after an adoption that found none
     # of them: their lease may have begun just now)
     record = view.hosts.get(first)
     heard = record.last_heartbeat_at if record is not None else now
-    until = heard + spec.health.controller_lease_s + spec.health.heartbeat_interval_s
+    until = fenced_by(heard, spec.health.controller_lease_s, spec.health.heartbeat_interval_s)
     lost = [h for h in state.members if h in state.lost or h in pending]
     whole = "every host" if len(lost) == len(state.members) else f"host {first}"
     actions.append(Journal("waiting_for_fencing", state.generation,
@@ -53,8 +60,20 @@ def fence_lost_slice(state: SliceState, view: ClusterView, now: float, spec: Job
                            f"is not known to have stopped its worker: no generation starts "
                            f"until its controller lease (health.controller_lease_s = "
                            f"{spec.health.controller_lease_s:g}) has run out", first,
-                           {"hosts": lost}))
+                           {"hosts": lost, "lease_left_s": round(until - now, 3)}))
     return dataclasses.replace(state, fenced_until=until)
+
+
+def _a_peer_ended_by_itself(state: SliceState, view: ClusterView) -> bool:
+    """Whether an agent reported a worker of this generation, other than
+    process 0's, ended by itself (not on a stop it was sent)."""
+    for host, incarnation in zip(state.members[1:], state.incarnations[1:]):
+        record = view.get(host)
+        if record is not None and record.incarnation == incarnation and \
+                record.worker.generation == state.generation and \
+                not record.worker.running and not record.worker.stopped_on_request:
+            return True
+    return False
 
 
 def lift_fence(state: SliceState, view: ClusterView, actions: list[Action]) -> SliceState:
@@ -74,3 +93,10 @@ def lift_fence(state: SliceState, view: ClusterView, actions: list[Action]) -> S
                                    host))
             return dataclasses.replace(state, fenced_until=0.0)
     return state
+
+
+def waiting(state: SliceState, now: float) -> str:
+    """Why no generation starts while `state` is fenced (a sentence)."""
+    first = state.members[0] if state.members else "(as a previous controller journaled)"
+    return (f"waiting {state.fenced_until - now:.1f} s more for host {first}, process 0 of "
+            f"generation {state.generation}, to fence itself")

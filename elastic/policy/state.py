@@ -115,9 +115,10 @@ class SliceState:
     inherited: while ADOPTING, the generation the journal says was running
       (None: the journal says none was; the agents' reports are searched for
       one, elastic.policy.adopt.discover).
-    fenced_until: no generation starts before this time: the members of
-      the last one were all lost at once, none seen to stop, and may train
-      on until their agents' controller lease runs out.
+    fenced_until: no generation starts before this time: the host of the
+      last one's process 0 was lost, not seen to stop its worker, which may
+      commit a checkpoint until its agent's controller lease runs out
+      (elastic.policy.fencing).
     restart_began: when the latest restart's stop began (None once the
       next generation made its first step).
     restart_costs_s: what the latest restarts cost (stop began -> first
