@@ -16,7 +16,7 @@ from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.failure_history import FailureHistory
 from elastic.policy.view import ClusterView, WorkerState
 from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
-                                 stop_and_settle, worker)
+                                 stop_and_settle, three_hosts_leased, worker)
 
 #: The journal's Unix time at the fake clock's T0, and the successor's
 #: monotonic clock at the same instant (another process: another origin).
@@ -214,6 +214,40 @@ def test_the_fold_by_table():
                                                   blamed=["d"]), "ts": bad}) == h
     for end in ("job_failed", "job_succeeded"):
         assert failure_history.after(h, _entry(10, end)) == FailureHistory()
+
+
+def test_a_successor_keeps_the_fence_of_a_lost_process_0(tmp_path):
+    """The host of process 0 cut off (its worker may still commit a save)
+    and the controller restarted during the fence: its successor, which
+    never saw that host, starts no generation before the fence runs out."""
+    s, view, state = three_hosts_leased()
+    started = d.Decision(state, (d.Journal("generation_started", 1, "", None, {}),), "")
+    heartbeat_all(view, T0 + 4)
+    for h in ("h1", "h2"):
+        worker(view, h, T0 + 6, 1, WorkerState.RUNNING)
+    stopping = decide(state, view, T0 + 9.5, s)  # h0 silent 5.5 s
+    for h in ("h1", "h2"):
+        worker(view, h, T0 + 9.6, 1, WorkerState.EXITED, sig=9)
+    stopped = decide(stopping.state, view, T0 + 9.7, s)
+    assert "waiting_for_fencing" in kinds(stopped)
+    journal(tmp_path, [started, stopping, stopped], [T0, T0 + 9.5, T0 + 9.7])
+    # heard at T0 + 4: fenced until its lease (30 s), the agent's grace after
+    # a held-up check (2 intervals) and two checks (0.25 s each) have passed
+    successor = dataclasses.replace(carried(tmp_path, T0 + 12, s), phase=Phase.WAITING,
+                                    generation=1)
+    assert successor.fenced_until == SUCCESSOR_T0 + 4 + 32.5
+    assert failure_history.describe(successor, SUCCESSOR_T0 + 12)["fenced_s"] == 24.5
+    fresh = ClusterView()
+    for h in ("h1", "h2", "h3"):
+        register(fresh, h, SUCCESSOR_T0 + 12)
+    waiting = decide(successor, fresh, SUCCESSOR_T0 + 12, s)
+    assert waiting.state.generation == 1 and "to fence itself" in waiting.reason
+    later = start_generation(fresh, waiting.state, SUCCESSOR_T0 + 36.6, s, 1)
+    assert later.state.generation == 2, later.reason
+    # a generation started since, or the fence lifted: nothing carried
+    for after in ("generation_started", "fence_lifted"):
+        history = failure_history.after(recorded(tmp_path).failures, _entry(11, after))
+        assert history.fenced_until == 0.0
 
 
 def test_only_what_the_windows_still_count_is_carried():

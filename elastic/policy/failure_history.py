@@ -48,6 +48,8 @@ class FailureHistory:
       restart_cost_s, seconds, the newest last; at most
       elastic.policy.grow.COSTS_KEPT), which the grow policy weighs: not a
       failure count, but carried the same way.
+    fenced_until: when the fence of the latest `waiting_for_fencing` runs
+      out (0.0: none, or lifted, or a generation started since).
     """
 
     restarts_at: tuple[float, ...] = ()
@@ -55,6 +57,7 @@ class FailureHistory:
     host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
     restart_costs_s: tuple[float, ...] = ()
+    fenced_until: float = 0.0
 
 
 def _number(entry: Mapping, key: str) -> float | None:
@@ -127,6 +130,12 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
     if kind == "host_released" and isinstance(host, str):
         return dataclasses.replace(history, quarantined={
             h: q for h, q in history.quarantined.items() if h != host})
+    if kind == "waiting_for_fencing":
+        left_s = _number(entry, "lease_left_s")
+        return history if left_s is None else dataclasses.replace(history,
+                                                                  fenced_until=ts + left_s)
+    if kind in ("generation_started", "generation_discovered", "fence_lifted"):
+        return dataclasses.replace(history, fenced_until=0.0)
     return history
 
 
@@ -137,7 +146,10 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
     t)`), keeping only what the windows still count: failure restarts within
     `restart.window_s`, a host's failures within `quarantine.window_s`, and
     quarantines that have not yet ended (those that ended while no
-    controller ran are released by the first pass, which journals it)."""
+    controller ran are released by the first pass, which journals it), and
+    a fence (elastic.policy.fencing) that has not yet run out: no
+    generation starts before it, though this controller never saw the
+    hosts."""
     offset = monotonic_now - wall_now
     restarts = tuple(t + offset for t in recent(history.restarts_at, wall_now, spec))
     failures = {}
@@ -147,19 +159,22 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
             failures[host] = kept
     quarantined = {h: (until + offset, reason)
                    for h, (until, reason) in history.quarantined.items()}
+    fenced_until = history.fenced_until + offset if history.fenced_until > wall_now else 0.0
     return dataclasses.replace(state, failure_restarts=restarts,
                                failures_without_progress=history.without_progress,
                                host_failures=failures, quarantined=quarantined,
-                               restart_costs_s=history.restart_costs_s)
+                               restart_costs_s=history.restart_costs_s,
+                               fenced_until=fenced_until)
 
 
 def describe(state: SliceState, monotonic_now: float) -> dict:
     """What `controller_started` journals about the failures `state`
     counts: failure restarts within the budget's window, the crash-loop
-    count, the latest restarts' costs (seconds), and host -> seconds left
-    in quarantine."""
+    count, the latest restarts' costs (seconds), seconds left of a fence,
+    and host -> seconds left in quarantine."""
     return {"failure_restarts": len(state.failure_restarts),
             "failures_without_progress": state.failures_without_progress,
             "restart_costs_s": list(state.restart_costs_s),
+            "fenced_s": round(max(state.fenced_until - monotonic_now, 0.0), 3),
             "quarantined": {h: round(until - monotonic_now, 3)
                             for h, (until, _) in sorted(state.quarantined.items())}}
