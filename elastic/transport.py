@@ -27,16 +27,19 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 #: An agent's channel to the controller: the same, with keepalive pings a
-#: minute apart and 20 s to answer one. The agent's own check finds a silent
-#: controller sooner (nothing heard for heartbeat_timeout_s while the
-#: session's stream is open, its Register call has a deadline:
-#: elastic.agent.session), and a ping answered late is no sign of a dead
-#: controller, only of a busy one; with
-#: 10 s pings closed after 5 s unanswered, 10,000 agents sent 1,000 pings a
-#: second to one controller and dropped their connections whenever it fell
-#: behind (bench/scale.py, 2026-11-26). The pings keep idle connections
-#: open through NAT and firewalls, and notice a connection that died while
-#: heartbeats still go as datagrams.
+#: minute apart and 20 s to answer one. A ping answered late is no sign of
+#: a dead controller, only of a busy one: with 10 s pings closed after 5 s
+#: unanswered, 10,000 agents sent 1,000 pings a second to one controller and
+#: dropped their connections whenever it fell behind (bench/scale.py). The
+#: agent's own checks find a silent controller sooner once its stream is
+#: answered (nothing heard for heartbeat_timeout_s), while a worker runs
+#: (half the lease) and while it registers (Register has a deadline). Only
+#: an agent without a worker that waits for its stream's first answer
+#: (which a controller taking thousands of streams up may give after
+#: minutes: elastic.agent.session) relies on the pings to notice that the
+#: controller died meanwhile: after 60-80 s. The pings also keep idle
+#: connections open through NAT and firewalls, and notice a connection that
+#: died while heartbeats still go as datagrams.
 CONTROLLER_CHANNEL_OPTIONS = [
     *[option for option in CHANNEL_OPTIONS if not option[0].startswith("grpc.keepalive_")],
     ("grpc.keepalive_time_ms", 60_000),
