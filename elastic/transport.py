@@ -32,15 +32,15 @@ CHANNEL_OPTIONS = [
 #: after 5 s unanswered, 10,000 agents sent one controller 1,000 pings a
 #: second, and started their generation within 600 s in 2 runs of 3 on the
 #: project's machine, against 3 of 3 with these (bench/scale.py,
-#: 2026-11-28; README, Performance). The agent's own checks find a silent controller sooner once its stream is
-#: answered (nothing heard for heartbeat_timeout_s), while a worker runs
-#: (half the lease) and while it registers (Register has a deadline). Only
-#: an agent without a worker that waits for its stream's first answer
-#: (which a controller taking thousands of streams up may give after
-#: minutes: elastic.agent.session) relies on the pings to notice that the
-#: controller died meanwhile: after 60-80 s. The pings also keep idle
-#: connections open through NAT and firewalls, and notice a connection that
-#: died while heartbeats still go as datagrams.
+#: 2026-11-28; README, Performance). The agent's own checks find a silent
+#: controller sooner once its stream is answered (nothing heard for
+#: heartbeat_timeout_s), while a worker runs (half the lease) and while it
+#: registers (Register has a deadline). Only an agent without a worker that
+#: waits for its stream's first answer (which a controller taking thousands
+#: of streams up may give after minutes: elastic.agent.session) relies on
+#: the pings to notice that the controller died meanwhile: after 60-80 s.
+#: The pings also keep idle connections open through NAT and firewalls, and
+#: notice a connection that died while heartbeats still go as datagrams.
 CONTROLLER_CHANNEL_OPTIONS = [
     *[option for option in CHANNEL_OPTIONS if not option[0].startswith("grpc.keepalive_")],
     ("grpc.keepalive_time_ms", 60_000),
@@ -122,7 +122,8 @@ def add_listen_port(server: grpc.aio.Server | grpc.Server, address: str,
     return port
 
 
-def _client(tls: TLSFiles | None, roles: tuple[Role, ...], base=CHANNEL_OPTIONS):
+def _client(tls: TLSFiles | None, roles: tuple[Role, ...],
+            base: list[tuple[str, int]] = CHANNEL_OPTIONS):
     if tls is None:
         return None, list(base)
     return tls_.channel_credentials(tls, roles), [*base, *tls_.SERVER_NAME_OPTIONS]

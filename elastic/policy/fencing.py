@@ -81,18 +81,18 @@ def lift_fence(state: SliceState, view: ClusterView, actions: list[Action]) -> S
     is seen stopped: its agent, heard again and not lost, reports no worker
     of that generation running (a stop acknowledgement read after the
     members were dropped, say after the controller itself was paused)."""
-    for host in state.members[:1]:
-        record = view.get(host)
-        stopped = record is not None and host not in state.lost and not (
-            record.worker.running and record.worker.generation == state.generation)
-        if stopped:
-            actions.append(Journal("fence_lifted", state.generation,
-                                   f"host {host}, process 0 of generation {state.generation}, "
-                                   f"is seen to have stopped its worker: nothing of that "
-                                   f"generation can step or commit",
-                                   host))
-            return dataclasses.replace(state, fenced_until=0.0)
-    return state
+    if not state.members:  # (a fence carried from the journal: its hosts unknown here)
+        return state
+    host = state.members[0]
+    record = view.get(host)
+    if record is None or host in state.lost or (
+            record.worker.running and record.worker.generation == state.generation):
+        return state
+    actions.append(Journal("fence_lifted", state.generation,
+                           f"host {host}, process 0 of generation {state.generation}, is seen "
+                           f"to have stopped its worker: nothing of that generation can step "
+                           f"or commit", host))
+    return dataclasses.replace(state, fenced_until=0.0)
 
 
 def waiting(state: SliceState, now: float) -> str:
