@@ -209,6 +209,27 @@ def test_the_journal_names_the_generation_still_running(tmp_path, after, running
                                         progressed, 1)
 
 
+def test_a_new_job_in_the_state_dir_inherits_only_generation_and_term(tmp_path):
+    """Job "b" after job "a" in one state directory: not a's run id (the
+    hosts' local snapshots of a would be restored into b), steps, end or
+    running slice; its generations and terms go on from a's."""
+    journal(tmp_path, {"kind": "controller_started", "generation": 0, "run_id": "r1",
+                       "job_id": "a", "term": 3},
+            STARTED, {"kind": "checkpoint_committed", "generation": 2, "step": 40},
+            {"kind": "job_succeeded", "generation": 2})
+    got = recorded(tmp_path, "b")
+    assert (got.generation, got.term, got.other_job) == (2, 3, "a")
+    assert (got.run_id, got.step, got.committed_step, got.running, got.ended) == \
+        ("", -1, -1, None, None)
+    assert recorded(tmp_path, "a").run_id == "r1" and recorded(tmp_path, "a").ended == 0
+    # b's own controller since: b's entries count again
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"ts": 9.0, "host": None, "reason": "", "kind": "controller_started",
+                            "generation": 2, "run_id": "r2", "job_id": "b", "term": 4}) + "\n")
+    got = recorded(tmp_path, "b")
+    assert (got.run_id, got.term, got.committed_step) == ("r2", 4, -1)
+
+
 @pytest.mark.parametrize("back,waited,found", [
     (HOSTS, 0.5, "all"),           # every rank of generation 4 reports: rebuilt
     (HOSTS[:2], 1.0, None),        # rank 2 not back yet: wait

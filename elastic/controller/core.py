@@ -188,7 +188,7 @@ class Controller:
                              f"job {self.spec.job_id}: {self.spec.min_hosts} to "
                              f"{self.spec.max_hosts} hosts, mesh {self.spec.mesh.to_text()}"
                              f"{adopting}",
-                             None, {"spec": self.spec.source,
+                             None, {"job_id": self.spec.job_id, "spec": self.spec.source,
                                     "checkpoint_dir": self.spec.checkpoint_dir,
                                     "run_id": self.executor.run_id,
                                     "term": self.executor.term,

@@ -173,7 +173,9 @@ class Recorded:
       (0 after job_succeeded, 1 after job_failed), else None;
     term: the highest leadership term a controller journaled (0 if none);
     failures: the failure accounting of the job so far (the restart budget,
-      the crash loop, quarantine: elastic.policy.failure_history)."""
+      the crash loop, quarantine: elastic.policy.failure_history);
+    other_job: the last other job whose controller journaled here ("" if
+      none; see `recorded`)."""
 
     generation: int = 0
     step: int = -1
@@ -183,21 +185,41 @@ class Recorded:
     ended: int | None = None
     term: int = 0
     failures: FailureHistory = FailureHistory()
+    other_job: str = ""
 
 
 #: Kinds after which the latest generation no longer runs.
 _ENDED = ("slice_stopping", "slice_stopped", "job_succeeded", "job_failed")
 
 
-def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
-    """Scan the journal line by line (never all of it in memory)."""
+def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
+    """Scan the journal line by line (never all of it in memory). With
+    `job_id`, what controllers of another job journaled in the same state
+    directory (their `controller_started` names their job; entries before
+    this field existed count as this job's) gives only the generation and
+    the term, which stay monotonic in a state directory: not its run id,
+    steps, failures, end or running slice. A new job on the agents and in
+    the state directory of the one before must not inherit that job's run
+    id, under which the hosts' local snapshots of its state would be
+    restored into the new job."""
     generation, step, committed, run_id = 0, -1, -1, ""
     running: Inherited | None = None
     ended: int | None = None
     term = 0
     failures = FailureHistory()
+    other_job, last_other = False, ""
     for e in read_journal(state_dir):
         kind = e["kind"]
+        if kind == "controller_started" and job_id and isinstance(e.get("job_id"), str):
+            other_job = e["job_id"] != job_id
+            last_other = e["job_id"] if other_job else last_other
+        if other_job:
+            if kind in ("generation_started", "generation_discovered"):
+                generation = max(generation, e["generation"])
+            elif kind == "controller_started" and isinstance(e.get("term"), int) and \
+                    not isinstance(e.get("term"), bool):
+                term = max(term, e["term"])
+            continue
         failures = failure_history.after(failures, e)
         value = e.get("step")
         if isinstance(value, int) and not isinstance(value, bool):
@@ -219,7 +241,8 @@ def recorded(state_dir: str | os.PathLike[str]) -> Recorded:
                 running = dataclasses.replace(running, progressed=True)
             elif kind in _ENDED:
                 running = None
-    return Recorded(generation, step, committed, run_id, running, ended, term, failures)
+    return Recorded(generation, step, committed, run_id, running, ended, term, failures,
+                    last_other)
 
 
 def _inherited(entry: dict) -> Inherited | None:

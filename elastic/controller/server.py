@@ -64,10 +64,16 @@ class ControllerServer:
                  tls: TLSFiles | None, clock: Clock | None = None,
                  tick_s: float = 0.1, term: int = 0) -> None:
         self.state_dir = private_dir(state_dir)
+        before = recorded(self.state_dir, spec.job_id)
+        if before.other_job and not spec.checkpoint_dir:
+            raise RuntimeError(
+                f"the state directory {self.state_dir} holds the journal of job "
+                f"{before.other_job!r}: job {spec.job_id!r} would restore that job's checkpoints "
+                f"from the default checkpoint directory there; give it a checkpoint_dir of its "
+                f"own (or a state directory of its own)")
         self.spec = spec.with_checkpoint_dir(str((self.state_dir / "checkpoints").resolve()))
         self.listen = listen
         self.tls = tls
-        before = recorded(self.state_dir)
         self.journal = JournalWriter(self.state_dir)
         self.controller = Controller(
             self.spec, self.journal, clock or SystemClock(), tick_s,
@@ -245,7 +251,7 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
                                                    received)
                 if code is not None:
                     return code
-            before = recorded(state_dir)
+            before = recorded(state_dir, spec.job_id)
             server = ControllerServer(spec, listen, state_dir, tls,
                                       term=leader_term(leadership.term, before.term))
         except (RuntimeError, TLSError, OSError, StorageError) as e:
