@@ -175,12 +175,20 @@ def xla_flags() -> str:
     return os.environ.get("XLA_FLAGS", "")
 
 
+#: The environment a pre-started process's launch gave it (replace_environ);
+#: None in any other process.
+_launch_environ: dict[str, str] | None = None
+
+
 def started_environ() -> dict[str, str]:
     """The environment this process was started with (/proc/self/environ;
-    a copy of os.environ where there is none): the same for a cold worker
-    and a pre-started one launched alike (elastic.worker.prestart), unlike
-    os.environ after imports that set variables (JAX sets
-    TF_CPP_MIN_LOG_LEVEL)."""
+    a copy of os.environ where there is none), or for a pre-started one
+    (elastic.worker.prestart) the one its launch gave it: the same for a
+    cold worker and a pre-started one launched alike, even one started
+    during another job, unlike os.environ after imports that set variables
+    (JAX sets TF_CPP_MIN_LOG_LEVEL)."""
+    if _launch_environ is not None:
+        return dict(_launch_environ)
     try:
         with open("/proc/self/environ", "rb") as f:
             raw = f.read()
@@ -193,6 +201,9 @@ def started_environ() -> dict[str, str]:
 
 def replace_environ(environ: Mapping[str, str]) -> None:
     """Make `environ` this process's whole environment (a pre-started
-    worker taking its launch's, elastic.worker.prestart)."""
+    worker taking its launch's, elastic.worker.prestart); `started_environ`
+    returns it from now on."""
+    global _launch_environ
+    _launch_environ = dict(environ)
     os.environ.clear()
     os.environ.update(environ)

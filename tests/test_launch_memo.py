@@ -148,10 +148,13 @@ print("KEY", launch_memo.current_launch("f", "", None, elastic.worker_env.PER_GE
 """
 
 
-def test_a_pre_started_process_keys_its_launch_as_a_cold_one_does(tmp_path):
+@pytest.mark.parametrize("spawned_during", ["this job", "the job before"])
+def test_a_pre_started_process_keys_its_launch_as_a_cold_one_does(tmp_path, spawned_during):
     """JAX sets TF_CPP_MIN_LOG_LEVEL when imported: after the launch in a
     pre-started process, before the key in a cold one. The key hashes the
-    environment the process started with, the same for both."""
+    environment the process started with, the same for both; for a process
+    pre-started during the job before (other job-level variables: the agent
+    lets it serve the next job), the one its launch gave it."""
     script = tmp_path / "key_program.py"
     script.write_text(KEY_PROGRAM)
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
@@ -160,6 +163,9 @@ def test_a_pre_started_process_keys_its_launch_as_a_cold_one_does(tmp_path):
     cold = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, timeout=60)
     assert cold.returncode == 0, cold.stderr.decode()[-2000:]
     spawn_env = {k: v for k, v in env.items() if k not in worker_env.PER_GENERATION_ENV}
+    if spawned_during == "the job before":
+        spawn_env.update(ELASTIC_RUN_ID="run-0", ELASTIC_JOB_ID="job-before",
+                         ELASTIC_BATCH_MODE="other")
     warm = subprocess.Popen([sys.executable, "-P", "-m", "elastic.worker.prestart", str(script)],
                             env=spawn_env, cwd=tmp_path, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

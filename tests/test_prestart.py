@@ -49,8 +49,10 @@ def test_launch_key_only_for_plain_python_commands(argv, usable):
     assert (launch_key(argv, {}, "/w") is not None) is usable
 
 
-def test_launch_key_ignores_only_per_generation_variables():
-    env = {"A": "1", worker_env.ENV_GENERATION: "3", worker_env.ENV_PROCESS_ID: "0"}
+def test_launch_key_ignores_only_per_generation_and_job_variables():
+    env = {"A": "1", worker_env.ENV_GENERATION: "3", worker_env.ENV_PROCESS_ID: "0",
+           worker_env.ENV_JOB_ID: "a", worker_env.ENV_RUN_ID: "r1",
+           worker_env.ENV_CHECKPOINT_DIR: "/ckpt/a"}
     same = dict(env, **{worker_env.ENV_GENERATION: "4", worker_env.ENV_PROCESS_ID: "2",
                         worker_env.ENV_COORDINATOR: "h:1", worker_env.ENV_NUM_PROCESSES: "3"})
     key = launch_key([PY, "t.py"], env, "/w")
@@ -59,6 +61,13 @@ def test_launch_key_ignores_only_per_generation_variables():
     assert launch_key([PY, "t.py"], dict(env, JAX_PLATFORMS="cpu"), "/w") != key
     assert launch_key([PY, "t.py"], env, "/other") != key
     assert launch_key([PY, "u.py"], env, "/w") == key  # the script is given at launch
+    # the next job (elastic.worker.init reads its variables after the launch)
+    next_job = dict(env, **{worker_env.ENV_JOB_ID: "b", worker_env.ENV_RUN_ID: "r2",
+                            worker_env.ENV_MESH: "data=-1", worker_env.ENV_CHECKPOINT_DIR: "/b"})
+    assert launch_key([PY, "t.py"], next_job, "/w") == key
+    # ... but checkpoints on a bucket preload its client: another process
+    on_gcs = dict(env, **{worker_env.ENV_CHECKPOINT_DIR: "gs://bucket/b"})
+    assert launch_key([PY, "t.py"], on_gcs, "/w") != key
 
 
 def test_program_imports_leave_out_the_programs_own_modules(tmp_path):

@@ -77,16 +77,37 @@ class ControllerSession:
     """Registration, the session's stream, reconnection and self-fencing
     (see the module docstring)."""
 
+    def _job_to_register(self) -> str:
+        """The job this agent registers for: the one it is pinned to
+        (--job-id); else the job of the worker it runs (only that job's
+        controller may take the worker over); else none, and any job's
+        controller may take this host: a deployment's agents serve one job
+        after another."""
+        return self.job_id if self.settings.job_id or self.supervisor.running else ""
+
     def _register_request(self) -> pb.RegisterRequest:
         s = self.settings
+        header = self._header()
+        header.job_id = self._job_to_register()
         return pb.RegisterRequest(
-            header=self._header(), devices=self.devices.count,
+            header=header, devices=self.devices.count,
             device_kind=self.devices.kind, address=s.address,
             failure_domain=s.failure_domain, agent_pid=os.getpid(),
             worker=self.supervisor.status, fenced=self._fenced,
             free_port=0 if self.supervisor.running else self.ports.probe(),
             service_port=self.service_port, metrics_port=self.metrics_port,
             protocol=protocol.PROTOCOL, release=protocol.release())
+
+    def _next_job(self, job_id: str) -> None:
+        """This idle agent (unpinned, no worker) was taken by the controller
+        of another job than the last it followed: what it kept of that job
+        (reports not yet delivered, its last worker's status, the term it
+        followed) is of no concern to the new one."""
+        log.info("following job %s after job %s (%d undelivered reports of that job dropped)",
+                 job_id, self.job_id, len(self._undelivered))
+        self._undelivered.clear()
+        self.supervisor.forget_last_worker()
+        self._term = 0
 
     async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
         """Register with the controller at `address` (one attempt) and
@@ -107,7 +128,9 @@ class ControllerSession:
                                     "agent")
         if problem:
             raise _Incompatible(problem)
-        if reply.term < self._term:
+        if self.job_id and reply.job_id != self.job_id:
+            self._next_job(reply.job_id)  # (terms are a job's own)
+        elif reply.term < self._term:
             raise _Deposed(f"controller {address} leads term {reply.term}; a controller of "
                            f"term {self._term} has led since: not following it")
         self._term = reply.term

@@ -51,15 +51,20 @@ def kill_leftovers(owner: str, incarnation: str) -> list[int]:
 
 def launch_key(argv: list[str], full_env: Mapping[str, str], workdir: str) -> tuple | None:
     """What must be equal for a pre-started process to run a worker: the
-    interpreter, the working directory and every environment variable but
-    the per-generation ones (JAX reads `JAX_*` defaults at import). None if
+    interpreter, the working directory and every environment variable (JAX
+    reads `JAX_*` defaults at import) but the per-generation ones and the
+    job's own (worker_env.JOB_LEVEL_ENV: read by `elastic.worker.init()`
+    after the launch, never at import), of which only the checkpoint
+    directory's scheme counts (it chooses what is preloaded). So a process
+    pre-started during one job serves the next job's first start. None if
     `argv` is not `python script.py ...` or `python -m module ...`."""
     if len(argv) < 2 or not os.path.basename(argv[0]).startswith("python") or \
             (argv[1].startswith("-") and argv[1] != "-m") or (argv[1] == "-m" and len(argv) < 3):
         return None
     env = tuple(sorted((k, v) for k, v in full_env.items()
-                       if k not in worker_env.PER_GENERATION_ENV))
-    return (argv[0], workdir, env)
+                       if k not in worker_env.PER_GENERATION_ENV + worker_env.JOB_LEVEL_ENV))
+    checkpoints = full_env.get(worker_env.ENV_CHECKPOINT_DIR, "")
+    return (argv[0], workdir, env, checkpoints.split("://", 1)[0] if "://" in checkpoints else "")
 
 
 @dataclasses.dataclass
@@ -185,6 +190,15 @@ class WorkerSupervisor:
         log.info("worker of generation %d started %s, pid %d: %s", generation, how, proc.pid,
                  " ".join(argv))
         self._watch = asyncio.create_task(self._watch_exit(proc, generation))
+
+    def forget_last_worker(self) -> None:
+        """The agent moves on to another job: no worker of the last one is
+        reported any more (idle, as a new agent), and no pre-start follows
+        its command. A process pre-started already stays: a start of the
+        next job takes it if its launch matches (`launch_key`). For an agent
+        without a running worker (one that runs is its job's)."""
+        self.status = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
+        self._last_launch = None
 
     # --- the pre-started process ----------------------------------------------
 
