@@ -134,11 +134,12 @@ def print_table(results: dict[str, dict]) -> None:
 
 def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 100,
            extra: str = "", worker_args: tuple[str, ...] = (),
-           mesh: str = "data=-1,model=2") -> pathlib.Path:
+           mesh: str = "data=-1,model=2", file_name: str = "job.toml") -> pathlib.Path:
     """Write a job spec running workers/lm (endless, on `mesh` (axes in
     order; default data=-1 x model=2), restart budget and crash loop out of
-    the way, as benchmarks hit the same hosts again and again) into `work`;
-    returns its path. `extra`: more TOML (in [restart]); `worker_args`: more
+    the way, as benchmarks hit the same hosts again and again) into
+    `work`/`file_name`; returns its path (the job's working directory is
+    `work`). `extra`: more TOML (in [restart]); `worker_args`: more
     arguments for train.py."""
     import sys
 
@@ -147,7 +148,7 @@ def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 
             "--checkpoint-every", str(checkpoint_every), "--eval-every", "100000000", *worker_args]
     mesh_lines = "\n".join(f"{name.strip()} = {size.strip()}" for name, size in
                            (axis.split("=") for axis in mesh.split(",")))
-    path = work / "job.toml"
+    path = work / file_name
     path.write_text(f"""
 [job]
 id = "{job_id}"

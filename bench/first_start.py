@@ -15,7 +15,16 @@ their imports, which start with the agents) and process 0's startup phases
 (elastic.worker.runtime; `checkpoint_setup` holds Orbax's barrier, i.e.
 waiting for the slowest process).
 
-    .venv/bin/python bench/first_start.py --warm 3 [--isolate]
+With `--agents-stay`, the hosts' agents are started once, with the first
+job, and serve every job after it, as a deployment's agents (systemd units,
+not pinned to a job) do: each next job is a new controller at the same
+address with a journal in the same state directory
+(elastic.local.controllers.start_next_job), and its workers start in the
+processes the agents pre-started during the job before. Its own executable
+cache and the bucket's stay warm as before; the first run is cold in both
+modes.
+
+    .venv/bin/python bench/first_start.py --warm 3 [--agents-stay] [--isolate]
 
 Issue 19's target: warm <= 3 s.
 """
@@ -31,34 +40,69 @@ import time
 from common import add_keep_flag, lm_job, machine, run_in_one_generation, work_dir, write_result
 
 from elastic.config import load_spec
-from elastic.local import start_slice, surroundings
+from elastic.controller.journal import read_journal
+from elastic.local import start_slice, stop_slice, surroundings
+from elastic.local.controllers import controller_running, start_next_job
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
-            timeout_s: float) -> dict:
-    """Run a new job of `steps` steps on new hosts in `made` (surroundings);
-    its first generation's start figures. Raises RuntimeError when the job
-    does not succeed in one generation within `timeout_s`."""
-    run_dir = work / f"run-{index}"
-    run_dir.mkdir()
+def job_spec(work: pathlib.Path, index: int, hosts: int, steps: int) -> tuple[str, pathlib.Path]:
+    """Run `index`'s job id and spec, every spec in one working directory
+    (`work`/jobs, as one deployment's jobs in one place)."""
+    jobs = work / "jobs"
+    jobs.mkdir(exist_ok=True)
     job_id = f"first-{index}"
-    spec_path = lm_job(run_dir, job_id, hosts, worker_args=("--steps", str(steps)))
-    state = run_dir / "state"
-    local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state,
-                        checkpoint_dir=f"{made.checkpoint_dir.rsplit('/', 1)[0]}/{job_id}",
-                        extra_env=made.extra_env, net=made.net, shared_cache=made.shared_cache,
-                        shared_cache_key=made.shared_cache_key)
-    journal = run_in_one_generation(local, timeout_s)
+    return job_id, lm_job(jobs, job_id, hosts, worker_args=("--steps", str(steps)),
+                          file_name=f"{job_id}.toml")
+
+
+def figures(journal: list[dict]) -> dict:
+    """A job's first generation's start figures from its journal (the
+    entries since its controller started)."""
     started = next(e for e in journal if e["kind"] == "generation_started")
     first = next(e for e in journal if e["kind"] == "first_progress")
     phases = next(e for e in journal if e["kind"] == "worker_phases")
     names = [k[:-2] for k in phases if k.endswith("_s") and k != "total_s"]
     split = {"launch": round(phases["launched_at"] - started["ts"], 3),
              **{name: phases[f"{name}_s"] for name in names}}
-    return {"state": str(state), "start_to_first_step_s": round(first["ts"] - started["ts"], 3),
-            "phases": split}
+    return {"start_to_first_step_s": round(first["ts"] - started["ts"], 3), "phases": split}
+
+
+def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
+            timeout_s: float, previous=None, stay: bool = False) -> tuple[dict, object]:
+    """Run a new job of `steps` steps: on new hosts, or with `previous` (the
+    LocalSlice of the job before, ended) on its agents; in `made`
+    (surroundings). Returns its figures and, with `stay`, its LocalSlice
+    (its agents still running; else None: stopped). Raises RuntimeError when the job does not succeed in one
+    generation within `timeout_s`."""
+    job_id, spec_path = job_spec(work, index, hosts, steps)
+    checkpoints = f"{made.checkpoint_dir.rsplit('/', 1)[0]}/{job_id}"
+    if previous is None:
+        state = work / f"run-{index}" / "state"
+        state.parent.mkdir()
+        local = start_slice(str(spec_path), load_spec(spec_path), hosts, 2, state,
+                            checkpoint_dir=checkpoints, extra_env=made.extra_env, net=made.net,
+                            shared_cache=made.shared_cache,
+                            shared_cache_key=made.shared_cache_key, pin_job=not stay)
+    else:
+        local = start_next_job(previous, str(spec_path), previous.state_dir, checkpoints)
+    if not stay:  # (run_in_one_generation stops it)
+        return {"state": str(local.state_dir), **figures(run_in_one_generation(local, timeout_s))}, \
+            None
+    deadline = time.monotonic() + timeout_s
+    while controller_running(local):
+        if time.monotonic() > deadline:
+            stop_slice(local)
+            raise RuntimeError(f"the job did not end within {timeout_s} s: {local.state_dir}")
+        time.sleep(0.2)
+    journal = list(read_journal(local.state_dir))
+    journal = journal[max(i for i, e in enumerate(journal) if e["kind"] == "controller_started"):]
+    kinds = [e["kind"] for e in journal]
+    if "job_succeeded" not in kinds or kinds.count("generation_started") != 1:
+        stop_slice(local)
+        raise RuntimeError(f"the run failed or restarted: {local.state_dir}")
+    return {"state": str(local.state_dir), **figures(journal)}, local
 
 
 def main() -> int:
@@ -66,6 +110,8 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=3, help="warm runs after the cold one")
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--agents-stay", action="store_true",
+                        help="the agents of the first job serve the next ones (a deployment's)")
     parser.add_argument("--isolate", action="store_true",
                         help="hosts in namespaces of their own (needs root)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
@@ -76,22 +122,31 @@ def main() -> int:
     with work_dir("elastic-first-start-", args.keep) as work, \
             surroundings(work / "around", "first", args.hosts, args.isolate, True,
                          quiet=True) as made:
-        for index in range(1 + args.warm):
-            run = one_run(work, made, index, args.hosts, args.steps, args.timeout_s)
-            run["kind"] = "cold" if index == 0 else "warm"
-            runs.append(run)
-            print(f"run {index + 1} ({run['kind']}): start -> first step "
-                  f"{run['start_to_first_step_s']:.2f} s: " +
-                  ", ".join(f"{k} {v:.2f}" for k, v in run["phases"].items()), flush=True)
+        local = None
+        try:
+            for index in range(1 + args.warm):
+                run, local = one_run(work, made, index, args.hosts, args.steps, args.timeout_s,
+                                     local if args.agents_stay else None, args.agents_stay)
+                run["kind"] = "cold" if index == 0 else "warm"
+                runs.append(run)
+                print(f"run {index + 1} ({run['kind']}): start -> first step "
+                      f"{run['start_to_first_step_s']:.2f} s: " +
+                      ", ".join(f"{k} {v:.2f}" for k, v in run["phases"].items()), flush=True)
+        finally:
+            if local is not None:
+                stop_slice(local)
     warm = [r["start_to_first_step_s"] for r in runs[1:]]
     print(f"\n{args.hosts} hosts x 2 CPU devices{' (isolated)' if args.isolate else ''}, "
-          f"checkpoints and shared executable cache in the emulator's bucket, {machine()}")
+          f"checkpoints and shared executable cache in the emulator's bucket, "
+          f"{'agents serving job after job' if args.agents_stay else 'new agents each job'}, "
+          f"{machine()}")
     print(f"cold: {runs[0]['start_to_first_step_s']:.2f} s")
     if warm:
         print(f"warm: median {statistics.median(warm):.2f} s of {len(warm)} "
               f"({', '.join(f'{w:.2f}' for w in warm)})")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
-                            "hosts": args.hosts, "isolate": args.isolate, "runs": runs,
+                            "hosts": args.hosts, "isolate": args.isolate,
+                            "agents_stay": args.agents_stay, "runs": runs,
                             "cold_s": runs[0]["start_to_first_step_s"],
                             "warm_median_s": statistics.median(warm) if warm else None})
     return 0

@@ -102,7 +102,8 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
                compile_cache_dir: pathlib.Path | None = None,
                net: network.NetworkPlan | None = None, metrics: bool = False,
                shared_cache: str | None = None,
-               shared_cache_key: pathlib.Path | None = None) -> list[str]:
+               shared_cache_key: pathlib.Path | None = None,
+               pin_job: bool = True) -> list[str]:
     """The command line of one simulated host's agent: its device nodes in
     STATE_DIR/hosts/HOST/dev (elastic.simdevices; counted like a real
     host's, kind "cpu"), its own certificate bundle under STATE_DIR/tls
@@ -117,7 +118,10 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
     with its state and its executable cache on its own disk. Every agent
     serves health and reflection on a port of its own (`--listen ADDR:0`);
     with `metrics`, Prometheus metrics too (`--metrics-port 0`); both ports
-    reach the controller (elasticd status shows them)."""
+    reach the controller (elasticd status shows them). With `pin_job`
+    (default) the agent follows only the spec's job (`--job-id`); without,
+    any job's controller at `address`, one job after another, as a
+    deployment's agents do (README: Deployment)."""
     own = host_dir(state_dir, host_id)
     if net is not None:
         agent_state, cache = own / "agent", own / "compile-cache"
@@ -130,7 +134,8 @@ def agent_argv(address: str, host_id: str, failure_domain: str,
             *(["--metrics-port", "0"] if metrics else []),
             "--device-dir", str(simdevices.device_dir(state_dir, host_id)),
             "--device-kind", "cpu",
-            "--failure-domain", failure_domain, "--job-id", spec.job_id,
+            "--failure-domain", failure_domain,
+            *(["--job-id", spec.job_id] if pin_job else []),
             # when the slice is taken down, workers get the job's own grace
             # for planned stops (a worker that saved its emergency checkpoint
             # waits to be killed), not an agent's default of 5 s
@@ -192,7 +197,8 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
                 compile_cache_dir: pathlib.Path | None = None,
                 net: network.NetworkPlan | None = None, standby: bool = False,
                 metrics_port: int | None = None, shared_cache: str | None = None,
-                shared_cache_key: pathlib.Path | None = None) -> LocalSlice:
+                shared_cache_key: pathlib.Path | None = None,
+                pin_job: bool = True) -> LocalSlice:
     """Issue a throwaway CA and bundles under STATE_DIR/tls (unless
     `insecure`), start the controller, wait for its address, then start
     `hosts` agents, each with `devices_per_host` devices (one count, or
@@ -209,7 +215,9 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     Prometheus metrics (elastic.controller.metrics). `shared_cache`: an
     executable cache every host shares besides its own (agent_argv), signed
     with the key in the file `shared_cache_key` (each host gets a copy on
-    its own disk; required with `shared_cache`).
+    its own disk; required with `shared_cache`). `pin_job`: see
+    `agent_argv` (elastic.local.controllers.start_next_job runs another job
+    on agents that are not pinned).
     Every process started dies with this one (spawn_bound).
 
     Raises RuntimeError when the controller exits or does not listen within
@@ -274,7 +282,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         argv = agent_argv(addresses, host_id, f"domain-{i // per_domain}",
                           state_dir, spec, insecure, metadata_url, compile_cache_dir, net,
                           metrics=metrics_port is not None, shared_cache=shared_cache,
-                          shared_cache_key=host_key.get(host_id))
+                          shared_cache_key=host_key.get(host_id), pin_job=pin_job)
         out = open_private(state_dir / "hosts" / f"{host_id}.log", "ab")
         agents[host_id] = spawn_bound(argv, stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=env)

@@ -16,6 +16,7 @@ Two ways a standby shares the job (elastic.controller.server.serve):
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import subprocess
 import time
@@ -25,7 +26,7 @@ from elastic.controller.journal import JOURNAL_NAME
 from elastic.controller.server import ADDRESS_FILE
 from elastic.local.slice import LocalSlice, child_env, write_local_file
 from elastic.procs import spawn_bound
-from elastic.security.files import open_private
+from elastic.security.files import open_private, private_dir
 
 #: The state dir of a standby controller that shares only the bucket.
 STANDBY_DIR = "standby"
@@ -151,3 +152,35 @@ def restart_controller(local: LocalSlice) -> None:
     finally:  # (if it did not start, the run ends with the dead one's code)
         local.controller_away = False
     write_local_file(local)
+
+
+def start_next_job(local: LocalSlice, spec_path: str, state_dir: pathlib.Path,
+                   checkpoint_dir: str | None = None) -> LocalSlice:
+    """Start the controller of another job (`spec_path`, its journal in
+    `state_dir`, checkpoints in `checkpoint_dir` if given) at the address
+    of `local`'s controller, with its certificate, once that one has
+    exited: `local`'s agents (started with `pin_job=False`) register with
+    it as a deployment's agents do when the next job begins. Returns the
+    new job's LocalSlice (same agents). Raises RuntimeError when `local`'s
+    controller still runs, or the new one does not start."""
+    if controller_running(local):
+        raise RuntimeError("the previous job's controller still runs")
+
+    def replaced(argv: list[str], flag: str, value: str) -> list[str]:
+        argv = list(argv)
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+        return argv
+
+    argv = replaced(local.controller_argv, "--config", spec_path)
+    argv = replaced(argv, "--state-dir", str(state_dir))
+    if checkpoint_dir:
+        argv = replaced(argv, "--checkpoint-dir", checkpoint_dir)
+    private_dir(state_dir)
+    controller, address = spawn_controller(argv, state_dir, {**child_env(), **local.extra_env})
+    following = dataclasses.replace(local, state_dir=state_dir, controller=controller,
+                                    address=address, controller_argv=argv)
+    write_local_file(following)
+    return following

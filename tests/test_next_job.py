@@ -1,0 +1,81 @@
+"""One job after another on the same agents, as a deployment runs them:
+agents that are not pinned to a job (systemd units) and one controller
+state directory (/var/lib/elasticd). Real processes: a controller per job,
+an agent, workers/lm on a host of 2 CPU devices (one host: what is tested
+is the agent's and the controller's, and the suite's time is short)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import lm_spec, wait_until
+from elastic.config import load_spec
+from elastic.controller.journal import read_journal
+from elastic.controller.server import ControllerServer
+from elastic.local import start_slice, stop_slice
+from elastic.local.controllers import controller_running, start_next_job
+
+
+def _since_last_start(state) -> list[dict]:
+    journal = list(read_journal(state))
+    last = max(i for i, e in enumerate(journal) if e["kind"] == "controller_started")
+    return journal[last:]
+
+
+def _ended(local) -> None:
+    wait_until(lambda: not controller_running(local), 120, "the job's end")
+
+
+def test_the_next_job_takes_the_agents_warm_with_a_run_of_its_own(tmp_path, tagged,
+                                                                   compile_cache):
+    """Before: the agents sent the next job's controller the id of the job
+    they had followed and were refused for ever ("message for job 'a' sent
+    to the controller of job 'b'"); once let in, job b took over job a's run
+    id from the state directory's journal, under which the hosts' local
+    snapshots of job a were restored into job b (its first step was a's
+    snapshot step + 1). Now b starts at step 0 under a run of its own, its
+    workers in the processes the agents pre-started during job a."""
+    specs = tmp_path / "jobs"  # one working directory for both, as one deployment's
+    specs.mkdir()
+    paths = {job: lm_spec(specs / f"{job}.toml", job, ["--steps", "12"], 1, 1,
+                          heartbeat_timeout_s=5.0,
+                          job_extra=f'checkpoint_dir = "{tmp_path / job}-checkpoints"')
+             for job in ("a", "b")}
+    state = tmp_path / "state"
+    local = start_slice(str(paths["a"]), load_spec(paths["a"]), 1, 2, state,
+                        compile_cache_dir=compile_cache, pin_job=False)
+    try:
+        _ended(local)
+        first = _since_last_start(state)
+        assert "job_succeeded" in [e["kind"] for e in first], first[-3:]
+        local = start_next_job(local, str(paths["b"]), state)
+        _ended(local)
+        second = _since_last_start(state)
+    finally:
+        stop_slice(local)
+    kinds = [e["kind"] for e in second]
+    assert "job_succeeded" in kinds and kinds.count("generation_started") == 1, kinds
+    assert next(e for e in second if e["kind"] == "first_progress")["step"] == 0
+    assert "checkpoint_restored" not in kinds
+    assert second[0]["run_id"] != first[0]["run_id"] and second[0].get("job_id") == "b"
+    log = (state / "hosts" / "host-0.log").read_text()
+    during_a, after = log.split("following job b after job a", 1)
+    warm = re.findall(r"pre-started pid (\d+)", during_a)[-1]
+    assert re.search(rf"started in its pre-started process, pid {warm}\b", after), after
+
+
+def test_a_job_refuses_the_default_checkpoints_of_another_job(tmp_path):
+    """Job b in job a's state directory without a checkpoint_dir would
+    resume from a's checkpoints in the default directory there."""
+    specs = tmp_path / "jobs"
+    specs.mkdir()
+    (tmp_path / "state").mkdir(mode=0o700)
+    (tmp_path / "state" / "events.jsonl").write_text(
+        '{"ts": 1.0, "kind": "controller_started", "generation": 0, "host": null, '
+        '"reason": "", "job_id": "a", "run_id": "r1"}\n')
+    spec = load_spec(lm_spec(specs / "b.toml", "b", [], 1, 1, heartbeat_timeout_s=5.0))
+    with pytest.raises(RuntimeError, match="holds the journal of job 'a': job 'b' would "
+                                           "restore that job's checkpoints"):
+        ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", None)
