@@ -88,7 +88,8 @@ def test_the_executor_queues_only_the_stream_copies_still_due(tmp_path):
     """On a real event loop, a heartbeat interval (0.25 s) after the
     starts: h0 acted on its start (skipped), h1 did not (its copy is
     queued), h2's and h5's datagrams were not heard lately (never; 10 s
-    ago: their starts went on the stream at once), h3
+    ago: their starts went on the stream at once, and h5's, whose address
+    is known, as a datagram too), h3
     was stopped meanwhile (the stop superseded the start's copy; the stop's
     own copy is skipped in turn, as h3 runs nothing), h4's agent restarted
     (a new incarnation: the copy is dropped), h6's registered again (the
@@ -100,13 +101,17 @@ def test_the_executor_queues_only_the_stream_copies_still_due(tmp_path):
         executor = Executor(spec, JournalWriter(tmp_path / "state"), _Clock(), view=view)
         heard = {"h2": float("-inf"), "h5": 90.0}  # the clock reads 100
         hosts = ("h0", "h1", "h2", "h3", "h4", "h5", "h6")
+        datagrams = {}
         for host in hosts:
-            executor.sessions[host], _, _ = _datagram_session(host, heard.get(host, 99.5))
+            executor.sessions[host], datagrams[host], _ = _datagram_session(
+                host, heard.get(host, 99.5))
             view.hosts[host] = HostRecord(host, "inc", 1, "127.0.0.1", host, 1, 0.0, 0.0)
+        executor.sessions["h2"].datagram_reply = None  # (never heard: nowhere to send)
         executor.apply(tuple(d.StartWorker(h, 7, i, 7, "127.0.0.1:1", 1)
                              for i, h in enumerate(hosts)))
         sessions = dict(executor.sessions)
         assert [sessions[h].outbox.get_nowait().start.process_id for h in ("h2", "h5")] == [2, 5]
+        assert [len(datagrams[h]) for h in hosts] == [1, 1, 0, 1, 1, 1, 1]
         assert all(s.outbox.empty() for s in sessions.values())
         view.hosts["h0"].worker = WorkerObs(generation=7, state=RUNNING)  # its report came
         executor.apply((d.StopWorker("h3", 7, 1.0, "stopped before it began"),))

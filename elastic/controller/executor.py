@@ -86,17 +86,18 @@ class Session:
     last_command: pb.ControllerMessage | None = None
 
     def send(self, message: pb.ControllerMessage, datagram: bool = False,
-             payload: bytes | None = None) -> None:
+             payload: bytes | None = None, hold_copy: bool = True) -> None:
         """Queue `message`; past MAX_OUTBOX waiting, close the stream
         (RESOURCE_EXHAUSTED) instead. With `datagram` (a command the agent
-        may get twice: a start or a stop; the executor asks only for hosts
-        whose datagrams it hears), send it at once as a datagram to where the
-        host's latest came from, if it fits, and hold its stream copy back in
-        `copy_due` instead (the executor queues it later, unless the host has
-        acted on it by then: Executor.COPY_AFTER_INTERVALS). A later start or stop
-        supersedes a copy still held back (acks and refusals do not).
-        `payload`: `message` already serialized (a message sent to many
-        hosts is serialized once)."""
+        may get twice: a start or a stop), send it at once as a datagram to
+        where the host's latest came from, if it fits, and with `hold_copy`
+        (the executor's choice for hosts whose datagrams it hears lately)
+        hold its stream copy back in `copy_due` instead of queuing it (the
+        executor queues it later, unless the host has acted on it by then:
+        Executor.COPY_AFTER_INTERVALS). A later start or stop supersedes a
+        copy still held back (acks and refusals do not). `payload`:
+        `message` already serialized (a message sent to many hosts is
+        serialized once)."""
         if self.close_status is not None:
             return
         if message.WhichOneof("body") in COMMANDS:
@@ -106,8 +107,9 @@ class Session:
             try:
                 self.datagram_reply(self.datagrams.seal(
                     payload if payload is not None else message.SerializeToString()))
-                self.copy_due = message
-                return
+                if hold_copy:
+                    self.copy_due = message
+                    return
             except ValueError:  # too long for a datagram: the stream only
                 pass
         self.queue(message)
@@ -201,13 +203,18 @@ class Executor:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
                         host, message.WhichOneof("body"))
             return None
-        # (a host heard by datagram lately: the way back is likely open too.
-        # One whose datagrams go unacked heartbeats on its stream; a probe of
-        # it every 30 s counts for three intervals, and a command sent then
-        # comes a heartbeat interval late, by its stream copy.)
-        session.send(message, datagram and self.clock.monotonic() - session.datagram_heard_at
-                     <= self.spec.health.heartbeat_interval_s * DATAGRAMS_HEARD_INTERVALS,
-                     payload)
+        # A host heard by datagram lately: the way back is likely open too,
+        # and its stream copy is held back. One heard by datagram before but
+        # not lately heartbeats on its stream: its datagrams went unacked,
+        # because UDP is blocked one way or because this controller fell
+        # behind and its socket dropped them (bench/scale.py at 10,000
+        # agents: thousands of hosts moved to their streams after a start,
+        # and the next stop reached them seconds late through the controller's
+        # stream writes). It gets the datagram too, which costs one send, and
+        # its stream copy at once; the agent acts on the first to arrive.
+        recent = self.clock.monotonic() - session.datagram_heard_at <= \
+            self.spec.health.heartbeat_interval_s * DATAGRAMS_HEARD_INTERVALS
+        session.send(message, datagram, payload, hold_copy=recent)
         return session
 
     def apply(self, actions: tuple[d.Action, ...]) -> None:
