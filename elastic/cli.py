@@ -279,7 +279,7 @@ def _report(args) -> int:
     import json
     import time
 
-    from elastic.controller.journal import JOURNAL_NAME, load_journal
+    from elastic.controller.journal import JOURNAL_NAME, job_entries, load_journal
     from elastic.goodput import account, format_report
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
@@ -291,6 +291,7 @@ def _report(args) -> int:
         entries, skipped = load_journal(args.state_dir)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    entries = job_entries(entries)  # (the latest job's, where several ran)
     goodput = account(entries, now=time.time())
     if skipped:
         print(f"elasticd: {skipped} line(s) of {path} are not journal entries; skipped",

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from elastic.controller.journal import job_entries
 from elastic.goodput import account, format_report
 
 
 def summarize(journal: Iterable[dict]) -> str:
     """Outcome (succeeded / failed / unfinished, final loss) and the goodput
-    report (ETTR, badput by cause, one line per incident)."""
-    entries = list(journal)
+    report (ETTR, badput by cause, one line per incident), of the journal's
+    latest job where several ran one after another."""
+    entries = job_entries(list(journal))
     if not entries:
         return "no journal entries"
     end = next((e for e in reversed(entries) if e["kind"] in ("job_succeeded", "job_failed")),

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from elastic.controller.journal import recorded
+from elastic.controller.journal import job_entries, recorded
 from elastic.policy.adopt import Inherited, discover, judge, window_s
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Registered, WorkerObs, WorkerState, observe
@@ -209,16 +209,21 @@ def test_the_journal_names_the_generation_still_running(tmp_path, after, running
                                         progressed, 1)
 
 
-def test_a_new_job_in_the_state_dir_inherits_only_generation_and_term(tmp_path):
+@pytest.mark.parametrize("named", ["field", "reason"])  # (journals before the field: its reason)
+def test_a_new_job_in_the_state_dir_inherits_only_generation_and_term(tmp_path, named):
     """Job "b" after job "a" in one state directory: not a's run id (the
     hosts' local snapshots of a would be restored into b), steps, end or
-    running slice; its generations and terms go on from a's."""
-    journal(tmp_path, {"kind": "controller_started", "generation": 0, "run_id": "r1",
-                       "job_id": "a", "term": 3},
+    running slice; its generations and terms go on from a's, and a's
+    checkpoint directory is known as a's."""
+    a = {"job_id": "a"} if named == "field" else {}
+    journal(tmp_path, {"kind": "controller_started", "generation": 0, "run_id": "r1", "term": 3,
+                       "reason": "job a: 1 to 4 hosts, mesh data=-1", "checkpoint_dir": "/c/a/",
+                       **a},
             STARTED, {"kind": "checkpoint_committed", "generation": 2, "step": 40},
             {"kind": "job_succeeded", "generation": 2})
     got = recorded(tmp_path, "b")
-    assert (got.generation, got.term, got.other_job) == (2, 3, "a")
+    assert (got.generation, got.term, got.other_checkpoints, got.after_other_job) == \
+        (2, 3, {"/c/a": "a"}, True)
     assert (got.run_id, got.step, got.committed_step, got.running, got.ended) == \
         ("", -1, -1, None, None)
     assert recorded(tmp_path, "a").run_id == "r1" and recorded(tmp_path, "a").ended == 0
@@ -227,7 +232,30 @@ def test_a_new_job_in_the_state_dir_inherits_only_generation_and_term(tmp_path):
         f.write(json.dumps({"ts": 9.0, "host": None, "reason": "", "kind": "controller_started",
                             "generation": 2, "run_id": "r2", "job_id": "b", "term": 4}) + "\n")
     got = recorded(tmp_path, "b")
-    assert (got.run_id, got.term, got.committed_step) == ("r2", 4, -1)
+    assert (got.run_id, got.term, got.committed_step, got.after_other_job) == ("r2", 4, -1, False)
+
+
+def test_a_job_back_after_another_does_not_adopt_its_old_slice(tmp_path):
+    """a, then b, then a again in one state directory: a's generation 2
+    ran before b's 3 and has ended; a's next generation follows b's."""
+    journal(tmp_path, {"kind": "controller_started", "generation": 0, "job_id": "a"}, STARTED,
+            {"kind": "controller_started", "generation": 2, "job_id": "b"},
+            {**STARTED, "generation": 3})
+    got = recorded(tmp_path, "a")
+    assert got.running is None and got.generation == 3 and got.after_other_job
+
+
+@pytest.mark.parametrize("jobs,of,kept", [
+    (["a", "a", "b", "b"], None, [2, 3]),   # the latest job's stretch
+    (["a", "a", "b", "b"], "a", []),        # a ran before b: nothing of a is current
+    (["a", "b", "a"], None, [2]),
+    ([None, "a"], None, [0, 1]),            # unnamed entries count as the job after them
+    (["b"], "b", [0]),
+])
+def test_job_entries_keeps_the_latest_stretch_of_a_job(jobs, of, kept):
+    entries = [{"kind": "controller_started", "reason": "", "i": i,
+                **({"job_id": job} if job else {})} for i, job in enumerate(jobs)]
+    assert [e["i"] for e in job_entries(entries, of)] == kept
 
 
 @pytest.mark.parametrize("back,waited,found", [

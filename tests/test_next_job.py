@@ -6,6 +6,9 @@ is the agent's and the controller's, and the suite's time is short)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import re
 
 import pytest
@@ -16,6 +19,7 @@ from elastic.controller.journal import read_journal
 from elastic.controller.server import ControllerServer
 from elastic.local import start_slice, stop_slice
 from elastic.local.controllers import controller_running, start_next_job
+from elastic.policy.state import Phase
 
 
 def _since_last_start(state) -> list[dict]:
@@ -50,7 +54,7 @@ def test_the_next_job_takes_the_agents_warm_with_a_run_of_its_own(tmp_path, tagg
         _ended(local)
         first = _since_last_start(state)
         assert "job_succeeded" in [e["kind"] for e in first], first[-3:]
-        local = start_next_job(local, str(paths["b"]), state)
+        local = start_next_job(local, str(paths["b"]))
         _ended(local)
         second = _since_last_start(state)
     finally:
@@ -66,16 +70,27 @@ def test_the_next_job_takes_the_agents_warm_with_a_run_of_its_own(tmp_path, tagg
     assert re.search(rf"started in its pre-started process, pid {warm}\b", after), after
 
 
-def test_a_job_refuses_the_default_checkpoints_of_another_job(tmp_path):
-    """Job b in job a's state directory without a checkpoint_dir would
-    resume from a's checkpoints in the default directory there."""
-    specs = tmp_path / "jobs"
+def test_a_job_refuses_another_jobs_checkpoints_and_seeks_no_slice_of_its_own(tmp_path):
+    """Job b in job a's state directory, checkpoints where a kept its own
+    (there the default directory) would restore and overwrite a's."""
+    specs, state = tmp_path / "jobs", tmp_path / "state"
     specs.mkdir()
-    (tmp_path / "state").mkdir(mode=0o700)
-    (tmp_path / "state" / "events.jsonl").write_text(
-        '{"ts": 1.0, "kind": "controller_started", "generation": 0, "host": null, '
-        '"reason": "", "job_id": "a", "run_id": "r1"}\n')
+    state.mkdir(mode=0o700)
+    (state / "events.jsonl").write_text(json.dumps({
+        "ts": 1.0, "kind": "controller_started", "generation": 0, "host": None,
+        "reason": "job a: 1 to 1 hosts", "run_id": "r1",
+        "checkpoint_dir": str((state / "checkpoints").resolve())}) + "\n")
     spec = load_spec(lm_spec(specs / "b.toml", "b", [], 1, 1, heartbeat_timeout_s=5.0))
-    with pytest.raises(RuntimeError, match="holds the journal of job 'a': job 'b' would "
-                                           "restore that job's checkpoints"):
-        ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", None)
+    with pytest.raises(RuntimeError, match="job 'a' kept its checkpoints in .*: job 'b' would "
+                                           "restore them and write over them"):
+        ControllerServer(spec, "127.0.0.1:0", state, None)
+    # with checkpoints of its own it starts, and looks for no running slice
+    # of its own (a's generations are a's: it would wait out the adoption window)
+    spec = dataclasses.replace(spec, checkpoint_dir=str(tmp_path / "b-checkpoints"))
+
+    async def construct() -> Phase:
+        server = ControllerServer(spec, "127.0.0.1:0", state, None)
+        server.journal.close()
+        return server.controller.state.phase
+
+    assert asyncio.run(construct()) is Phase.WAITING

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pathlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -174,8 +175,10 @@ class Recorded:
     term: the highest leadership term a controller journaled (0 if none);
     failures: the failure accounting of the job so far (the restart budget,
       the crash loop, quarantine: elastic.policy.failure_history);
-    other_job: the last other job whose controller journaled here ("" if
-      none; see `recorded`)."""
+    other_checkpoints: {checkpoint directory (no trailing slash): job} of
+      the other jobs whose controllers journaled here (see `recorded`);
+    after_other_job: whether the journal's last controller was another
+      job's (then there is no running generation of this job to find)."""
 
     generation: int = 0
     step: int = -1
@@ -185,40 +188,77 @@ class Recorded:
     ended: int | None = None
     term: int = 0
     failures: FailureHistory = FailureHistory()
-    other_job: str = ""
+    other_checkpoints: dict[str, str] = dataclasses.field(default_factory=dict)
+    after_other_job: bool = False
 
 
 #: Kinds after which the latest generation no longer runs.
 _ENDED = ("slice_stopping", "slice_stopped", "job_succeeded", "job_failed")
 
 
+_JOB_IN_REASON = re.compile(r"job ([A-Za-z0-9][A-Za-z0-9._-]{0,127}): ")
+
+
+def entry_job(entry: dict) -> str | None:
+    """The job a `controller_started` entry names: its `job_id`, or in
+    journals written before that field the id its reason begins with
+    ("job ID: ..."); None for other entries or when it names none."""
+    if entry.get("kind") != "controller_started":
+        return None
+    if isinstance(entry.get("job_id"), str):
+        return entry["job_id"]
+    found = _JOB_IN_REASON.match(entry.get("reason") or "")
+    return found.group(1) if found else None
+
+
+def job_entries(entries: list[dict], job_id: str | None = None) -> list[dict]:
+    """The entries of the latest stretch of job `job_id` (default: the job
+    of the last `controller_started` that names one) in a journal where
+    several jobs ran one after another: from its first controller after
+    the last one of another job; [] when another job ran after it. All of
+    `entries` when no other job is named in them."""
+    starts = [(i, job) for i, job in ((i, entry_job(e)) for i, e in enumerate(entries))
+              if job is not None]
+    if not starts:
+        return entries
+    job_id = job_id or starts[-1][1]
+    others = [i for i, job in starts if job != job_id]
+    if not others:
+        return entries
+    first = next((i for i, job in starts if i > others[-1]), len(entries))
+    return entries[first:]
+
+
 def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
     """Scan the journal line by line (never all of it in memory). With
-    `job_id`, what controllers of another job journaled in the same state
-    directory (their `controller_started` names their job; entries before
-    this field existed count as this job's) gives only the generation and
-    the term, which stay monotonic in a state directory: not its run id,
-    steps, failures, end or running slice. A new job on the agents and in
-    the state directory of the one before must not inherit that job's run
-    id, under which the hosts' local snapshots of its state would be
-    restored into the new job."""
+    `job_id`, what controllers of other jobs journaled in the same state
+    directory (`entry_job`) gives only the generation and the term, which
+    stay monotonic in a state directory: not its run id, steps, failures,
+    end or running slice (a slice of this job that ran before another job
+    did has ended). A new job on the agents and in the state directory of
+    the one before must not inherit that job's run id, under which the
+    hosts' local snapshots of its state would be restored into it."""
     generation, step, committed, run_id = 0, -1, -1, ""
     running: Inherited | None = None
     ended: int | None = None
     term = 0
     failures = FailureHistory()
-    other_job, last_other = False, ""
+    other_job, others = False, {}
     for e in read_journal(state_dir):
         kind = e["kind"]
-        if kind == "controller_started" and job_id and isinstance(e.get("job_id"), str):
-            other_job = e["job_id"] != job_id
-            last_other = e["job_id"] if other_job else last_other
+        if kind == "controller_started" and isinstance(e.get("term"), int) and \
+                not isinstance(e.get("term"), bool):
+            term = max(term, e["term"])
+        if kind in ("generation_started", "generation_discovered"):
+            generation = max(generation, e["generation"])
+        named = entry_job(e) if job_id else None
+        if named is not None:
+            other_job = named != job_id
+            if other_job:
+                running = None
+                if isinstance(e.get("checkpoint_dir"), str) and e["checkpoint_dir"]:
+                    others[e["checkpoint_dir"].rstrip("/")] = named
         if other_job:
-            if kind in ("generation_started", "generation_discovered"):
-                generation = max(generation, e["generation"])
-            elif kind == "controller_started" and isinstance(e.get("term"), int) and \
-                    not isinstance(e.get("term"), bool):
-                term = max(term, e["term"])
             continue
         failures = failure_history.after(failures, e)
         value = e.get("step")
@@ -229,20 +269,17 @@ def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
         if kind in ("job_succeeded", "job_failed"):
             ended = 0 if kind == "job_succeeded" else 1
         if kind in ("generation_started", "generation_discovered"):
-            generation = max(generation, e["generation"])
             running, ended = _inherited(e), None
         elif kind == "controller_started":
             if not run_id and isinstance(e.get("run_id"), str):
                 run_id = e["run_id"]
-            if isinstance(e.get("term"), int) and not isinstance(e.get("term"), bool):
-                term = max(term, e["term"])
         elif running is not None and e["generation"] == running.generation:
             if kind == "first_progress":
                 running = dataclasses.replace(running, progressed=True)
             elif kind in _ENDED:
                 running = None
     return Recorded(generation, step, committed, run_id, running, ended, term, failures,
-                    last_other)
+                    others, other_job)
 
 
 def _inherited(entry: dict) -> Inherited | None:

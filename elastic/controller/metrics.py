@@ -39,6 +39,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from elastic.controller.journal import job_entries
 from elastic.controller.status import job_status, slice_step
 from elastic.goodput import account
 from elastic.metrics import LoopCollector
@@ -115,7 +116,8 @@ class ControllerMetrics:
     def _account(self, final: bool) -> None:
         """Observe the incidents elastic.goodput finds that are over (or all,
         at the job's end) and were not observed before."""
-        for incident in account(self.controller.journal_tail.read()).incidents:
+        entries = job_entries(self.controller.journal_tail.read(), self.controller.spec.job_id)
+        for incident in account(entries).incidents:
             key = (incident.kind, incident.host, incident.generation, incident.at)
             if key in self._accounted or not incident.noticed or (
                     incident.recovered_after_s is None and not final):

@@ -65,13 +65,13 @@ class ControllerServer:
                  tick_s: float = 0.1, term: int = 0) -> None:
         self.state_dir = private_dir(state_dir)
         before = recorded(self.state_dir, spec.job_id)
-        if before.other_job and not spec.checkpoint_dir:
-            raise RuntimeError(
-                f"the state directory {self.state_dir} holds the journal of job "
-                f"{before.other_job!r}: job {spec.job_id!r} would restore that job's checkpoints "
-                f"from the default checkpoint directory there; give it a checkpoint_dir of its "
-                f"own (or a state directory of its own)")
         self.spec = spec.with_checkpoint_dir(str((self.state_dir / "checkpoints").resolve()))
+        other = before.other_checkpoints.get(self.spec.checkpoint_dir.rstrip("/"))
+        if other is not None:
+            raise RuntimeError(
+                f"job {other!r} kept its checkpoints in {self.spec.checkpoint_dir} (the journal "
+                f"in {self.state_dir} says so): job {spec.job_id!r} would restore them and write "
+                f"over them; give it a checkpoint_dir of its own")
         self.listen = listen
         self.tls = tls
         self.journal = JournalWriter(self.state_dir)
@@ -80,7 +80,8 @@ class ControllerServer:
             initial_generation=before.generation,
             known_step=max(before.step, latest_step(self.spec.checkpoint_dir)),
             inherited=before.running, run_id=before.run_id, term=term,
-            discover=before.running is None and before.ended is None,
+            discover=before.running is None and before.ended is None and
+            not before.after_other_job,
             failures=before.failures)
         self.ended = before.ended
         self.controller.view.committed_step = before.committed_step

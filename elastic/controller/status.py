@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from elastic import transport
+from elastic.controller.journal import job_entries
 from elastic.goodput import account
 from elastic.security.tls import TLSFiles
 from elastic.v1 import control_pb2 as pb
@@ -68,7 +69,8 @@ def job_status(controller) -> pb.JobStatus:
             address=record.address, metrics=w.metrics, note=note,
             device_kind=record.device_kind, service_port=record.service_port,
             metrics_port=record.metrics_port, heartbeat_path=path))
-    goodput = account(controller.journal_tail.read(), now=controller.clock.time())
+    goodput = account(job_entries(controller.journal_tail.read(), controller.spec.job_id),
+                      now=controller.clock.time())
     latencies = sorted(controller.receipts.latencies())
     p50 = latencies[len(latencies) // 2] if latencies else 0.0
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0
