@@ -86,7 +86,7 @@ def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
                             shared_cache=made.shared_cache,
                             shared_cache_key=made.shared_cache_key, pin_job=not stay)
     else:
-        local = start_next_job(previous, str(spec_path), previous.state_dir, checkpoints)
+        local = start_next_job(previous, str(spec_path), checkpoints)
     if not stay:  # (run_in_one_generation stops it)
         return {"state": str(local.state_dir), **figures(run_in_one_generation(local, timeout_s))}, \
             None

@@ -101,13 +101,14 @@ class ControllerSession:
     def _next_job(self, job_id: str) -> None:
         """This idle agent (unpinned, no worker) was taken by the controller
         of another job than the last it followed: what it kept of that job
-        (reports not yet delivered, its last worker's status, the term it
-        followed) is of no concern to the new one."""
+        (reports not yet delivered, its last worker's status, the run its
+        local snapshots belong to: emptied at the new job's first start) is
+        of no concern to the new one."""
         log.info("following job %s after job %s (%d undelivered reports of that job dropped)",
                  job_id, self.job_id, len(self._undelivered))
         self._undelivered.clear()
         self.supervisor.forget_last_worker()
-        self._term = 0
+        self._snapshot_run = ""
 
     async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
         """Register with the controller at `address` (one attempt) and
@@ -128,11 +129,13 @@ class ControllerSession:
                                     "agent")
         if problem:
             raise _Incompatible(problem)
-        if self.job_id and reply.job_id != self.job_id:
-            self._next_job(reply.job_id)  # (terms are a job's own)
-        elif reply.term < self._term:
+        # (terms grow across jobs too: a new job's leader takes at least the
+        # Unix time, elastic.controller.server.leader_term)
+        if reply.term < self._term:
             raise _Deposed(f"controller {address} leads term {reply.term}; a controller of "
                            f"term {self._term} has led since: not following it")
+        if self.job_id and reply.job_id != self.job_id:
+            self._next_job(reply.job_id)
         self._term = reply.term
         self.job_id = reply.job_id
         self.clock_offset.reset()  # (perhaps another controller, another clock)

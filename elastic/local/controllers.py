@@ -26,7 +26,7 @@ from elastic.controller.journal import JOURNAL_NAME
 from elastic.controller.server import ADDRESS_FILE
 from elastic.local.slice import LocalSlice, child_env, write_local_file
 from elastic.procs import spawn_bound
-from elastic.security.files import open_private, private_dir
+from elastic.security.files import open_private
 
 #: The state dir of a standby controller that shares only the bucket.
 STANDBY_DIR = "standby"
@@ -154,33 +154,31 @@ def restart_controller(local: LocalSlice) -> None:
     write_local_file(local)
 
 
-def start_next_job(local: LocalSlice, spec_path: str, state_dir: pathlib.Path,
+def start_next_job(local: LocalSlice, spec_path: str,
                    checkpoint_dir: str | None = None) -> LocalSlice:
-    """Start the controller of another job (`spec_path`, its journal in
-    `state_dir`, checkpoints in `checkpoint_dir` if given) at the address
-    of `local`'s controller, with its certificate, once that one has
-    exited: `local`'s agents (started with `pin_job=False`) register with
-    it as a deployment's agents do when the next job begins. Returns the
-    new job's LocalSlice (same agents). Raises RuntimeError when `local`'s
-    controller still runs, or the new one does not start."""
+    """Start the controller of another job (`spec_path`; checkpoints in
+    `checkpoint_dir`, else where its spec says) at the address of `local`'s
+    controller, with its certificate and state directory (its journal then
+    holds both jobs, as a deployment's /var/lib/elasticd does), once that
+    one has exited: `local`'s agents (started with `pin_job=False`)
+    register with it as a deployment's agents do when the next job begins.
+    Returns the new job's LocalSlice (same agents). Raises RuntimeError
+    when `local`'s controller still runs or the new one does not start,
+    ValueError when `local` has a standby (not carried over)."""
+    if local.standby is not None:
+        raise ValueError("the next job of a slice with a standby controller is not supported")
     if controller_running(local):
         raise RuntimeError("the previous job's controller still runs")
-
-    def replaced(argv: list[str], flag: str, value: str) -> list[str]:
-        argv = list(argv)
-        if flag in argv:
-            argv[argv.index(flag) + 1] = value
-        else:
-            argv += [flag, value]
-        return argv
-
-    argv = replaced(local.controller_argv, "--config", spec_path)
-    argv = replaced(argv, "--state-dir", str(state_dir))
+    argv = list(local.controller_argv)
+    argv[argv.index("--config") + 1] = spec_path
+    if "--checkpoint-dir" in argv:  # (the job before's)
+        at = argv.index("--checkpoint-dir")
+        del argv[at:at + 2]
     if checkpoint_dir:
-        argv = replaced(argv, "--checkpoint-dir", checkpoint_dir)
-    private_dir(state_dir)
-    controller, address = spawn_controller(argv, state_dir, {**child_env(), **local.extra_env})
-    following = dataclasses.replace(local, state_dir=state_dir, controller=controller,
-                                    address=address, controller_argv=argv)
+        argv += ["--checkpoint-dir", checkpoint_dir]
+    controller, address = spawn_controller(argv, local.state_dir,
+                                           {**child_env(), **local.extra_env})
+    following = dataclasses.replace(local, controller=controller, address=address,
+                                    controller_argv=argv)
     write_local_file(following)
     return following
