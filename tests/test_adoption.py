@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from elastic.controller.journal import job_entries, recorded
+from elastic.controller.journal import job_entries, job_sharing, recorded
 from elastic.policy.adopt import Inherited, discover, judge, window_s
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Registered, WorkerObs, WorkerState, observe
@@ -223,7 +223,7 @@ def test_a_new_job_in_the_state_dir_inherits_only_generation_and_term(tmp_path, 
             {"kind": "job_succeeded", "generation": 2})
     got = recorded(tmp_path, "b")
     assert (got.generation, got.term, got.other_checkpoints, got.after_other_job) == \
-        (2, 3, {"/c/a": "a"}, True)
+        (2, 3, {"/c/a/": "a"}, True)
     assert (got.run_id, got.step, got.committed_step, got.running, got.ended) == \
         ("", -1, -1, None, None)
     assert recorded(tmp_path, "a").run_id == "r1" and recorded(tmp_path, "a").ended == 0
@@ -235,14 +235,40 @@ def test_a_new_job_in_the_state_dir_inherits_only_generation_and_term(tmp_path, 
     assert (got.run_id, got.term, got.committed_step, got.after_other_job) == ("r2", 4, -1, False)
 
 
-def test_a_job_back_after_another_does_not_adopt_its_old_slice(tmp_path):
+def test_a_job_back_after_another_adopts_its_slice_only_if_none_ran_since(tmp_path):
     """a, then b, then a again in one state directory: a's generation 2
-    ran before b's 3 and has ended; a's next generation follows b's."""
+    still runs if b started nothing (b's controller took no host: the
+    agents running a's workers are a's), and has ended once b started its
+    generation 3, after which a's next generation follows b's."""
     journal(tmp_path, {"kind": "controller_started", "generation": 0, "job_id": "a"}, STARTED,
-            {"kind": "controller_started", "generation": 2, "job_id": "b"},
-            {**STARTED, "generation": 3})
+            {"kind": "controller_started", "generation": 2, "job_id": "b"})
+    got = recorded(tmp_path, "a")
+    assert got.running is not None and got.running.generation == 2 and got.after_other_job
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write(json.dumps({**STARTED, "generation": 3, "ts": 9.0, "reason": ""}) + "\n")
     got = recorded(tmp_path, "a")
     assert got.running is None and got.generation == 3 and got.after_other_job
+
+
+def test_another_job_that_named_no_checkpoint_directory_kept_them_in_the_default(tmp_path):
+    journal(tmp_path, {"kind": "controller_started", "generation": 0, "job_id": "a"})
+    assert recorded(tmp_path, "b").other_checkpoints == {str(tmp_path / "checkpoints"): "a"}
+
+
+@pytest.mark.parametrize("mine,theirs,shared", [
+    ("gs://b/x", "gs://b/x/", True),
+    ("gs://b/x/a", "gs://b/x", True),       # inside the other's: Orbax removes non-steps
+    ("gs://b/x", "gs://b/x/a", True),
+    ("gs://b/x-a", "gs://b/x", False),      # a name that begins alike is another directory
+    ("gs://b/a", "gs://b/x", False),
+    ("{tmp}/link/c", "{tmp}/real/c", True),  # one directory under two names
+    ("{tmp}/real/d", "{tmp}/real/c", False),
+])
+def test_job_sharing_finds_checkpoints_in_or_around_another_jobs(tmp_path, mine, theirs, shared):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    others = {theirs.format(tmp=tmp_path): "other"}
+    assert (job_sharing(mine.format(tmp=tmp_path), others) == "other") is shared
 
 
 @pytest.mark.parametrize("jobs,of,kept", [

@@ -151,8 +151,11 @@ class Agent(ControllerSession):
         self._heard_at = time.monotonic()
         self._fenced = ""  # why this agent stopped its worker on its own, until told
         # the highest controller term heard (elastic.controller.leadership):
-        # a controller of a lower term was deposed and is not obeyed
+        # a controller of a lower term was deposed and is not obeyed; and
+        # that term for each job followed (a deposed leader of a job before
+        # is not followed again; another job is not held to its clock)
         self._term = 0
+        self._job_terms: dict[str, int] = {}
         self.sessions_opened = 0
         #: the controller's clock against this host's, from heartbeat acks: the
         #: heartbeats' send times are stamped on the controller's clock

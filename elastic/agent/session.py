@@ -30,6 +30,10 @@ from elastic.v1 import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger("elastic-agent")
 
+#: Jobs whose highest followed term an agent remembers (the oldest is
+#: forgotten first: a deposed leader of a job that long past is no risk).
+MAX_JOBS_REMEMBERED = 64
+
 #: With several controller addresses, a registration that takes longer
 #: (seconds) moves on to the next: a frozen or cut-off leader never answers.
 REGISTER_TIMEOUT_S = 2.0
@@ -109,6 +113,9 @@ class ControllerSession:
         self._undelivered.clear()
         self.supervisor.forget_last_worker()
         self._snapshot_run = ""
+        # commands are ordered by (term, generation) within a job: the new
+        # job's first start may carry a lower pair than the last one's
+        self._commanded, self._last_stop = (0, 0), None
 
     async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
         """Register with the controller at `address` (one attempt) and
@@ -129,14 +136,20 @@ class ControllerSession:
                                     "agent")
         if problem:
             raise _Incompatible(problem)
-        # (terms grow across jobs too: a new job's leader takes at least the
-        # Unix time, elastic.controller.server.leader_term)
-        if reply.term < self._term:
-            raise _Deposed(f"controller {address} leads term {reply.term}; a controller of "
-                           f"term {self._term} has led since: not following it")
+        # (a term is compared with those of the same job: another job's
+        # leader, perhaps on another host, is not held to this one's clock)
+        followed = self._job_terms.get(reply.job_id, 0)
+        if reply.term < followed:
+            raise _Deposed(f"controller {address} leads term {reply.term} of job "
+                           f"{reply.job_id}; a controller of term {followed} has led it since: "
+                           f"not following it")
         if self.job_id and reply.job_id != self.job_id:
             self._next_job(reply.job_id)
         self._term = reply.term
+        self._job_terms.pop(reply.job_id, None)  # (the latest last: forgotten last)
+        self._job_terms[reply.job_id] = reply.term
+        while len(self._job_terms) > MAX_JOBS_REMEMBERED:
+            del self._job_terms[next(iter(self._job_terms))]
         self.job_id = reply.job_id
         self.clock_offset.reset()  # (perhaps another controller, another clock)
         self.clock_offset.answered(sent, reply.received_at)

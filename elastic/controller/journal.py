@@ -175,8 +175,8 @@ class Recorded:
     term: the highest leadership term a controller journaled (0 if none);
     failures: the failure accounting of the job so far (the restart budget,
       the crash loop, quarantine: elastic.policy.failure_history);
-    other_checkpoints: {checkpoint directory (no trailing slash): job} of
-      the other jobs whose controllers journaled here (see `recorded`);
+    other_checkpoints: {checkpoint directory: job} of the other jobs whose
+      controllers journaled here (see `recorded`);
     after_other_job: whether the journal's last controller was another
       job's (then there is no running generation of this job to find)."""
 
@@ -229,15 +229,34 @@ def job_entries(entries: list[dict], job_id: str | None = None) -> list[dict]:
     return entries[first:]
 
 
+def job_sharing(checkpoint_dir: str, others: Mapping[str, str]) -> str | None:
+    """The other job (of `others`: {checkpoint directory: job}) whose
+    checkpoint directory is `checkpoint_dir`, or holds it, or lies in it
+    (a job's step directories and its lease object sit there, and Orbax
+    removes what is not a step), or None. Local paths are compared with
+    their symbolic links resolved; gs:// URLs as written, without a
+    trailing slash."""
+    def canonical(path: str) -> str:
+        return path.rstrip("/") if "://" in path else os.path.realpath(path)
+
+    mine = canonical(checkpoint_dir)
+    for path, job in others.items():
+        theirs = canonical(path)
+        if mine == theirs or mine.startswith(theirs + "/") or theirs.startswith(mine + "/"):
+            return job
+    return None
+
+
 def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
     """Scan the journal line by line (never all of it in memory). With
     `job_id`, what controllers of other jobs journaled in the same state
     directory (`entry_job`) gives only the generation and the term, which
-    stay monotonic in a state directory: not its run id, steps, failures,
-    end or running slice (a slice of this job that ran before another job
-    did has ended). A new job on the agents and in the state directory of
-    the one before must not inherit that job's run id, under which the
-    hosts' local snapshots of its state would be restored into it."""
+    stay monotonic in a state directory, and where those jobs kept their
+    checkpoints: not their run id, steps, failures, end or running slice (a
+    slice of this job has ended once another job started a generation). A
+    new job on the agents and in the state directory of the one before
+    must not inherit that job's run id, under which the hosts' local
+    snapshots of its state would be restored into it."""
     generation, step, committed, run_id = 0, -1, -1, ""
     running: Inherited | None = None
     ended: int | None = None
@@ -251,13 +270,13 @@ def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
             term = max(term, e["term"])
         if kind in ("generation_started", "generation_discovered"):
             generation = max(generation, e["generation"])
+            if other_job:  # (on hosts this job's slice may have run on)
+                running = None
         named = entry_job(e) if job_id else None
         if named is not None:
             other_job = named != job_id
-            if other_job:
-                running = None
-                if isinstance(e.get("checkpoint_dir"), str) and e["checkpoint_dir"]:
-                    others[e["checkpoint_dir"].rstrip("/")] = named
+            if other_job:  # (journals before 2026-11-23 name no directory: the default)
+                others[e.get("checkpoint_dir") or os.path.join(state_dir, "checkpoints")] = named
         if other_job:
             continue
         failures = failure_history.after(failures, e)

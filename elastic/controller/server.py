@@ -16,7 +16,7 @@ from elastic.controller.core import Controller
 from elastic.controller.datagrams import DatagramEndpoint
 from elastic.checkpoint.gcs import split as split_gcs
 from elastic.checkpoint.storage import StorageError, latest_step
-from elastic.controller.journal import JournalWriter, recorded
+from elastic.controller.journal import JournalWriter, job_sharing, recorded
 from elastic.controller.bucket_lease import PROMPT_KINDS, BucketLease
 from elastic.controller.leadership import Leadership, LeadershipTaken
 from elastic.controller.servicer import ControllerServicer, add_servicer
@@ -66,12 +66,12 @@ class ControllerServer:
         self.state_dir = private_dir(state_dir)
         before = recorded(self.state_dir, spec.job_id)
         self.spec = spec.with_checkpoint_dir(str((self.state_dir / "checkpoints").resolve()))
-        other = before.other_checkpoints.get(self.spec.checkpoint_dir.rstrip("/"))
+        other = job_sharing(self.spec.checkpoint_dir, before.other_checkpoints)
         if other is not None:
             raise RuntimeError(
-                f"job {other!r} kept its checkpoints in {self.spec.checkpoint_dir} (the journal "
-                f"in {self.state_dir} says so): job {spec.job_id!r} would restore them and write "
-                f"over them; give it a checkpoint_dir of its own")
+                f"job {other!r} kept its checkpoints in or around {self.spec.checkpoint_dir} (the "
+                f"journal in {self.state_dir} says so): job {spec.job_id!r} would restore them "
+                f"and write over them; give it a checkpoint_dir of its own")
         self.listen = listen
         self.tls = tls
         self.journal = JournalWriter(self.state_dir)
