@@ -110,6 +110,58 @@ def test_an_agent_refuses_commands_of_a_deposed_term(tmp_path):
     assert len(spawned) == 1  # the current leader's is carried out
 
 
+def test_an_agent_follows_no_deposed_leader_of_a_job_and_any_leader_of_the_next(
+        tmp_path, monkeypatch):
+    """Terms are compared within a job: a deposed leader of a job the agent
+    followed is refused, the next job's leader is followed whatever its
+    term (it may run on another host, with another clock)."""
+    import asyncio
+
+    from elastic import protocol
+    from elastic.agent import session
+    from elastic.agent.agent import Agent, AgentSettings
+    from elastic.v1 import control_pb2 as pb
+
+    class Followed(Exception):
+        """The agent went on to open its stream."""
+
+    replies = []
+
+    class Stub:
+        def __init__(self, channel) -> None:
+            pass
+
+        async def Register(self, request, timeout):
+            return replies.pop(0)
+
+        def Connect(self):
+            raise Followed
+
+    monkeypatch.setattr(session.pb_grpc, "ControllerStub", Stub)
+    agent = Agent(AgentSettings(controller="127.0.0.1:1", host_id="h0", devices=1,
+                                address="127.0.0.1", failure_domain="h0",
+                                state_dir=str(tmp_path), tls=None))
+
+    def register(job: str, term: int) -> str:
+        replies.append(pb.RegisterResponse(job_id=job, term=term, heartbeat_interval_s=1.0,
+                                           heartbeat_timeout_s=5.0, protocol=protocol.PROTOCOL,
+                                           release=protocol.release()))
+        try:
+            asyncio.run(agent._session(None, "127.0.0.1:1"))
+        except Followed:
+            return "followed"
+        except session._Deposed:
+            return "refused"
+        raise AssertionError("neither")
+
+    assert register("a", 5) == "followed"
+    agent._commanded = (5, 7)  # (a's generation 7 was started)
+    assert register("a", 4) == "refused"   # a's deposed leader
+    assert register("b", 3) == "followed" and agent.job_id == "b"
+    assert agent._commanded == (0, 0)      # b's starts are not ordered after a's
+    assert register("a", 4) == "refused"   # still a's deposed leader
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
