@@ -8,8 +8,10 @@ own executable cache empty. All runs use one GCS emulator's bucket: the
 first finds its `compile-cache/` empty (cold: process 0 compiles the train
 step and the initial state, the other processes wait for its entries); the
 `--warm` runs after it find them there (warm: every process loads them).
-Per run, from the journal: generation_started -> first_progress (the
-controller's clock), and where it went: `launch` (generation_started -> the
+Per run, from the journal: controller_started -> generation_started (the
+hosts registering; with --agents-stay, agents already up), then
+generation_started -> first_progress (the controller's clock; the figure
+the target is about), and where it went: `launch` (generation_started -> the
 launch of process 0's worker: the agents' pre-started processes finishing
 their imports, which start with the agents) and process 0's startup phases
 (elastic.worker.runtime; `checkpoint_setup` holds Orbax's barrier, i.e.
@@ -60,13 +62,15 @@ def job_spec(work: pathlib.Path, index: int, hosts: int, steps: int) -> tuple[st
 def figures(journal: list[dict]) -> dict:
     """A job's first generation's start figures from its journal (the
     entries since its controller started)."""
+    controller = next(e for e in journal if e["kind"] == "controller_started")
     started = next(e for e in journal if e["kind"] == "generation_started")
     first = next(e for e in journal if e["kind"] == "first_progress")
     phases = next(e for e in journal if e["kind"] == "worker_phases")
     names = [k[:-2] for k in phases if k.endswith("_s") and k != "total_s"]
     split = {"launch": round(phases["launched_at"] - started["ts"], 3),
              **{name: phases[f"{name}_s"] for name in names}}
-    return {"start_to_first_step_s": round(first["ts"] - started["ts"], 3), "phases": split}
+    return {"start_to_first_step_s": round(first["ts"] - started["ts"], 3), "phases": split,
+            "controller_to_start_s": round(started["ts"] - controller["ts"], 3)}
 
 
 def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
@@ -129,7 +133,8 @@ def main() -> int:
                                      local if args.agents_stay else None, args.agents_stay)
                 run["kind"] = "cold" if index == 0 else "warm"
                 runs.append(run)
-                print(f"run {index + 1} ({run['kind']}): start -> first step "
+                print(f"run {index + 1} ({run['kind']}): controller -> start "
+                      f"{run['controller_to_start_s']:.2f} s, start -> first step "
                       f"{run['start_to_first_step_s']:.2f} s: " +
                       ", ".join(f"{k} {v:.2f}" for k, v in run["phases"].items()), flush=True)
         finally:
