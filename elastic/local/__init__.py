@@ -29,10 +29,12 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -175,6 +177,26 @@ def isolated_argv(net: network.NetworkPlan, node: str, argv: list[str],
                         hide=state_dir, keep=keep)
 
 
+def lasting_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of `host` free now and below this machine's ephemeral
+    range (/proc/sys/net/ipv4/ip_local_port_range), so that no outgoing
+    connection takes it as its source port after its listener has exited;
+    0 (any) when none is found in 100 tries."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return 0
+
+
 def host_devices(hosts: int, devices_per_host: int | Sequence[int]) -> list[int]:
     """Each simulated host's device count: one count for all, or one per
     host. Raises ValueError when a list's length is not `hosts` or a count
@@ -243,7 +265,11 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
         tls = TLSFiles.in_dir(certs.bundle_dir(pki, Role.OPERATOR, "local"))
     extra_env = dict(extra_env or {})
     env = {**child_env(), **extra_env}
-    listen = f"{net.address(network.CONTROLLER)}:0" if net else "127.0.0.1:0"
+    host = net.address(network.CONTROLLER) if net else "127.0.0.1"
+    # Agents that outlive the controller dial its port for the next job's:
+    # one outside the ephemeral range, which any connection's source port
+    # may take once the controller has exited (a deployment's is 7470).
+    listen = f"{host}:{0 if pin_job or net else lasting_port(host)}"
     argv = [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
             "--listen", listen, "--state-dir", str(state_dir), *security,
             *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []),
