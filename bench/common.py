@@ -134,13 +134,15 @@ def print_table(results: dict[str, dict]) -> None:
 
 def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 100,
            extra: str = "", worker_args: tuple[str, ...] = (),
-           mesh: str = "data=-1,model=2", file_name: str = "job.toml") -> pathlib.Path:
+           mesh: str = "data=-1,model=2", file_name: str = "job.toml",
+           min_hosts: int = 1) -> pathlib.Path:
     """Write a job spec running workers/lm (endless, on `mesh` (axes in
     order; default data=-1 x model=2), restart budget and crash loop out of
     the way, as benchmarks hit the same hosts again and again) into
     `work`/`file_name`; returns its path (the job's working directory is
     `work`). `extra`: more TOML (in [restart]); `worker_args`: more
-    arguments for train.py."""
+    arguments for train.py; `min_hosts`: the hosts the first generation
+    waits for."""
     import sys
 
     repo = pathlib.Path(__file__).resolve().parent.parent
@@ -153,7 +155,7 @@ def lm_job(work: pathlib.Path, job_id: str, hosts: int, checkpoint_every: int = 
 [job]
 id = "{job_id}"
 command = {json.dumps(argv)}
-min_hosts = 1
+min_hosts = {min_hosts}
 max_hosts = {hosts}
 
 [mesh]

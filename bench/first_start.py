@@ -55,8 +55,11 @@ def job_spec(work: pathlib.Path, index: int, hosts: int, steps: int) -> tuple[st
     jobs = work / "jobs"
     jobs.mkdir(exist_ok=True)
     job_id = f"first-{index}"
+    # (min_hosts: all of them, a first start of this many hosts; agents that
+    # stay come back to the next controller after their reconnect backoff,
+    # and the job would start on the first ones and grow)
     return job_id, lm_job(jobs, job_id, hosts, worker_args=("--steps", str(steps)),
-                          file_name=f"{job_id}.toml")
+                          file_name=f"{job_id}.toml", min_hosts=hosts)
 
 
 def figures(journal: list[dict]) -> dict:
