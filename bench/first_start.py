@@ -81,8 +81,8 @@ def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
     """Run a new job of `steps` steps: on new hosts, or with `previous` (the
     LocalSlice of the job before, ended) on its agents; in `made`
     (surroundings). Returns its figures and, with `stay`, its LocalSlice
-    (its agents still running; else None: stopped). Raises RuntimeError when the job does not succeed in one
-    generation within `timeout_s`."""
+    (its agents still running; else None: stopped). Raises RuntimeError
+    when the job does not succeed in one generation within `timeout_s`."""
     job_id, spec_path = job_spec(work, index, hosts, steps)
     checkpoints = f"{made.checkpoint_dir.rsplit('/', 1)[0]}/{job_id}"
     if previous is None:
@@ -95,8 +95,8 @@ def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
     else:
         local = start_next_job(previous, str(spec_path), checkpoints)
     if not stay:  # (run_in_one_generation stops it)
-        return {"state": str(local.state_dir), **figures(run_in_one_generation(local, timeout_s))}, \
-            None
+        journal = run_in_one_generation(local, timeout_s)
+        return {"state": str(local.state_dir), **figures(journal)}, None
     deadline = time.monotonic() + timeout_s
     while controller_running(local):
         if time.monotonic() > deadline:
