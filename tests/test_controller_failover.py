@@ -208,6 +208,41 @@ def test_the_bucket_lease_passes_only_after_the_leader_stops_renewing(tmp_path, 
     assert "deposed" in b.renew()  # (the old process of that state dir)
 
 
+def test_a_claim_keeps_the_stretches_of_other_jobs_in_the_state_dir(tmp_path):
+    """Job a (checkpoints on a bucket) ran in a state dir, then job b; a
+    starts again there and claims its own object, which holds only a's
+    entries: b's stretch stays in the local journal, so a's next
+    generation follows b's and b's checkpoint directory stays known; a
+    deposed controller's own lines and a's that the object has are not
+    taken twice, fault lines stay."""
+    import json
+
+    from elastic.controller.bucket_lease import merge_tools_lines
+    from elastic.controller.journal import recorded
+
+    def line(ts, kind, **fields):
+        return json.dumps({"ts": ts, "kind": kind, "host": None, "reason": "", **fields})
+
+    a_started = [line(1, "controller_started", generation=0, job_id="a", run_id="ra",
+                      checkpoint_dir="gs://x/a"),
+                 line(2, "generation_started", generation=1, hosts=["h0"], coordinator="c:1")]
+    b_stretch = [line(5, "controller_started", generation=1, job_id="b", run_id="rb",
+                      checkpoint_dir="gs://x/b"),
+                 line(6, "generation_started", generation=2, hosts=["h0"], coordinator="c:2")]
+    bucket = "".join(x + "\n" for x in a_started).encode()
+    local = "".join(x + "\n" for x in [*a_started, line(3, "first_progress", generation=1),
+                                       line(4, "fault_injected", generation=1), *b_stretch])
+    merged = merge_tools_lines(bucket, local.encode(), "a")
+    assert merged.decode().splitlines() == [*a_started, line(4, "fault_injected", generation=1),
+                                            *b_stretch]
+    (tmp_path / "events.jsonl").write_bytes(merged)
+    got = recorded(tmp_path, "a")
+    assert (got.generation, got.running, got.run_id) == (2, None, "ra")
+    assert got.other_checkpoints == {"gs://x/b": "b"} and got.after_other_job
+    # without the job (as before): b's stretch is dropped with the deposed lines
+    assert b"rb" not in merge_tools_lines(bucket, local.encode())
+
+
 def test_a_new_leader_outranks_every_term_it_can_know_of():
     from elastic.controller.server import leader_term
 

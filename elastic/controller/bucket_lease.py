@@ -44,7 +44,7 @@ import tenacity
 
 from elastic.checkpoint import gcs
 from elastic.checkpoint.storage import StorageError
-from elastic.controller.journal import JOURNAL_NAME, parse_line
+from elastic.controller.journal import JOURNAL_NAME, entry_job, parse_line
 from elastic.security.files import open_private, write_private
 
 log = logging.getLogger("elasticd")
@@ -78,16 +78,27 @@ def holder_id(state_dir: pathlib.Path) -> str:
     return f"{socket.gethostname()}/{path.read_text().strip()}"
 
 
-def merge_tools_lines(journal: bytes, local: bytes) -> bytes:
-    """`journal` (the bucket's) with the lines tools wrote into the local
-    copy that it lacks (`fault_*` entries of elasticd local's fault
-    injector: they go to the state dir's journal, not to the leader), in
-    time order. Other local lines are a deposed controller's and are
-    dropped."""
+def merge_tools_lines(journal: bytes, local: bytes, job_id: str = "") -> bytes:
+    """`journal` (the bucket's) with the local copy's lines that it lacks
+    and that are not this job's (`job_id`): the lines tools wrote there
+    (`fault_*` entries of elasticd local's fault injector: they go to the
+    state dir's journal, not to the leader) and, with `job_id`, the
+    stretches of other jobs that ran in the state dir meanwhile (each job's
+    bucket object holds only its own: their generations and checkpoint
+    directories count for it too, elastic.controller.journal.recorded), in
+    time order. This job's other local lines are a deposed controller's and
+    are dropped."""
     have = set(journal.splitlines())
-    extra = [line for line in local.splitlines() if line not in have
-             and (entry := parse_line(line)) is not None
-             and entry["kind"].startswith("fault_")]
+    extra, other_job = [], False
+    for line in local.splitlines():
+        entry = parse_line(line)
+        if entry is None:
+            continue
+        named = entry_job(entry) if job_id else None
+        if named is not None:
+            other_job = named != job_id
+        if line not in have and (other_job or entry["kind"].startswith("fault_")):
+            extra.append(line)
     if not extra:
         return journal
     lines = [line for line in journal.splitlines() if line.strip()] + extra
@@ -108,11 +119,14 @@ class BucketLease:
 
     `try_acquire()` (polled by a starting controller) and `renew()` (by the
     leader, every `lease_s / 4`) do blocking I/O: call them from a thread.
-    `gcs`: a google-cloud-storage client (default: elastic.checkpoint.gcs).
+    `gcs`: a google-cloud-storage client (default: elastic.checkpoint.gcs);
+    `job_id`: the job whose journal the object holds (a claim keeps the
+    local journal's stretches of other jobs: merge_tools_lines).
     `clock`: monotonic seconds."""
 
     def __init__(self, checkpoint_url: str, state_dir: str | os.PathLike[str], lease_s: float,
-                 gcs_client=None, clock: Callable[[], float] = time.monotonic) -> None:
+                 gcs_client=None, clock: Callable[[], float] = time.monotonic,
+                 job_id: str = "") -> None:
         bucket, prefix = gcs.split(checkpoint_url)
         if not prefix:
             raise StorageError(f"checkpoint directory {checkpoint_url} is a bucket's root: the "
@@ -125,6 +139,7 @@ class BucketLease:
         self.instance = secrets.token_hex(8)  # this process's, in the object's metadata
         self.lease_s = lease_s
         self.clock = clock
+        self.job_id = job_id
         self._gcs = gcs_client or gcs.client()
         self._bucket = self._gcs.bucket(bucket)
         self.generation = 0  # of our last upload (0: not the leader)
@@ -174,7 +189,8 @@ class BucketLease:
         from google.api_core import exceptions
 
         path = self._journal()
-        journal = merge_tools_lines(journal, path.read_bytes() if path.exists() else b"")
+        journal = merge_tools_lines(journal, path.read_bytes() if path.exists() else b"",
+                                    self.job_id)
         # rewritten in place (the same file: a tool appending to it, such as
         # elasticd local's fault injector, goes on appending to the journal)
         with open_private(path, "wb") as f:

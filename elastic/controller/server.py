@@ -236,7 +236,7 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
             if (spec.checkpoint_dir or "").startswith("gs://"):
                 if split_gcs(spec.checkpoint_dir)[1]:  # (any failure here: StartError)
                     lease = BucketLease(spec.checkpoint_dir, state_dir,
-                                        spec.health.leader_lease_s)
+                                        spec.health.leader_lease_s, job_id=spec.job_id)
                 else:
                     log.warning("checkpoints at a bucket's root: no lease beside them; "
                                 "standbys need a shared state directory")
