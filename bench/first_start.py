@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -44,7 +45,7 @@ from common import add_keep_flag, lm_job, machine, run_in_one_generation, work_d
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.local import start_slice, stop_slice, surroundings
-from elastic.local.controllers import controller_running, start_next_job
+from elastic.local.controllers import start_next_job
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -97,12 +98,12 @@ def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
     if not stay:  # (run_in_one_generation stops it)
         journal = run_in_one_generation(local, timeout_s)
         return {"state": str(local.state_dir), **figures(journal)}, None
-    deadline = time.monotonic() + timeout_s
-    while controller_running(local):
-        if time.monotonic() > deadline:
-            stop_slice(local)
-            raise RuntimeError(f"the job did not end within {timeout_s} s: {local.state_dir}")
-        time.sleep(0.2)
+    try:
+        local.controller.wait(timeout_s)  # (start_next_job refuses standbys: the only one)
+    except subprocess.TimeoutExpired:
+        stop_slice(local)
+        raise RuntimeError(f"the job did not end within {timeout_s} s: {local.state_dir}") \
+            from None
     journal = list(read_journal(local.state_dir))
     journal = journal[max(i for i, e in enumerate(journal) if e["kind"] == "controller_started"):]
     kinds = [e["kind"] for e in journal]

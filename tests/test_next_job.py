@@ -13,12 +13,12 @@ import re
 
 import pytest
 
-from conftest import lm_spec, wait_until
+from conftest import lm_spec
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.server import ControllerServer
 from elastic.local import start_slice, stop_slice
-from elastic.local.controllers import controller_running, start_next_job
+from elastic.local.controllers import start_next_job
 from elastic.policy.state import Phase
 
 
@@ -29,7 +29,7 @@ def _since_last_start(state) -> list[dict]:
 
 
 def _ended(local) -> None:
-    wait_until(lambda: not controller_running(local), 120, "the job's end")
+    local.controller.wait(120)  # (raises TimeoutExpired: the job did not end)
 
 
 def test_the_next_job_takes_the_agents_warm_with_a_run_of_its_own(tmp_path, tagged,

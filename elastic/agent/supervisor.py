@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 from elastic import worker_env
 from elastic.agent.logs import WorkerLog
+from elastic.checkpoint import storage
 from elastic.procs import (WORKER_PROCESS_GROUP, die_with_parent, process_state, signal_group,
                            signal_pid)
 from elastic.worker.prestart import READY_LINE, set_policy
@@ -63,8 +64,7 @@ def launch_key(argv: list[str], full_env: Mapping[str, str], workdir: str) -> tu
         return None
     env = tuple(sorted((k, v) for k, v in full_env.items()
                        if k not in worker_env.PER_GENERATION_ENV + worker_env.JOB_LEVEL_ENV))
-    checkpoints = full_env.get(worker_env.ENV_CHECKPOINT_DIR, "")
-    return (argv[0], workdir, env, checkpoints.split("://", 1)[0] if "://" in checkpoints else "")
+    return (argv[0], workdir, env, storage.scheme(full_env.get(worker_env.ENV_CHECKPOINT_DIR, "")))
 
 
 @dataclasses.dataclass

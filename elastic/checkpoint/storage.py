@@ -12,6 +12,12 @@ class StorageError(RuntimeError):
     """A checkpoint directory that cannot be used; the message says why."""
 
 
+def scheme(directory: str) -> str:
+    """The storage scheme of a checkpoint directory: "gs" for
+    gs://bucket/dir, "" for a local path."""
+    return directory.split("://", 1)[0] if "://" in directory else ""
+
+
 def resolve(directory: str) -> "epath.Path":  # noqa: F821 (etils, imported when used)
     """The path Orbax should use for `directory` (a local path or gs://bucket/dir).
 
@@ -19,11 +25,11 @@ def resolve(directory: str) -> "epath.Path":  # noqa: F821 (etils, imported when
     without gcsfs installed."""
     if not directory:
         raise StorageError("no checkpoint directory (ELASTIC_CHECKPOINT_DIR is empty)")
-    scheme = directory.split("://", 1)[0] if "://" in directory else ""
-    if scheme not in ("", "gs"):
-        raise StorageError(f"checkpoint directory {directory!r}: scheme {scheme}:// is not "
+    kind = scheme(directory)
+    if kind not in ("", "gs"):
+        raise StorageError(f"checkpoint directory {directory!r}: scheme {kind}:// is not "
                            f"supported (use a local path or gs://)")
-    if scheme == "gs":
+    if kind == "gs":
         try:
             import gcsfs  # noqa: F401  (etils.epath needs it for gs://)
         except ImportError:

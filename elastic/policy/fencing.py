@@ -97,6 +97,9 @@ def lift_fence(state: SliceState, view: ClusterView, actions: list[Action]) -> S
 
 def waiting(state: SliceState, now: float) -> str:
     """Why no generation starts while `state` is fenced (a sentence)."""
-    first = state.members[0] if state.members else "(as a previous controller journaled)"
-    return (f"waiting {state.fenced_until - now:.1f} s more for host {first}, process 0 of "
-            f"generation {state.generation}, to fence itself")
+    left = f"waiting {state.fenced_until - now:.1f} s more for"
+    if not state.members:  # (a fence carried from the journal)
+        return (f"{left} the host of process 0 of generation {state.generation} to fence "
+                f"itself, as a previous controller journaled")
+    return (f"{left} host {state.members[0]}, process 0 of generation {state.generation}, "
+            f"to fence itself")

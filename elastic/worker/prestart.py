@@ -33,6 +33,8 @@ import sys
 import time
 import types
 
+from elastic.checkpoint import storage
+
 #: Unix time the launch message arrived (None until then, or when this
 #: process was not pre-started); `elastic.worker.init()` measures its
 #: `process_start` phase from here instead of from the process's exec.
@@ -105,8 +107,8 @@ def preload_names(script: str, checkpoint_dir: str = "") -> list[str]:
     for the scheme of `checkpoint_dir` (gs://...)."""
     names = program_imports(script) if script else []
     if not script or any(n.split(".")[0] == "jax" for n in names):
-        scheme = checkpoint_dir.split("://", 1)[0] if "://" in checkpoint_dir else ""
-        names = [*RUNTIME_PRELOAD, *STORAGE_PRELOAD.get(scheme, ()), *names]
+        names = [*RUNTIME_PRELOAD, *STORAGE_PRELOAD.get(storage.scheme(checkpoint_dir), ()),
+                 *names]
     return names
 
 
