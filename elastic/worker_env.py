@@ -59,6 +59,14 @@ JOB_LEVEL_ENV = (ENV_JOB_ID, ENV_RUN_ID, ENV_MESH, ENV_CHECKPOINT_DIR,
 PER_GENERATION_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_NUM_PROCESSES, ENV_GENERATION,
                       ENV_DEVICES_PER_HOST, ENV_HOST_DEVICES, ENV_NEXT_SLICES)
 
+# What a launch memo's key leaves out (elastic.worker.launch_memo): the
+# per-generation variables, and those that only name the job, its run, where
+# its checkpoints go and the agent's incarnation, so that the next job or a
+# restarted agent launching the same program on the same slice loads its
+# executable without tracing (the installed code is hashed instead).
+NOT_IN_LAUNCH_KEY_ENV = PER_GENERATION_ENV + (ENV_JOB_ID, ENV_RUN_ID, ENV_CHECKPOINT_DIR,
+                                              ENV_INCARNATION)
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerEnv:

@@ -12,6 +12,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ BASE = dict(name="train_step", trace_key="", argv=["train.py", "--steps", "300"]
             cwd="/work", environ={"ELASTIC_RUN_ID": "r1", "ELASTIC_GENERATION": "3",
                                   "ELASTIC_PROCESS_ID": "0", "XLA_FLAGS": ""},
             files=[("model.py", 10, 1), ("train.py", 20, 2)], versions=["0.10.2", "0.10.2", "cpu"],
-            slice_='{"processes": 4}', per_generation=PER_GENERATION)
+            slice_='{"processes": 4}', left_out=PER_GENERATION,
+            installed=[("/venv/site-packages/optax-0.2.4.dist-info/RECORD", 900, 5)])
 
 
 def _key(**changes) -> str:
@@ -42,13 +44,17 @@ def _key(**changes) -> str:
     ("its trace key", dict(trace_key="vocab 50257")),
     ("an argument", dict(argv=["train.py", "--steps", "301"])),
     ("the working directory", dict(cwd="/elsewhere")),
-    ("the controller run", dict(environ={**BASE["environ"], "ELASTIC_RUN_ID": "r2"})),
+    ("a variable not left out", dict(environ={**BASE["environ"], "ELASTIC_RUN_ID": "r2"})),
     ("a variable of the job", dict(environ={**BASE["environ"], "XLA_FLAGS": "--xla_foo"})),
     ("a new variable", dict(environ={**BASE["environ"], "LR": "1"})),
     ("a program file's size", dict(files=[("model.py", 11, 1), ("train.py", 20, 2)])),
     ("a program file's time", dict(files=[("model.py", 10, 9), ("train.py", 20, 2)])),
     ("a new program file", dict(files=[*BASE["files"], ("util.py", 1, 1)])),
     ("JAX's version", dict(versions=["0.10.3", "0.10.2", "cpu"])),
+    ("an installed library", dict(installed=[
+        ("/venv/site-packages/optax-0.2.5.dist-info/RECORD", 900, 5)])),
+    ("a library installed again", dict(installed=[
+        ("/venv/site-packages/optax-0.2.4.dist-info/RECORD", 900, 6)])),
     ("the slice", dict(slice_='{"processes": 3}')),
     ("the second program of one name", dict(ordinal=1)),
 ])
@@ -60,6 +66,78 @@ def test_the_per_generation_variables_do_not_change_the_key():
     later = {**BASE["environ"], "ELASTIC_GENERATION": "4", "ELASTIC_PROCESS_ID": "2"}
     assert _key(environ=later) == _key()
     assert len(_key()) == 32
+
+
+def test_the_next_job_or_agent_keys_as_the_one_before_but_for_its_settings():
+    """What only names the job, its run, its checkpoints and the agent
+    incarnation is left out; the job's settings that reach the program
+    are not."""
+    left_out = worker_env.NOT_IN_LAUNCH_KEY_ENV
+    env = {**BASE["environ"], worker_env.ENV_JOB_ID: "a", worker_env.ENV_CHECKPOINT_DIR: "/a",
+           worker_env.ENV_INCARNATION: "i1", worker_env.ENV_MESH: "data=-1,model=2",
+           worker_env.ENV_BATCH_MODE: "global"}
+    key = _key(environ=env, left_out=left_out)
+    next_job = {**env, worker_env.ENV_JOB_ID: "b", worker_env.ENV_RUN_ID: "r9",
+                worker_env.ENV_CHECKPOINT_DIR: "gs://b/ckpt", worker_env.ENV_INCARNATION: "i2",
+                worker_env.ENV_GENERATION: "1"}
+    assert _key(environ=next_job, left_out=left_out) == key
+    for name, value in ((worker_env.ENV_MESH, "data=-1"), (worker_env.ENV_BATCH_MODE, "host"),
+                        ("LEARNING_RATE", "3e-4")):
+        assert _key(environ={**next_job, name: value}, left_out=left_out) != key, name
+
+
+def _module(file: str | None) -> types.ModuleType:
+    module = types.ModuleType("m")
+    if file is not None:
+        module.__file__ = file
+    return module
+
+
+def test_installed_code_is_every_distribution_and_each_loose_package_whole(tmp_path):
+    """Installed distributions by their RECORD, whether loaded or not;
+    packages from elsewhere (an editable install, PYTHONPATH) by all their
+    files, loaded or not; the standard library and the program's folder
+    not (Python's version and program_files cover them)."""
+    site, stdlib, program, src = (tmp_path / d for d in ("site", "stdlib", "program", "src"))
+    for d in (site / "optax-0.2.4.dist-info", site / "optax", stdlib, program,
+              src / "mylib" / "sub" / "__pycache__"):
+        d.mkdir(parents=True)
+    (site / "optax-0.2.4.dist-info" / "RECORD").write_text("optax/__init__.py,,\n")
+    (site / "old-1.0.egg-info").write_text("Metadata-Version: 1.0\n")
+    (site / "optax" / "__init__.py").write_text("")
+    (stdlib / "json.py").write_text("")
+    (program / "model.py").write_text("")
+    for f in ("mylib/__init__.py", "mylib/sub/__init__.py", "mylib/sub/layers.py",
+              "mylib/sub/unloaded.py", "mylib/notes.txt", "mylib/sub/__pycache__/x.pyc",
+              "single.py", "elsewhere.py"):
+        (src / f).write_text("x = 1\n")
+    modules = {"optax": _module(str(site / "optax" / "__init__.py")),
+               "json": _module(str(stdlib / "json.py")),
+               "model": _module(str(program / "model.py")),
+               "__main__": _module(str(src / "elsewhere.py")),
+               "builtins": _module(None),
+               "mylib.sub.layers": _module(str(src / "mylib" / "sub" / "layers.py")),
+               "single": _module(str(src / "single.py")),
+               # put in sys.modules under a dotted name that is not its folder's
+               "alias.of.it": _module(str(src / "elsewhere.py"))}
+
+    def code():
+        return launch_memo.installed_code(modules, [str(site)], [str(stdlib), str(program)])
+
+    found = code()
+    assert [pathlib.Path(f[0]).relative_to(tmp_path).as_posix() for f in found] == [
+        "site/old-1.0.egg-info", "site/optax-0.2.4.dist-info/RECORD", "src/elsewhere.py",
+        "src/mylib/__init__.py", "src/mylib/sub/__init__.py", "src/mylib/sub/layers.py",
+        "src/mylib/sub/unloaded.py", "src/single.py"]
+    (src / "mylib" / "sub" / "unloaded.py").write_text("x = 12\n")
+    assert code() != found, "a module of a loaded package, not loaded itself, changed"
+    found = code()
+    (site / "optax-0.2.4.dist-info" / "RECORD").write_text("optax/__init__.py,,\nmore\n")
+    assert code() != found, "a distribution installed again"
+    found = code()
+    (stdlib / "json.py").write_text("changed = True\n")
+    (program / "model.py").write_text("changed = True\n")
+    assert code() == found
 
 
 def test_program_files_are_the_scripts_neighbours(tmp_path):
@@ -143,8 +221,8 @@ import sys
 import jax
 import elastic.worker_env
 from elastic.worker import launch_memo
-print("KEY", launch_memo.current_launch("f", "", None, elastic.worker_env.PER_GENERATION_ENV, "m",
-                                       0))
+print("KEY", launch_memo.current_launch("f", "", None,
+                                       elastic.worker_env.NOT_IN_LAUNCH_KEY_ENV, "m", 0))
 """
 
 
@@ -188,14 +266,18 @@ def test_a_trace_key_that_is_not_a_string_is_named(tmp_path):
 
 
 def _slice(tmp_path, program: pathlib.Path, cache: pathlib.Path, run_id: str = "run-1",
-           *args: str) -> list[dict]:
+           *args: str, checkpoints: str = "ckpt") -> list[dict]:
     """compile_worker.py --lazy as a 2-process slice, the same argv every
-    time; each process's record (the helper checks the result)."""
+    time, with tmp_path/site (a sitecustomize.py: code installed outside
+    the program) on PYTHONPATH; each process's record (the helper checks
+    the result)."""
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH"))
+                           if p)
     env = dict(os.environ, PYTHONUNBUFFERED="1", ELASTIC_CACHE_DIR=str(cache),
-               ELASTIC_RUN_ID=run_id)
+               ELASTIC_RUN_ID=run_id, PYTHONPATH=path)
     prefix = tmp_path / "out"
-    run_processes(2, [str(prefix), "--lazy", *args], env, tmp_path / "ckpt", helper=program,
-                  timeout_s=90)
+    run_processes(2, [str(prefix), "--lazy", *args], env, tmp_path / checkpoints,
+                  helper=program, timeout_s=90)
     records = []
     for i in range(2):
         out = pathlib.Path(f"{prefix}.{i}.json")
@@ -209,6 +291,9 @@ def test_a_restart_of_the_same_launch_loads_without_tracing(tmp_path):
     program = tmp_path / "program" / "compile_worker.py"
     program.parent.mkdir()
     shutil.copy(REPO / "tests" / "helpers" / "compile_worker.py", program)
+    (tmp_path / "site").mkdir()
+    installed = tmp_path / "site" / "sitecustomize.py"
+    installed.write_text("# code the process runs, installed outside the program\n")
     cache = tmp_path / "cache"
     # each host its own directory, as hosts that share nothing
     first = _slice(tmp_path, program, cache, "run-1", "--own-dir")
@@ -218,6 +303,9 @@ def test_a_restart_of_the_same_launch_loads_without_tracing(tmp_path):
     # the next generation of the same launch: nothing traced, both loaded
     again = _slice(tmp_path, program, cache, "run-1", "--own-dir")
     assert [(r["traced"], r["hit"]) for r in again] == [(False, True), (False, True)]
+    # the next job of the same program (another run, other checkpoints): the same
+    next_job = _slice(tmp_path, program, cache, "run-2", "--own-dir", checkpoints="ckpt-2")
+    assert [(r["traced"], r["hit"]) for r in next_job] == [(False, True), (False, True)]
     # a new host (no memo, no entry) traces and compiles for itself: process
     # 0, which loaded without tracing, told it so, or it would wait for
     # process 0's compile (SHARED_WAIT_S, past this test's timeout)
@@ -225,10 +313,12 @@ def test_a_restart_of_the_same_launch_loads_without_tracing(tmp_path):
         f.unlink()
     mixed = _slice(tmp_path, program, cache, "run-1", "--own-dir")
     assert [(r["traced"], r["hit"]) for r in mixed] == [(False, True), (True, False)]
-    # a changed program file, or another controller run: traced again
+    # changed code installed outside the program, or a changed program file:
+    # traced again
+    installed.write_text("# the same library, edited\nEDITED = True\n")
+    assert [r["traced"] for r in _slice(tmp_path, program, cache, "run-1", "--own-dir")] == \
+        [True, True]
     with program.parent.joinpath("helper_notes.py").open("w") as f:
         f.write("# a new module beside the program\n")
     changed = _slice(tmp_path, program, cache, "run-1", "--own-dir")
     assert [r["traced"] for r in changed] == [True, True]
-    assert [r["traced"] for r in _slice(tmp_path, program, cache, "run-2", "--own-dir")] == \
-        [True, True]

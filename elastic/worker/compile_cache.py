@@ -544,11 +544,11 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
     """As `compile_cached(lower(), ...)`, without calling `lower` when this
     host's `cache_dir` keeps a memo of the same launch
     (elastic.worker.launch_memo: the same argv, working directory,
-    environment but the per-generation variables (PER_GENERATION_ENV),
-    program files, slice of `mesh`, `trace_key`, and count of
-    programs of this name compiled so before in this process) whose entry
-    loads; after a compile or a load through `lower()`, the memo is
-    written for the next generation. With `memo` False (a program that
+    environment but the variables of NOT_IN_LAUNCH_KEY_ENV, program files,
+    installed code, slice of `mesh`, `trace_key`, and count of programs of
+    this name compiled so before in this process) whose entry loads; after
+    a compile or a load through `lower()`, the memo is written for the
+    next generation and the next job. With `memo` False (a program that
     gave its lowered program, not a function: it did not agree to the
     memo's contract), no memo is read or written.
 
@@ -578,7 +578,7 @@ def compile_launched(lower, cache_dir: str | None, name: str, mesh, trace_key: s
     launch = None
     if isinstance(own, DirectoryTier):
         launch = _try("key a launch memo", own, lambda: launch_memo.current_launch(
-            name, trace_key, mesh, worker_env.PER_GENERATION_ENV, machine_type(), ordinal))
+            name, trace_key, mesh, worker_env.NOT_IN_LAUNCH_KEY_ENV, machine_type(), ordinal))
     if launch is not None:
         known = launch_memo.read(own, name, launch)
         if known is not None:

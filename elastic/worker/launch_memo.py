@@ -9,51 +9,58 @@ most of the 0.75 s "program setup" of a restart on 4 hosts x 2 devices and
 of the 1.9-2.4 s from a crash to the next first step.
 
 A worker launched as the one before it on this host (the same argv, working
-directory and environment but the per-generation variables, within the same
-controller run: `ELASTIC_RUN_ID` is in the environment), whose program files
-are unchanged, lowers the same program for the same slice. So after a
+directory and environment but the variables that only name the generation,
+the job, its run, its checkpoint directory and the agent's incarnation:
+elastic.worker_env.NOT_IN_LAUNCH_KEY_ENV), whose program files and installed
+code are unchanged, lowers the same program for the same slice. So after a
 compile, this host's cache directory keeps a memo under a key of those
 (`launch_key`): the entry's name and the pytree structures of its inputs
 and outputs. A restart that finds the memo loads the entry without calling
 the program's lowering function (`WorkerContext.compile` given a function
-instead of a lowered program).
+instead of a lowered program); so does the next job of the same program on
+the same slice (on agents that stay up between jobs), and a host whose
+agent restarted.
 
 What the key covers, and the contract for a program that opts in: the
 program's lowered step must be a function of its launch (argv, working
 directory, and the environment the process was started with:
 elastic.worker_env.started_environ, because libraries set variables at
 import — JAX sets TF_CPP_MIN_LOG_LEVEL — and a pre-started process imported
-them before its launch while a cold one imports them after), of its own files (the `.py`
-files beside its script and in the packages there, by size and
-modification time, as Python's own bytecode cache judges a source
-unchanged), of the JAX and jaxlib versions and this machine type, of the
-slice (process count, every device id, the mesh's axes, shape, device
-order and axis types), of how many programs of the same name the process
-compiled before (two programs under one name get two memos), and
-of the `trace_key` the program passes (for anything else it reads: a
-config file, a tokenizer's vocabulary). Installed libraries, this project
-among them, are not hashed: a memo is scoped to one controller run and
-one agent incarnation (both are in the environment), within which they
-are not expected to change. A memo that names a missing or unloadable
-entry only means tracing and compiling as before.
+them before its launch while a cold one imports them after; the job's id,
+run, checkpoint directory and the agent's incarnation left out), of its own
+files (the `.py` files beside its script and in the packages there, by size
+and modification time, as Python's own bytecode cache judges a source
+unchanged), of the installed code (`installed_code`: every installed
+distribution's record, and the files of every package the process loaded
+from outside the standard library and the site directories, such as an
+editable install or a PYTHONPATH entry; this project among them), of the
+Python, JAX and jaxlib versions and this machine type, of the slice
+(process count, every device id, the mesh's axes, shape, device order and
+axis types), of how many programs of the same name the process compiled
+before (two programs under one name get two memos), and of the `trace_key`
+the program passes (for anything else it reads: a config file, a
+tokenizer's vocabulary; and the job's id or checkpoint directory, should
+its step depend on them). A memo that names a missing or unloadable entry
+only means tracing and compiling as before.
 
 Memos stay in the host's cache directory (`--compile-cache-dir`), never in
 the signed shared tier: unpickling one, like deserialising an executable,
 runs code, so they go only where the executables are trusted unsigned
 (mode 0700, see compile_cache; hosts that share that directory trust each
-other already). One memo of ~3 KB stays per program, slice and controller
-run; nothing removes them.
+other already). One memo of ~3 KB stays per program, launch, slice and
+installed code; nothing removes them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import json
 import logging
 import os
 import pathlib
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger("elastic.compile_cache")
@@ -83,6 +90,77 @@ def program_files(script: str) -> list[tuple[str, int, int]]:
     return found
 
 
+#: The files of a loaded package that `installed_code` stats.
+CODE_SUFFIXES = tuple(importlib.machinery.SOURCE_SUFFIXES + importlib.machinery.EXTENSION_SUFFIXES)
+
+
+def _stat(path: str) -> tuple[str, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:  # removed meanwhile
+        return None
+    return path, st.st_size, st.st_mtime_ns
+
+
+def _top_level(name: str, file: str) -> str:
+    """The file or folder of the top-level package that module `name`
+    (loaded from `file`) belongs to: `a.b.c` from .../a/b/c.py is .../a;
+    `file` itself when the folders do not bear the package's name (a
+    module put in sys.modules under another name)."""
+    path = os.path.dirname(file) if os.path.basename(file).startswith("__init__.") else file
+    for _ in range(name.count(".")):
+        path = os.path.dirname(path)
+    top = name.split(".")[0]
+    if os.path.basename(path) == top or os.path.basename(path).split(".")[0] == top:
+        return path
+    return file
+
+
+def installed_code(modules: Mapping[str, object], site_dirs: Iterable[str],
+                   library_dirs: Iterable[str]) -> list[tuple[str, int, int]]:
+    """(path, size in bytes, modification time in ns), sorted, of the code
+    a process may run besides its program's own files: the `RECORD` of
+    every distribution installed in `site_dirs` (an `.egg-info` itself),
+    which pip writes anew with every install, and every source or extension
+    file of each top-level package or module that `modules` (sys.modules)
+    loaded from anywhere but `site_dirs` and `library_dirs` (the standard
+    library, the program's folder): an editable install, a PYTHONPATH
+    entry. Whole packages, not only the modules loaded, so that a process
+    pre-started with more modules imported keys as a cold one does.
+    Modules without a file (built in, frozen, namespaces) are skipped."""
+    found = []
+    sites = [d for d in dict.fromkeys(site_dirs) if d]
+    for site in sites:
+        try:
+            names = sorted(os.listdir(site))
+        except OSError:
+            continue
+        for entry in names:
+            if entry.endswith(".dist-info"):
+                found.append(_stat(os.path.join(site, entry, "RECORD")))
+            elif entry.endswith(".egg-info"):
+                found.append(_stat(os.path.join(site, entry)))
+    known = tuple(os.path.join(d, "") for d in (*sites, *library_dirs) if d)
+    known += tuple(os.path.join(os.path.realpath(d), "") for d in (*sites, *library_dirs) if d)
+    roots = set()
+    for name, module in list(modules.items()):
+        file = getattr(module, "__file__", None)
+        if name == "__main__" or not isinstance(file, str) or not os.path.isabs(file) or \
+                file.startswith(known) or os.path.realpath(file).startswith(known):
+            continue
+        roots.add(_top_level(name, file))
+    for root in sorted(roots):
+        if not os.path.isdir(root):
+            found.append(_stat(root))
+            continue
+        for folder, subfolders, files in os.walk(root):
+            subfolders[:] = sorted(d for d in subfolders
+                                   if d != "__pycache__" and not d.startswith("."))
+            found += [_stat(os.path.join(folder, f)) for f in sorted(files)
+                      if f.endswith(CODE_SUFFIXES)]
+    return sorted(f for f in found if f is not None)
+
+
 def slice_description(mesh, process_count: int, device_ids: Sequence[int]) -> str:
     """The slice as the key needs it: the process count, every device id in
     order, and `mesh`'s axis names, shape, device ids in mesh order and
@@ -97,20 +175,21 @@ def slice_description(mesh, process_count: int, device_ids: Sequence[int]) -> st
 
 def launch_key(name: str, trace_key: str, argv: Sequence[str], cwd: str,
                environ: Mapping[str, str], files: Sequence[tuple[str, int, int]],
-               versions: Sequence[str], slice_: str, per_generation: Sequence[str],
-               ordinal: int = 0) -> str:
+               versions: Sequence[str], slice_: str, left_out: Sequence[str],
+               ordinal: int = 0, installed: Sequence[tuple[str, int, int]] = ()) -> str:
     """Hex digest (32 characters) naming the memo of program `name`, the
     `ordinal`-th (from 0) of that name its process compiled so, launched
-    with `argv` in `cwd` with `environ` (the variables in
-    `per_generation` left out: they differ between generations of one
-    launch), its `files` (program_files), `versions` (JAX, jaxlib, the
-    machine type), `slice_` (slice_description) and the program's own
-    `trace_key`. Pure: the same inputs give the same key in every process
-    and generation."""
-    env = sorted((k, v) for k, v in environ.items() if k not in per_generation)
+    with `argv` in `cwd` with `environ` (the variables in `left_out` left
+    out: they differ between generations, jobs and agents that launch the
+    same program), its `files` (program_files), `installed`
+    (installed_code), `versions` (Python, JAX, jaxlib, the machine type),
+    `slice_` (slice_description) and the program's own `trace_key`. Pure:
+    the same inputs give the same key in every process and generation."""
+    env = sorted((k, v) for k, v in environ.items() if k not in left_out)
     h = hashlib.sha256()
     for part in (name, str(ordinal), trace_key, json.dumps(list(argv)), cwd, json.dumps(env),
-                 json.dumps([list(f) for f in files]), json.dumps(list(versions)), slice_):
+                 json.dumps([list(f) for f in files]), json.dumps(list(versions)), slice_,
+                 json.dumps([list(f) for f in installed])):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -155,17 +234,20 @@ def write(tier, name: str, key: str, entry: str, cache_key: str, lowered) -> Non
                     f"{type(e).__name__}: {e}".splitlines()[0][:200])
 
 
-def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str],
+def current_launch(name: str, trace_key: str, mesh, left_out: Sequence[str],
                    machine_type: str, ordinal: int) -> str:
     """`launch_key` for the `ordinal`-th (from 0) program named `name` this
     process compiles (elastic.worker.compile_cache counts them): its argv,
     working directory, the environment it was started with
-    (elastic.worker_env.started_environ, hashed whole, not read for
-    settings), its program files (beside `__main__`'s file: the script, or
-    the module of `python -m`), the JAX and jaxlib versions, and the slice
-    of `mesh` (needs the JAX backend initialised). Raises OSError when the
-    working directory is gone."""
+    (elastic.worker_env.started_environ, hashed whole but the variables in
+    `left_out`, not read for settings), its program files (beside
+    `__main__`'s file: the script, or the module of `python -m`), the
+    installed code (installed_code), the Python, JAX and jaxlib versions,
+    and the slice of `mesh` (needs the JAX backend initialised). Raises
+    OSError when the working directory is gone."""
+    import site
     import sys
+    import sysconfig
 
     import jax
     import jaxlib
@@ -173,9 +255,15 @@ def current_launch(name: str, trace_key: str, mesh, per_generation: Sequence[str
     from elastic import worker_env
 
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    paths = sysconfig.get_paths()
+    sites = [*site.getsitepackages(), site.getusersitepackages(), paths["purelib"],
+             paths["platlib"]]
+    libraries = [paths["stdlib"], paths["platstdlib"]]
+    if main_file:
+        libraries.append(os.path.dirname(os.path.abspath(main_file)))
     return launch_key(name, trace_key, sys.argv, os.getcwd(), worker_env.started_environ(),
                       program_files(main_file) if main_file else [],
-                      (jax.__version__, jaxlib.__version__, machine_type),
+                      (sys.version, jax.__version__, jaxlib.__version__, machine_type),
                       slice_description(mesh, jax.process_count(),
                                         [d.id for d in jax.devices()]),
-                      per_generation, ordinal)
+                      left_out, ordinal, installed_code(sys.modules, sites, libraries))
