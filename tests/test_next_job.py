@@ -64,6 +64,8 @@ def test_the_next_job_takes_the_agents_warm_with_a_run_of_its_own(tmp_path, tagg
     assert next(e for e in second if e["kind"] == "first_progress")["step"] == 0
     assert "checkpoint_restored" not in kinds
     assert second[0]["run_id"] != first[0]["run_id"] and second[0].get("job_id") == "b"
+    # the same program on the same slice: loaded by job a's launch memos, untraced
+    assert [e.get("traced") for e in second if e["kind"] == "worker_phases"] == [""], kinds
     log = (state / "hosts" / "host-0.log").read_text()
     during_a, after = log.split("following job b after job a", 1)
     warm = re.findall(r"pre-started pid (\d+)", during_a)[-1]

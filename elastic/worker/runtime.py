@@ -76,6 +76,11 @@ class WorkerContext:
       first step_done: state creation, any compile outside ctx.compile,
       the step itself). Phases a program does not go through are absent.
     launched_at: Unix time of the process's start or launch (seconds).
+    traced: the names of the programs this process traced and lowered to
+      compile them (a program given lowered, or given as a function with no
+      launch memo to load by: elastic.worker.launch_memo), in order;
+      process 0 journals them with its startup phases (`traced`, the names
+      joined by commas; "" when it traced none).
     finished: set once `finish()` has left the distributed runtime (a
       process that exits before then exits promptly: see
       `exit_promptly_on_failure`).
@@ -97,6 +102,7 @@ class WorkerContext:
     _step_times: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=50))
     _ahead: list = dataclasses.field(default_factory=list)  # (lower_for, name, entry)
+    traced: list = dataclasses.field(default_factory=list)
     ahead_thread: Any = None  # (the thread compiling ahead, on process 0)
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -208,6 +214,8 @@ class WorkerContext:
         # before the call; `compile` is the compile or the load
         self._phase("setup", min(lower_s, time.perf_counter() - self._started))
         self._phase("compile")
+        if not lazy or lower_s > 0.0:  # (0.0 exactly: loaded by a memo, `lowered` not called)
+            self.traced.append(name)
         if lower_for is not None:
             self._ahead.append((lower_for, name, entry))
         return compiled, hit, seconds
@@ -258,7 +266,7 @@ class WorkerContext:
                 self.progress.event("worker_phases", "startup phases of process 0: " + ", ".join(
                     f"{k} {v:.2f} s" for k, v in self.timings.items()) + f" (total {total:.2f} s)",
                     step=step, total_s=total, launched_at=round(self.launched_at, 3),
-                    **{f"{k}_s": v for k, v in self.timings.items()})
+                    traced=",".join(self.traced), **{f"{k}_s": v for k, v in self.timings.items()})
         if self._step_times and len(self._step_times) % 10 == 0:
             metrics["step_time_s"] = statistics.median(self._step_times)
         self.progress.step(step, **metrics)

@@ -103,9 +103,10 @@ def main() -> int:
         restored = ckpt.restore_latest(abstract)
         if restored is None:  # (cached too: a slice that fails before its first commit
             # starts from scratch again, and compiling init costs seconds on 2 cores)
-            init_fn, _, _ = ctx.compile(jax.jit(parts.init_state, static_argnums=0,
-                                                out_shardings=shardings).lower(args.seed),
-                                        "init_state")
+            # (a function too: the next job of this program loads it untraced)
+            init_fn, _, _ = ctx.compile(lambda: jax.jit(
+                parts.init_state, static_argnums=0, out_shardings=shardings).lower(args.seed),
+                "init_state")
             state = init_fn()
             start = 0
         else:
