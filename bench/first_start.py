@@ -74,7 +74,8 @@ def figures(journal: list[dict]) -> dict:
     split = {"launch": round(phases["launched_at"] - started["ts"], 3),
              **{name: phases[f"{name}_s"] for name in names}}
     return {"start_to_first_step_s": round(first["ts"] - started["ts"], 3), "phases": split,
-            "controller_to_start_s": round(started["ts"] - controller["ts"], 3)}
+            "controller_to_start_s": round(started["ts"] - controller["ts"], 3),
+            "traced": phases.get("traced")}
 
 
 def one_run(work: pathlib.Path, made, index: int, hosts: int, steps: int,
@@ -140,7 +141,8 @@ def main() -> int:
                 print(f"run {index + 1} ({run['kind']}): controller -> start "
                       f"{run['controller_to_start_s']:.2f} s, start -> first step "
                       f"{run['start_to_first_step_s']:.2f} s: " +
-                      ", ".join(f"{k} {v:.2f}" for k, v in run["phases"].items()), flush=True)
+                      ", ".join(f"{k} {v:.2f}" for k, v in run["phases"].items()) +
+                      f"; traced: {run['traced'] or 'none'}", flush=True)
         finally:
             if local is not None:
                 stop_slice(local)
