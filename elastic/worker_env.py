@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping
 
@@ -48,6 +49,9 @@ ENV_INCARNATION = "ELASTIC_AGENT_INCARNATION"
 # "PxD,PxD" (process count x devices per host); process 0 compiles for them
 # ahead (elastic.worker.compile_ahead).
 ENV_NEXT_SLICES = "ELASTIC_NEXT_SLICES"
+# Set only by a pre-started process that starts its program afresh
+# (elastic.worker.prestart.start_afresh): the Unix time of its launch.
+ENV_LAUNCHED_AT = "ELASTIC_LAUNCHED_AT"
 # The variables the controller sets for every worker of the job
 # (Executor.worker_env): an agent lets a start carry them without an
 # --allow-env of its own (elastic.security.allow).
@@ -61,11 +65,14 @@ PER_GENERATION_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_NUM_PROCESSES, ENV_GE
 
 # What a launch memo's key leaves out (elastic.worker.launch_memo): the
 # per-generation variables, and those that only name the job, its run, where
-# its checkpoints go and the agent's incarnation, so that the next job or a
-# restarted agent launching the same program on the same slice loads its
-# executable without tracing (the installed code is hashed instead).
-NOT_IN_LAUNCH_KEY_ENV = PER_GENERATION_ENV + (ENV_JOB_ID, ENV_RUN_ID, ENV_CHECKPOINT_DIR,
-                                              ENV_INCARNATION)
+# its checkpoints go, the agent's incarnation and what differs with it (its
+# progress socket and snapshot directory; systemd's INVOCATION_ID and
+# JOURNAL_STREAM, which change with every start of the unit), so that the
+# next job or a restarted agent launching the same program on the same slice
+# loads its executable without tracing (the installed code is hashed instead).
+NOT_IN_LAUNCH_KEY_ENV = PER_GENERATION_ENV + (
+    ENV_JOB_ID, ENV_RUN_ID, ENV_CHECKPOINT_DIR, ENV_INCARNATION, ENV_PROGRESS_SOCKET,
+    ENV_SNAPSHOT_DIR, ENV_LAUNCHED_AT, "INVOCATION_ID", "JOURNAL_STREAM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +176,17 @@ def parse_next_slices(text: str) -> tuple[tuple[int, int], ...]:
 def environ_snapshot() -> dict[str, str]:
     """A copy of this process's environment (the base of a worker's)."""
     return dict(os.environ)
+
+
+def launched_at() -> float | None:
+    """ELASTIC_LAUNCHED_AT as a Unix time in seconds: the launch of a
+    pre-started process that started its program afresh; None when unset
+    or not a finite number."""
+    try:
+        value = float(os.environ.get(ENV_LAUNCHED_AT, ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def checkpoint_dir() -> str:

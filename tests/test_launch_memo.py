@@ -4,6 +4,7 @@ could change the program traces it again."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -81,6 +82,12 @@ def test_the_next_job_or_agent_keys_as_the_one_before_but_for_its_settings():
                 worker_env.ENV_CHECKPOINT_DIR: "gs://b/ckpt", worker_env.ENV_INCARNATION: "i2",
                 worker_env.ENV_GENERATION: "1"}
     assert _key(environ=next_job, left_out=left_out) == key
+    # an agent started again (by systemd): its own variables
+    restarted = {**env, worker_env.ENV_INCARNATION: "i3",
+                 worker_env.ENV_PROGRESS_SOCKET: "@elastic-progress-i3",
+                 worker_env.ENV_SNAPSHOT_DIR: "/dev/shm/elastic-snapshots-x1",
+                 "INVOCATION_ID": "5e1f", "JOURNAL_STREAM": "8:4242"}
+    assert _key(environ=restarted, left_out=left_out) == key
     for name, value in ((worker_env.ENV_MESH, "data=-1"), (worker_env.ENV_BATCH_MODE, "host"),
                         ("LEARNING_RATE", "3e-4")):
         assert _key(environ={**next_job, name: value}, left_out=left_out) != key, name
@@ -95,12 +102,13 @@ def _module(file: str | None) -> types.ModuleType:
 
 def test_installed_code_is_every_distribution_and_each_loose_package_whole(tmp_path):
     """Installed distributions by their RECORD, whether loaded or not;
-    packages from elsewhere (an editable install, PYTHONPATH) by all their
-    files, loaded or not; the standard library and the program's folder
-    not (Python's version and program_files cover them)."""
+    packages from elsewhere (an editable install, PYTHONPATH, the program's
+    folder) by all their files, loaded or not; a namespace package by the
+    files loaded from it; a module from an archive by the archive; the
+    standard library not (Python's version covers it)."""
     site, stdlib, program, src = (tmp_path / d for d in ("site", "stdlib", "program", "src"))
-    for d in (site / "optax-0.2.4.dist-info", site / "optax", stdlib, program,
-              src / "mylib" / "sub" / "__pycache__"):
+    for d in (site / "optax-0.2.4.dist-info", site / "bare-1.0.dist-info", site / "optax",
+              stdlib, program, src / "mylib" / "sub" / "__pycache__", src / "ns" / "big"):
         d.mkdir(parents=True)
     (site / "optax-0.2.4.dist-info" / "RECORD").write_text("optax/__init__.py,,\n")
     (site / "old-1.0.egg-info").write_text("Metadata-Version: 1.0\n")
@@ -109,35 +117,62 @@ def test_installed_code_is_every_distribution_and_each_loose_package_whole(tmp_p
     (program / "model.py").write_text("")
     for f in ("mylib/__init__.py", "mylib/sub/__init__.py", "mylib/sub/layers.py",
               "mylib/sub/unloaded.py", "mylib/notes.txt", "mylib/sub/__pycache__/x.pyc",
-              "single.py", "elsewhere.py"):
+              "single.py", "elsewhere.py", "ns/used.py", "ns/big/unused.py", "code.zip"):
         (src / f).write_text("x = 1\n")
     modules = {"optax": _module(str(site / "optax" / "__init__.py")),
                "json": _module(str(stdlib / "json.py")),
                "model": _module(str(program / "model.py")),
-               "__main__": _module(str(src / "elsewhere.py")),
+               "__main__": _module(str(program / "train.py")),
                "builtins": _module(None),
                "mylib.sub.layers": _module(str(src / "mylib" / "sub" / "layers.py")),
                "single": _module(str(src / "single.py")),
+               "ns.used": _module(str(src / "ns" / "used.py")),  # a namespace package
+               "zipped.mod": _module(str(src / "code.zip" / "zipped" / "mod.py")),
                # put in sys.modules under a dotted name that is not its folder's
                "alias.of.it": _module(str(src / "elsewhere.py"))}
 
     def code():
-        return launch_memo.installed_code(modules, [str(site)], [str(stdlib), str(program)])
+        return launch_memo.installed_code(modules, [str(site)], [str(stdlib)])
 
     found = code()
     assert [pathlib.Path(f[0]).relative_to(tmp_path).as_posix() for f in found] == [
-        "site/old-1.0.egg-info", "site/optax-0.2.4.dist-info/RECORD", "src/elsewhere.py",
+        "program/model.py", "site/bare-1.0.dist-info", "site/old-1.0.egg-info",
+        "site/optax-0.2.4.dist-info/RECORD", "src/code.zip", "src/elsewhere.py",
         "src/mylib/__init__.py", "src/mylib/sub/__init__.py", "src/mylib/sub/layers.py",
-        "src/mylib/sub/unloaded.py", "src/single.py"]
-    (src / "mylib" / "sub" / "unloaded.py").write_text("x = 12\n")
-    assert code() != found, "a module of a loaded package, not loaded itself, changed"
-    found = code()
-    (site / "optax-0.2.4.dist-info" / "RECORD").write_text("optax/__init__.py,,\nmore\n")
-    assert code() != found, "a distribution installed again"
-    found = code()
+        "src/mylib/sub/unloaded.py", "src/ns/used.py", "src/single.py"]
+    for changed in (src / "mylib" / "sub" / "unloaded.py", program / "model.py",
+                    site / "optax-0.2.4.dist-info" / "RECORD", src / "code.zip"):
+        changed.write_text(changed.read_text() + "# changed\n")
+        assert code() != found, f"{changed} changed"
+        found = code()
     (stdlib / "json.py").write_text("changed = True\n")
-    (program / "model.py").write_text("changed = True\n")
+    (src / "ns" / "big" / "unused.py").write_text("changed = True\n")
     assert code() == found
+
+
+def test_code_changed_after_the_imports_means_no_memo(tmp_path, monkeypatch):
+    """A process whose imported code changed on disk since it imported it
+    (a pre-started process, a library installed again meanwhile) neither
+    reads nor writes a memo: keyed by the code on disk, the memo would name
+    an executable traced with the code in memory."""
+    (tmp_path / "memo_probe_lib.py").write_text("VALUE = 1\n")
+    monkeypatch.setattr(launch_memo, "_loaded", None)
+    monkeypatch.setattr(launch_memo, "_at_first_compile", None)
+    spec = importlib.util.spec_from_file_location("memo_probe_lib",
+                                                  tmp_path / "memo_probe_lib.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "memo_probe_lib", module)  # (loaded: installed code)
+    launch_memo.remember_loaded_code()
+    assert launch_memo.changed_since_loaded() is None
+    (tmp_path / "memo_probe_lib.py").write_text("VALUE = 22\n")
+    assert launch_memo.changed_since_loaded() == str(tmp_path / "memo_probe_lib.py")
+    with pytest.raises(launch_memo.CodeChanged, match="memo_probe_lib.py changed after"):
+        launch_memo.current_launch("f", "", None, (), "m", 0)
+    calls = []
+    compile_launched(lambda: calls.append(1) or jax.jit(lambda x: x + 1).lower(1.0),
+                     str(tmp_path / "cache"), "f", None)
+    assert calls == [1] and not list((tmp_path / "cache").glob("*.launch"))
 
 
 def test_program_files_are_the_scripts_neighbours(tmp_path):

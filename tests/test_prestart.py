@@ -13,8 +13,8 @@ import pytest
 
 from elastic import worker_env
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
-from elastic.worker.prestart import (RUNTIME_PRELOAD, STORAGE_PRELOAD, preload_names,
-                                     program_imports)
+from elastic.worker.prestart import (READY_LINE, RUNTIME_PRELOAD, STORAGE_PRELOAD,
+                                     preload_names, program_imports)
 
 PY = sys.executable
 
@@ -125,6 +125,49 @@ def test_a_launched_script_imports_beside_its_real_path_as_python_does(tmp_path,
                            str(other / "train.py")], cwd=other, env=proc_env,
                           input=launch + "\n", capture_output=True, text=True, timeout=60)
     assert (cold.stdout, warm.stdout) == ("jobs\n", "jobs\n"), (cold.stderr, warm.stderr)
+
+
+def test_a_library_changed_after_the_preload_starts_the_program_afresh(tmp_path, proc_env):
+    """A pre-started process whose imported library was installed again
+    (here: edited on PYTHONPATH) before its launch runs the program as a
+    cold start would, in the same process (exec: the pid the agent
+    watches), not the code it had imported."""
+    lib = tmp_path / "lib" / "mylib"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text("VALUE = 'imported'\n")
+    (tmp_path / "train.py").write_text("import os, mylib\nprint(mylib.VALUE, os.getpid())\n")
+    env = dict(proc_env, PYTHONPATH=os.pathsep.join(
+        p for p in (str(tmp_path / "lib"), proc_env.get("PYTHONPATH")) if p))
+    argv = [sys.executable, "train.py"]
+    warm = subprocess.Popen([sys.executable, "-P", "-m", "elastic.worker.prestart",
+                             str(tmp_path / "train.py")], cwd=tmp_path, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        before = b""
+        while READY_LINE not in before:  # (the preloads, mylib among them, are done)
+            line = warm.stderr.readline()
+            assert line, f"the pre-started process ended: {before.decode()[-2000:]}"
+            before += line
+        (lib / "__init__.py").write_text("VALUE = 'installed again'\n")
+        out, err = warm.communicate(json.dumps({"argv": argv, "env": env,
+                                                "cwd": str(tmp_path)}).encode() + b"\n",
+                                    timeout=60)
+    finally:
+        if warm.poll() is None:
+            warm.kill()
+            warm.wait()
+    assert warm.returncode == 0, err.decode()[-2000:]
+    assert out.decode() == f"installed again {warm.pid}\n", err.decode()[-2000:]
+    assert b"starting the program afresh" in err
+
+
+def test_a_program_started_afresh_measures_its_start_from_the_launch(monkeypatch):
+    from elastic.worker import runtime
+
+    monkeypatch.setenv(worker_env.ENV_LAUNCHED_AT, "1700000000.25")
+    assert runtime._process_start_time() == 1700000000.25
+    monkeypatch.setenv(worker_env.ENV_LAUNCHED_AT, "soon")
+    assert abs(runtime._process_start_time() - 1700000000.25) > 1
 
 
 class _Exits:

@@ -26,22 +26,32 @@ program's lowered step must be a function of its launch (argv, working
 directory, and the environment the process was started with:
 elastic.worker_env.started_environ, because libraries set variables at
 import — JAX sets TF_CPP_MIN_LOG_LEVEL — and a pre-started process imported
-them before its launch while a cold one imports them after; the job's id,
-run, checkpoint directory and the agent's incarnation left out), of its own
-files (the `.py` files beside its script and in the packages there, by size
-and modification time, as Python's own bytecode cache judges a source
-unchanged), of the installed code (`installed_code`: every installed
-distribution's record, and the files of every package the process loaded
-from outside the standard library and the site directories, such as an
-editable install or a PYTHONPATH entry; this project among them), of the
-Python, JAX and jaxlib versions and this machine type, of the slice
-(process count, every device id, the mesh's axes, shape, device order and
-axis types), of how many programs of the same name the process compiled
-before (two programs under one name get two memos), and of the `trace_key`
-the program passes (for anything else it reads: a config file, a
-tokenizer's vocabulary; and the job's id or checkpoint directory, should
-its step depend on them). A memo that names a missing or unloadable entry
-only means tracing and compiling as before.
+them before its launch while a cold one imports them after; left out: the
+job's id, run and checkpoint directory, and the agent's incarnation and
+what changes with it, worker_env.NOT_IN_LAUNCH_KEY_ENV), of its own files
+(the `.py` files beside its script and in the packages there, by size and
+modification time, as Python's own bytecode cache judges a source
+unchanged), of the installed code as it stood at the process's first
+compile (`installed_code`: every installed distribution's record, and the
+files of every package the process had loaded by then from outside the
+standard library and the site directories, such as an editable install or
+a PYTHONPATH entry; this project among them), of the Python, JAX and jaxlib
+versions and this machine type, of the slice (process count, every device
+id, the mesh's axes, shape, device order and axis types), of how many
+programs of the same name the process compiled before (two programs under
+one name get two memos), and of the `trace_key` the program passes (for
+anything else it reads: a config file, a tokenizer's vocabulary; and the
+job's id or checkpoint directory, should its step depend on them). A memo
+that names a missing or unloadable entry only means tracing and compiling
+as before.
+
+The key hashes the code on disk, and a process runs the code it imported:
+a process whose imported code changed on disk since (remember_loaded_code,
+at the end of a pre-started process's imports or at elastic.worker.init)
+neither reads nor writes a memo (CodeChanged), or it would file an
+executable traced with the old code under the new code's key for every
+later job. (A pre-started process in that state starts its program afresh
+instead of running it: elastic.worker.prestart.start_afresh.)
 
 Memos stay in the host's cache directory (`--compile-cache-dir`), never in
 the signed shared tier: unpickling one, like deserialising an executable,
@@ -93,6 +103,16 @@ def program_files(script: str) -> list[tuple[str, int, int]]:
 #: The files of a loaded package that `installed_code` stats.
 CODE_SUFFIXES = tuple(importlib.machinery.SOURCE_SUFFIXES + importlib.machinery.EXTENSION_SUFFIXES)
 
+#: path -> (size, modification time) of this process's installed code when
+#: it had imported it (remember_loaded_code), and that code at its first
+#: compile (the key's, the same for every program it compiles).
+_loaded: dict[str, tuple[int, int]] | None = None
+_at_first_compile: list[tuple[str, int, int]] | None = None
+
+
+class CodeChanged(RuntimeError):
+    """The installed code changed on disk after this process imported it."""
+
 
 def _stat(path: str) -> tuple[str, int, int] | None:
     try:
@@ -100,6 +120,14 @@ def _stat(path: str) -> tuple[str, int, int] | None:
     except OSError:  # removed meanwhile
         return None
     return path, st.st_size, st.st_mtime_ns
+
+
+def _existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists (the archive a module
+    was imported from by zipimport)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def _top_level(name: str, file: str) -> str:
@@ -120,14 +148,18 @@ def installed_code(modules: Mapping[str, object], site_dirs: Iterable[str],
                    library_dirs: Iterable[str]) -> list[tuple[str, int, int]]:
     """(path, size in bytes, modification time in ns), sorted, of the code
     a process may run besides its program's own files: the `RECORD` of
-    every distribution installed in `site_dirs` (an `.egg-info` itself),
-    which pip writes anew with every install, and every source or extension
-    file of each top-level package or module that `modules` (sys.modules)
+    every distribution installed in `site_dirs` (its folder without one;
+    an `.egg-info` itself), which pip writes anew with every install; and,
+    of each top-level package or module that `modules` (sys.modules)
     loaded from anywhere but `site_dirs` and `library_dirs` (the standard
-    library, the program's folder): an editable install, a PYTHONPATH
-    entry. Whole packages, not only the modules loaded, so that a process
-    pre-started with more modules imported keys as a cold one does.
-    Modules without a file (built in, frozen, namespaces) are skipped."""
+    library) — an editable install, a PYTHONPATH entry, the program's own
+    folder — every source or extension file of a package (so that a
+    process pre-started with more of its modules imported keys as a cold
+    one does), the files loaded from a namespace package (which may span
+    large folders), a module's file, or the archive it was imported from.
+    Modules without a file (built in, frozen) are skipped. Not seen: a
+    file edited in place inside a site directory, or a package linked
+    into one, without a new install."""
     found = []
     sites = [d for d in dict.fromkeys(site_dirs) if d]
     for site in sites:
@@ -137,28 +169,66 @@ def installed_code(modules: Mapping[str, object], site_dirs: Iterable[str],
             continue
         for entry in names:
             if entry.endswith(".dist-info"):
-                found.append(_stat(os.path.join(site, entry, "RECORD")))
+                found.append(_stat(os.path.join(site, entry, "RECORD")) or
+                             _stat(os.path.join(site, entry)))
             elif entry.endswith(".egg-info"):
                 found.append(_stat(os.path.join(site, entry)))
     known = tuple(os.path.join(d, "") for d in (*sites, *library_dirs) if d)
     known += tuple(os.path.join(os.path.realpath(d), "") for d in (*sites, *library_dirs) if d)
-    roots = set()
+    roots: dict[str, list[str]] = {}
     for name, module in list(modules.items()):
         file = getattr(module, "__file__", None)
         if name == "__main__" or not isinstance(file, str) or not os.path.isabs(file) or \
                 file.startswith(known) or os.path.realpath(file).startswith(known):
             continue
-        roots.add(_top_level(name, file))
-    for root in sorted(roots):
-        if not os.path.isdir(root):
-            found.append(_stat(root))
-            continue
-        for folder, subfolders, files in os.walk(root):
-            subfolders[:] = sorted(d for d in subfolders
-                                   if d != "__pycache__" and not d.startswith("."))
-            found += [_stat(os.path.join(folder, f)) for f in sorted(files)
-                      if f.endswith(CODE_SUFFIXES)]
-    return sorted(f for f in found if f is not None)
+        roots.setdefault(_top_level(name, file), []).append(file)
+    for root, files in sorted(roots.items()):
+        if any(os.path.isfile(os.path.join(root, "__init__" + s)) for s in CODE_SUFFIXES):
+            for folder, subfolders, names in os.walk(root):
+                subfolders[:] = sorted(d for d in subfolders
+                                       if d != "__pycache__" and not d.startswith("."))
+                found += [_stat(os.path.join(folder, f)) for f in sorted(names)
+                          if f.endswith(CODE_SUFFIXES)]
+        elif os.path.isdir(root):
+            found += [_stat(f) for f in files]
+        else:
+            found.append(_stat(_existing(root)))
+    return sorted(set(f for f in found if f is not None))
+
+
+def loaded_code() -> list[tuple[str, int, int]]:
+    """`installed_code` of this process: its sys.modules, the site
+    directories of its interpreter and its standard library."""
+    import site
+    import sys
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    sites = [*site.getsitepackages(), site.getusersitepackages(), paths["purelib"],
+             paths["platlib"]]
+    return installed_code(sys.modules, sites, [paths["stdlib"], paths["platstdlib"]])
+
+
+def remember_loaded_code(force: bool = False) -> None:
+    """Note this process's installed code as it stands once imported
+    (elastic.worker.prestart, when its imports are done; elastic.worker.init
+    for a process started cold, unless noted before or `force`), so that
+    `changed_since_loaded` can tell when it changed on disk later."""
+    global _loaded
+    if _loaded is None or force:
+        _loaded = {path: (size, mtime) for path, size, mtime in loaded_code()}
+
+
+def changed_since_loaded() -> str | None:
+    """A file of the installed code noted by remember_loaded_code that has
+    since changed or gone (a library installed again, an edited editable
+    install): the process may run code other than what is on disk now.
+    None when none has, or nothing was noted."""
+    for path, stat in (_loaded or {}).items():
+        now = _stat(path)
+        if now is None or now[1:] != stat:
+            return path
+    return None
 
 
 def slice_description(mesh, process_count: int, device_ids: Sequence[int]) -> str:
@@ -242,28 +312,30 @@ def current_launch(name: str, trace_key: str, mesh, left_out: Sequence[str],
     (elastic.worker_env.started_environ, hashed whole but the variables in
     `left_out`, not read for settings), its program files (beside
     `__main__`'s file: the script, or the module of `python -m`), the
-    installed code (installed_code), the Python, JAX and jaxlib versions,
-    and the slice of `mesh` (needs the JAX backend initialised). Raises
-    OSError when the working directory is gone."""
-    import site
+    installed code as it stood at the process's first compile
+    (installed_code), the Python, JAX and jaxlib versions, and the slice of
+    `mesh` (needs the JAX backend initialised). Raises CodeChanged when the
+    installed code changed on disk after the process imported it (a memo
+    keyed by the code on disk would then name an executable traced with
+    the old code), OSError when the working directory is gone."""
+    global _at_first_compile
     import sys
-    import sysconfig
 
     import jax
     import jaxlib
 
     from elastic import worker_env
 
+    changed = changed_since_loaded()
+    if changed is not None:
+        raise CodeChanged(f"{changed} changed after this process imported its code; "
+                          f"no launch memo is read or written")
+    if _at_first_compile is None:
+        _at_first_compile = loaded_code()
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    paths = sysconfig.get_paths()
-    sites = [*site.getsitepackages(), site.getusersitepackages(), paths["purelib"],
-             paths["platlib"]]
-    libraries = [paths["stdlib"], paths["platstdlib"]]
-    if main_file:
-        libraries.append(os.path.dirname(os.path.abspath(main_file)))
     return launch_key(name, trace_key, sys.argv, os.getcwd(), worker_env.started_environ(),
                       program_files(main_file) if main_file else [],
                       (sys.version, jax.__version__, jaxlib.__version__, machine_type),
                       slice_description(mesh, jax.process_count(),
                                         [d.id for d in jax.devices()]),
-                      left_out, ordinal, installed_code(sys.modules, sites, libraries))
+                      left_out, ordinal, _at_first_compile)

@@ -18,6 +18,9 @@ reads its `JAX_*` defaults at import; the agent refuses a launch whose
 environment differs in anything but the per-generation variables, see
 `elastic.agent.supervisor.launch_key`). The backend is not touched: devices
 are created after `jax.distributed.initialize`, in the launched program.
+A process whose imported code changed on disk before its launch (a library
+installed again between jobs) does not run it: it starts the program afresh
+(`start_afresh`), as a cold start would.
 """
 
 from __future__ import annotations
@@ -176,8 +179,10 @@ def main() -> None:
     # (same user) restores it before it sends the launch, and so do we.
     idle = os.geteuid() == 0 and set_policy("self", os.SCHED_IDLE)
     from elastic import worker_env
+    from elastic.worker import launch_memo
 
     preload(preload_names(script, worker_env.checkpoint_dir()))
+    launch_memo.remember_loaded_code()
     sys.stderr.buffer.write(READY_LINE + b"\n")
     sys.stderr.flush()
     line = sys.stdin.readline()
@@ -188,7 +193,33 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    run(json.loads(line))
+    launch = json.loads(line)
+    changed = launch_memo.changed_since_loaded()
+    if changed is not None:
+        start_afresh(launch, changed)
+    run(launch)
+
+
+def start_afresh(launch: dict, changed: str) -> None:
+    """Replace this process with the program `launch` describes, started
+    as a cold worker is (exec: the same pid, which the agent watches), for
+    `changed`, a file of the code it imported that changed on disk since
+    (a library installed again between jobs): what it imported is not what
+    the program would import now. Its `process_start` phase is measured
+    from now (worker_env.ENV_LAUNCHED_AT). Returns only if the exec fails
+    (then the imported code runs, as before this check)."""
+    from elastic import worker_env
+
+    print(f"elastic.worker.prestart: {changed} changed since this pre-started process "
+          f"imported it; starting the program afresh", file=sys.stderr, flush=True)
+    env = {**launch["env"], worker_env.ENV_LAUNCHED_AT: repr(time.time())}
+    try:
+        if launch.get("cwd"):
+            os.chdir(launch["cwd"])
+        os.execvpe(launch["argv"][0], launch["argv"], env)
+    except OSError as e:
+        print(f"elastic.worker.prestart: cannot start afresh ({e}); running what was "
+              f"imported", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

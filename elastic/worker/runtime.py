@@ -37,11 +37,15 @@ from elastic.worker.progress import ProgressReporter
 
 def _process_start_time() -> float:
     """Unix time this worker started: its launch, for a pre-started process
-    (elastic.worker.prestart), else the process's start (from /proc; 10 ms
-    resolution)."""
+    (elastic.worker.prestart, also one that started its program afresh),
+    else the process's start (from /proc; 10 ms resolution)."""
+    from elastic import worker_env
+
     prestart = sys.modules.get("elastic.worker.prestart")
     if prestart is not None and prestart.launched_at is not None:
         return prestart.launched_at
+    if worker_env.launched_at() is not None:
+        return worker_env.launched_at()
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -186,12 +190,13 @@ class WorkerContext:
 
         `lowered` may also be a function of no arguments that returns the
         lowered program: then a restart launched as the generation before
-        it on this host loads the executable without calling it, saving
-        the trace and the lowering (elastic.worker.launch_memo, which
-        states what must determine the program: the launch, the program's
-        files, the slice, and `trace_key`, a string naming anything else
-        the program depends on). It is called, under the caller's mesh,
-        whenever there is no such memo.
+        it on this host, or the next job launched alike, loads the
+        executable without calling it, saving the trace and the lowering
+        (elastic.worker.launch_memo, which states what must determine the
+        program: the launch but the job's and agent's own variables, the
+        program's files, the installed code, the slice, and `trace_key`, a
+        string naming anything else the program depends on). It is called,
+        under the caller's mesh, whenever there is no such memo.
 
         lower_for: mesh -> the same program lowered for that mesh (same
         axis names, another size: whatever the program derives from the
@@ -473,9 +478,12 @@ def init(log_all: bool = False, environ: dict[str, str] | None = None) -> Worker
     process has too few devices or the mesh spec does not fit them (the
     controller's planner prevents both for slices it starts).
     """
+    from elastic.worker import launch_memo
+
     started = _process_start_time()
     t_init, t = time.time(), time.perf_counter()
     timings = {"process_start": round(max(0.0, t_init - started), 3)}
+    launch_memo.remember_loaded_code()  # (a pre-started process noted it at its imports)
     env = WorkerEnv.from_environ(environ)
     allow_stack_dumps()
     import jax
