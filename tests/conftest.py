@@ -129,6 +129,17 @@ def reaped(proc: subprocess.Popen):
         proc.wait()
 
 
+def launch_prestarted(warm: subprocess.Popen, argv: list[str], env: dict,
+                      cwd) -> tuple[bytes, bytes]:
+    """Send a pre-started process (`python -m elastic.worker.prestart`,
+    stdin, stdout and stderr piped) its launch as the agent does, and
+    return its (stdout, stderr) once it has ended (subprocess.TimeoutExpired
+    after 60 s); it is killed, if need be, and reaped on the way out."""
+    with reaped(warm):
+        return warm.communicate(json.dumps({"argv": argv, "env": env, "cwd": str(cwd)}).encode()
+                                + b"\n", timeout=60)
+
+
 def stop(proc: subprocess.Popen, sig: int, timeout_s: float = 30.0) -> int:
     """Send `sig` to `proc` and return its exit code (subprocess.TimeoutExpired
     after `timeout_s` seconds)."""

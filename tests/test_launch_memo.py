@@ -24,7 +24,7 @@ from elastic.worker import compile_cache, launch_memo
 from elastic import worker_env
 from elastic.worker.compile_cache import DirectoryTier, compile_launched
 from elastic.worker.prestart import READY_LINE
-from tests.conftest import REPO
+from tests.conftest import REPO, launch_prestarted
 from tests.test_checkpoint import run_processes
 
 PER_GENERATION = ("ELASTIC_GENERATION", "ELASTIC_PROCESS_ID")
@@ -282,14 +282,8 @@ def test_a_pre_started_process_keys_its_launch_as_a_cold_one_does(tmp_path, spaw
     warm = subprocess.Popen([sys.executable, "-P", "-m", "elastic.worker.prestart", str(script)],
                             env=spawn_env, cwd=tmp_path, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:  # (the launch waits in the pipe until the preloads are done)
-        out, err = warm.communicate(json.dumps({"argv": argv, "env": env,
-                                                "cwd": str(tmp_path)}).encode() + b"\n",
-                                    timeout=60)
-    finally:
-        if warm.poll() is None:
-            warm.kill()
-            warm.wait()
+    # (the launch waits in the pipe until the preloads are done)
+    out, err = launch_prestarted(warm, argv, env, tmp_path)
     assert warm.returncode == 0 and READY_LINE in err, err.decode()[-2000:]
     keys = [line for line in (cold.stdout + out).decode().splitlines() if line.startswith("KEY")]
     assert len(keys) == 2 and keys[0] == keys[1], keys

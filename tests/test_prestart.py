@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from conftest import launch_prestarted, reaped
 from elastic import worker_env
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
 from elastic.worker.prestart import (READY_LINE, RUNTIME_PRELOAD, STORAGE_PRELOAD,
@@ -142,20 +143,14 @@ def test_a_library_changed_after_the_preload_starts_the_program_afresh(tmp_path,
     warm = subprocess.Popen([sys.executable, "-P", "-m", "elastic.worker.prestart",
                              str(tmp_path / "train.py")], cwd=tmp_path, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with reaped(warm):
         before = b""
         while READY_LINE not in before:  # (the preloads, mylib among them, are done)
             line = warm.stderr.readline()
             assert line, f"the pre-started process ended: {before.decode()[-2000:]}"
             before += line
         (lib / "__init__.py").write_text("VALUE = 'installed again'\n")
-        out, err = warm.communicate(json.dumps({"argv": argv, "env": env,
-                                                "cwd": str(tmp_path)}).encode() + b"\n",
-                                    timeout=60)
-    finally:
-        if warm.poll() is None:
-            warm.kill()
-            warm.wait()
+        out, err = launch_prestarted(warm, argv, env, tmp_path)
     assert warm.returncode == 0, err.decode()[-2000:]
     assert out.decode() == f"installed again {warm.pid}\n", err.decode()[-2000:]
     assert b"starting the program afresh" in err
