@@ -44,8 +44,9 @@ def _process_start_time() -> float:
     prestart = sys.modules.get("elastic.worker.prestart")
     if prestart is not None and prestart.launched_at is not None:
         return prestart.launched_at
-    if worker_env.launched_at() is not None:
-        return worker_env.launched_at()
+    launched = worker_env.launched_at()
+    if launched is not None:
+        return launched
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
