@@ -31,8 +31,11 @@ def test_all_workers_exit_zero_job_succeeds(tmp_path, local_job):
 def test_sigkill_worker_restarts_whole_slice(tmp_path, local_job):
     job = local_job(tiny_spec(tmp_path))
     job.wait_for("first_progress", generation=1)
+    # (the tiny workers step each on their own: the first progress may come
+    # before host-2's agent has reported its worker's pid)
+    wait_until(lambda: job.host("host-2")["workerPid"] > 0, 30, "host-2's worker pid")
     victim = job.host("host-2")
-    assert victim["workerPid"] > 0 and victim["state"] == "member"
+    assert victim["state"] == "member"
     others = {h["hostId"]: h["workerPid"] for h in job.status()["hosts"]}
     os.kill(victim["workerPid"], signal.SIGKILL)
     stopping = job.wait_for("slice_stopping", generation=1)
