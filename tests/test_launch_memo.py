@@ -46,6 +46,7 @@ def _key(**changes) -> str:
     ("an argument", dict(argv=["train.py", "--steps", "301"])),
     ("the working directory", dict(cwd="/elsewhere")),
     ("a variable not left out", dict(environ={**BASE["environ"], "ELASTIC_RUN_ID": "r2"})),
+    # (with left_out = PER_GENERATION only; the real list: the test after the next)
     ("a variable of the job", dict(environ={**BASE["environ"], "XLA_FLAGS": "--xla_foo"})),
     ("a new variable", dict(environ={**BASE["environ"], "LR": "1"})),
     ("a program file's size", dict(files=[("model.py", 11, 1), ("train.py", 20, 2)])),

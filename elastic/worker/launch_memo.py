@@ -209,13 +209,13 @@ def loaded_code() -> list[tuple[str, int, int]]:
     return installed_code(sys.modules, sites, [paths["stdlib"], paths["platstdlib"]])
 
 
-def remember_loaded_code(force: bool = False) -> None:
+def remember_loaded_code() -> None:
     """Note this process's installed code as it stands once imported
     (elastic.worker.prestart, when its imports are done; elastic.worker.init
-    for a process started cold, unless noted before or `force`), so that
+    for a process started cold; only the first call counts), so that
     `changed_since_loaded` can tell when it changed on disk later."""
     global _loaded
-    if _loaded is None or force:
+    if _loaded is None:
         _loaded = {path: (size, mtime) for path, size, mtime in loaded_code()}
 
 
