@@ -148,3 +148,81 @@ def test_quarantine_never_sets_aside_the_hosts_the_job_needs():
     stopping = decide(state, view, T0 + 1, s)
     assert stopping.state.phase is Phase.STOPPING
     assert "host_quarantined" not in kinds(stopping) and not stopping.state.quarantined
+
+
+def _waiting_with(quarantined: dict, hosts=("h0", "h1", "h2"), min_hosts=2, gone=(),
+                  now=T0 + 10, registered_at=T0):
+    """A WAITING slice (spec with `min_hosts`, up to 3 hosts) whose `hosts`
+    but those `gone` registered at `registered_at` and heartbeat at `now`,
+    offering ports; `quarantined`: host -> until. (spec, view, state)."""
+    s = spec(min_hosts=min_hosts, max_hosts=3)
+    view = ClusterView()
+    for h in hosts:
+        if h not in gone:
+            register(view, h, registered_at)
+    heartbeat_all(view, now)
+    for r in view.hosts.values():
+        r.free_port = 6000 + int(r.host_id[-1])
+    state = SliceState(phase_since=registered_at, quarantined={h: (until, f"quarantined {h}")
+                                    for h, until in quarantined.items()})
+    return s, view, state
+
+
+def _started(decision) -> list[str]:
+    return [a.host for a in decision.actions if isinstance(a, d.StartWorker)]
+
+
+@pytest.mark.parametrize("case,quarantined,gone,min_hosts,released,started", [
+    # the others make min_hosts: the quarantine holds
+    ("not needed", {"h2": T0 + 500}, (), 2, [], ["h0", "h1"]),
+    # h1 gone: without h2 no slice can start, so h2 is released early
+    ("needed after a loss", {"h2": T0 + 500}, ("h1",), 2, ["h2"], ["h0", "h2"]),
+    # min_hosts 3 (as at a next job's start): h2 is needed
+    ("needed by min_hosts", {"h2": T0 + 500}, (), 3, ["h2"], ["h0", "h1", "h2"]),
+    # two set aside, one needed: the one whose cooldown ends sooner
+    ("the sooner one", {"h1": T0 + 900, "h2": T0 + 400}, (), 2, ["h2"], ["h0", "h2"]),
+    # both needed
+    ("both", {"h1": T0 + 900, "h2": T0 + 400}, (), 3, ["h2", "h1"], ["h0", "h1", "h2"]),
+    # even with it no slice: nothing released
+    ("not enough", {"h2": T0 + 500}, ("h0", "h1"), 2, [], []),
+])
+def test_a_quarantine_is_released_early_only_when_no_slice_can_start_without_it(
+        case, quarantined, gone, min_hosts, released, started):
+    s, view, state = _waiting_with(quarantined, min_hosts=min_hosts, gone=gone)
+    decision = decide(state, view, T0 + 10, s)
+    freed = [a for a in decision.actions if isinstance(a, d.Journal) and a.kind == "host_released"]
+    assert [a.host for a in freed] == released, case
+    assert all("released before its cooldown ends: no slice can start without it" in a.reason
+               for a in freed)
+    assert set(decision.state.quarantined) == set(quarantined) - set(released), case
+    assert _started(decision) == started, (case, decision.reason)
+
+
+def test_a_quarantine_is_not_released_for_hosts_still_on_their_way():
+    """At a job's start the hosts register one by one: h2 (set aside) and h0
+    came first; h1 is due. Within rendezvous_settle_s of the last
+    registration, or while a registered host's stream is still opening,
+    h2 stays aside; once that settles it is released."""
+    s, view, state = _waiting_with({"h2": T0 + 500}, hosts=("h0", "h2"), registered_at=T0 + 9.5)
+    early = decide(state, view, T0 + 10, s)  # 0.5 s after the last registration
+    assert not _started(early) and "host_released" not in kinds(early)
+    register(view, "h1", T0 + 10, stream=False)  # registered, its stream not open yet
+    waiting = decide(early.state, view, T0 + 12, s)
+    assert not _started(waiting) and "host_released" not in kinds(waiting), waiting.reason
+    heartbeat_all(view, T0 + 12.5)  # (h1's stream opens: it is usable, h2 not needed)
+    view.hosts["h1"].free_port = 6001
+    ready = decide(waiting.state, view, T0 + 14, s)
+    assert _started(ready) == ["h0", "h1"] and "h2" in ready.state.quarantined
+    # the same slice without h1: once settled, h2 is released
+    s, view, state = _waiting_with({"h2": T0 + 500}, hosts=("h0", "h2"), registered_at=T0 + 9.5)
+    assert _started(decide(state, view, T0 + 10.6, s)) == ["h0", "h2"]
+
+
+def test_a_quarantined_host_that_is_not_usable_is_not_released():
+    """h2 set aside and being taken away (a preemption notice): releasing it
+    would not start a slice."""
+    s, view, state = _waiting_with({"h2": T0 + 500}, gone=("h1",))
+    view.hosts["h2"].preemption = "a preemption notice"
+    decision = decide(state, view, T0 + 10, s)
+    assert not _started(decision) and "host_released" not in kinds(decision)
+    assert "h2" in decision.state.quarantined

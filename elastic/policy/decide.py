@@ -25,9 +25,10 @@ from elastic.policy import adopt, failure_history, fencing, grow, quarantine, si
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
 from elastic.policy.hang import check_hang
-from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
+from elastic.policy.mesh import MeshPlan, plan_mesh
 from elastic.policy.slice_plan import (buddy_map, next_slices, plan_keeping_replicas,
                                        survivors_plan)
+from elastic.policy.usable import candidate, opening_count, opening_text, usable
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
 
@@ -202,39 +203,6 @@ def _lead(state: SliceState, record: HostRecord, front: int | None) -> int:
     return silence.peer_lead(record, front, state.generation)
 
 
-def _usable(record: HostRecord, state: SliceState, view: ClusterView) -> bool:
-    """A host a new generation may use: heartbeating, idle, not set aside,
-    not being taken away, and reachable: its agent's stream is open (a
-    message came on it since it registered, and it has not closed). A start
-    for a host that only registered waits in its outbox until gRPC takes
-    up its stream, which with thousands of agents connecting at once is
-    seconds later (bench/scale.py: 5.6 s of start fan-out at 2,000 agents)."""
-    return (record.streamed and record.host_id not in state.lost
-            and not record.worker.running and record.host_id not in state.quarantined
-            and not record.preemption and record.host_id not in view.disconnected)
-
-
-def _opening(state: SliceState, view: ClusterView, now: float) -> int:
-    """Hosts that registered and whose stream has not sent its first message
-    yet, for at most silence.STREAM_OPEN_S (+ the controller's lag): then
-    their silence counts and they are lost. A slice below max_hosts waits for
-    them, but not for a host that keeps registering again without ever
-    sending on a stream: that wait counts from its first such registration.
-    O(hosts)."""
-    limit = silence.STREAM_OPEN_S + view.lag_s
-    return sum(silence.opening(r, now, view.lag_s) and r.host_id not in state.lost
-               and now - r.unstreamed_since <= limit for r in view.hosts.values())
-
-
-def _opening_text(opening: int) -> str:
-    which = "1 registered host has" if opening == 1 else f"{opening} registered hosts have"
-    return f"{which} not opened a stream yet"
-
-
-def _candidate(record: HostRecord) -> Candidate:
-    return Candidate(record.host_id, record.failure_domain, record.devices, record.device_kind)
-
-
 def _note_left_out(state: SliceState, plan: MeshPlan, actions: list[Action],
                    running: frozenset[str] = frozenset()) -> SliceState:
     """Keep the plan's left-out hosts in the state; journal each one whose
@@ -289,13 +257,16 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             actions.append(Journal("waiting_for_hosts", state.generation, reason))
             return dataclasses.replace(state, reason=reason, waiting_journaled_at=now)
         return dataclasses.replace(state, reason=reason)
-    candidates = [_candidate(r) for r in view.hosts.values() if _usable(r, state, view)]
+    candidates = [candidate(r) for r in view.hosts.values() if usable(r, state, view)]
     plan = plan_mesh(spec, candidates)
+    if not plan.hosts and state.quarantined and quarantine.settled(state, view, now, spec):
+        state, candidates, plan = quarantine.release_for_start(state, view, spec, candidates,
+                                                                   plan, actions)
     if not plan.hosts:
         state = _note_left_out(state, plan, actions)
-        opening = _opening(state, view, now)
+        opening = opening_count(state, view, now)
         if opening:
-            plan = dataclasses.replace(plan, reason=f"{plan.reason}; {_opening_text(opening)}")
+            plan = dataclasses.replace(plan, reason=f"{plan.reason}; {opening_text(opening)}")
         # journaled on entering the wait and then at most every 30 s (status
         # always shows the current reason): hosts arriving one by one must not
         # write a line each
@@ -317,10 +288,10 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             return dataclasses.replace(
                 state, reason=f"{len(plan.hosts)} hosts ready, waiting {settle_left:.1f} s "
                               f"more for up to {spec.max_hosts}")
-        opening = _opening(state, view, now)
+        opening = opening_count(state, view, now)
         if opening:
             return dataclasses.replace(
-                state, reason=f"{len(plan.hosts)} hosts ready; {_opening_text(opening)}")
+                state, reason=f"{len(plan.hosts)} hosts ready; {opening_text(opening)}")
     # above every generation a worker reports too: a journal that ended
     # early (or a generation that could not be adopted) must not be reused
     generation = max(state.generation, max((r.worker.generation for r in view.hosts.values()),
@@ -480,8 +451,8 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     if len(view.hosts) <= len(members) and \
             all(view.hosts[h].devices <= state.devices_per_host for h in members):
         return _no_grow(state)
-    candidates = [_candidate(r) for r in view.hosts.values()
-                  if r.host_id in members or _usable(r, state, view)]
+    candidates = [candidate(r) for r in view.hosts.values()
+                  if r.host_id in members or usable(r, state, view)]
     if len(members) >= spec.max_hosts and \
             all(c.devices <= state.devices_per_host for c in candidates):
         return _no_grow(state)  # spares at max_hosts

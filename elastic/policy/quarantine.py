@@ -3,13 +3,25 @@
 Pure functions over two maps kept in the SliceState:
 failures (host -> times of failures attributed to it) and
 quarantined (host -> (until, reason)).
+
+A quarantine is a preference, never a stall: a host is set aside only while
+the others make `job.min_hosts` (record_failures), and released before its
+cooldown ends when a slice cannot start without it (release_needed), as
+after later host losses, or at the start of the next job, which inherits
+the quarantines of the jobs before it (elastic.policy.failure_history).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+
+import dataclasses
 
 from elastic.config import JobSpec
+from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
+from elastic.policy.state import Action, Journal, SliceState
+from elastic.policy import usable as usable_hosts
+from elastic.policy.view import ClusterView
 
 
 def record_failures(failures: Mapping[str, tuple[float, ...]],
@@ -44,3 +56,58 @@ def release(quarantined: Mapping[str, tuple[float, str]], now: float
     """Drop quarantines whose cooldown is over; returns (map, released hosts)."""
     done = [h for h, (until, _) in quarantined.items() if until <= now]
     return {h: v for h, v in quarantined.items() if h not in done}, done
+
+
+def release_needed(quarantined: Mapping[str, tuple[float, str]],
+                   spares: Mapping[str, Candidate], candidates: Sequence[Candidate],
+                   plan: Callable[[list[Candidate]], MeshPlan]
+                   ) -> tuple[list[str], MeshPlan | None]:
+    """The fewest quarantined hosts to release early so that a slice can
+    start, when none can without them: `spares` (host -> its planner
+    candidate) are the quarantined hosts that are otherwise usable; they
+    are added to `candidates` one by one, the one whose cooldown ends
+    soonest first (ties by host id), until `plan(candidates)` gives a
+    plan with hosts. Returns (the spares that plan uses, in the order
+    added, and the plan), or ([], None) when not even all of them make a
+    slice. O(spares x planning)."""
+    added: list[str] = []
+    for host in sorted(spares, key=lambda h: (quarantined[h][0], h)):
+        added.append(host)
+        result = plan([*candidates, *(spares[h] for h in added)])
+        if result.hosts:
+            return [h for h in added if h in result.hosts], result
+    return [], None
+
+
+def settled(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> bool:
+    """Whether the hosts still arriving have arrived: `health.rendezvous_settle_s`
+    has passed since the last registration or stream opening, and no
+    registered host's stream is still opening. Before then a quarantined
+    host is not released for want of hosts that are on their way (at a
+    job's start they register one by one)."""
+    last = max(view.last_registration_at, view.last_stream_opened_at)
+    return now - last >= spec.health.rendezvous_settle_s and \
+        not usable_hosts.opening_count(state, view, now)
+
+
+def release_for_start(state: SliceState, view: ClusterView, spec: JobSpec,
+                      candidates: list[Candidate], plan: MeshPlan, actions: list[Action]
+                      ) -> tuple[SliceState, list[Candidate], MeshPlan]:
+    """For a slice that cannot start (`plan` has no hosts): release early the
+    quarantined hosts it cannot start without (release_needed), each with a
+    `host_released` in `actions`. Returns the state, the candidates and the
+    plan: with those hosts, or as given when releasing none helps."""
+    free = dataclasses.replace(state, quarantined={})
+    spares = {h: usable_hosts.candidate(r) for h, r in view.hosts.items()
+              if h in state.quarantined and usable_hosts.usable(r, free, view)}
+    released, needed = release_needed(state.quarantined, spares, candidates,
+                                      lambda c: plan_mesh(spec, c))
+    if not released:
+        return state, candidates, plan
+    for host in released:
+        actions.append(Journal("host_released", state.generation, "released before its "
+                               f"cooldown ends: no slice can start without it ({plan.reason})",
+                               host))
+    kept = {h: q for h, q in state.quarantined.items() if h not in released}
+    return (dataclasses.replace(state, quarantined=kept),
+            [*candidates, *(spares[h] for h in released)], needed)
