@@ -7,6 +7,7 @@ end, a controller killed in a crash loop: tests/test_controller_failover.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from elastic.config import QuarantineSpec
 from elastic.controller.journal import JournalWriter, recorded
@@ -214,6 +215,37 @@ def test_the_fold_by_table():
                                                   blamed=["d"]), "ts": bad}) == h
     for end in ("job_failed", "job_succeeded"):
         assert failure_history.after(h, _entry(10, end)) == FailureHistory()
+    # but a quarantine outlives the job: it is about the host
+    h = failure_history.after(h, _entry(11, "host_quarantined", "e", until_s=60.0,
+                                        reason="3 failures"))
+    for end in ("job_failed", "job_succeeded"):
+        assert failure_history.after(h, _entry(12, end)) == \
+            FailureHistory(quarantined={"e": (WALL0 + 71, "3 failures")})
+
+
+def test_the_next_job_keeps_the_quarantines_of_the_jobs_before_it(tmp_path):
+    """Job a set h1 and h2 aside and released h2; job b, in the same state
+    directory, inherits h1's quarantine (the reason naming job a), not a's
+    failures, its restarts or the hosts it released."""
+    entries = [
+        {"kind": "controller_started", "job_id": "a"},
+        {"kind": "slice_stopping", "cause": "failure", "blamed": ["h0"]},
+        {"kind": "host_quarantined", "host": "h1", "until_s": 600.0, "reason": "2 failures"},
+        {"kind": "host_quarantined", "host": "h2", "until_s": 600.0, "reason": "2 failures"},
+        {"kind": "host_released", "host": "h2"},
+        {"kind": "job_succeeded"},
+        {"kind": "controller_started", "job_id": "b"},
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(
+        json.dumps({"ts": WALL0 + i, "generation": 1, "host": None, "reason": "", **e}) + "\n"
+        for i, e in enumerate(entries)))
+    got = recorded(tmp_path, "b").failures
+    assert got == FailureHistory(quarantined={"h1": (WALL0 + 602, "in job 'a': 2 failures")})
+    # job a's own controller, started again on the journal, counts its quarantine too
+    assert recorded(tmp_path, "a").failures.quarantined == {"h1": (WALL0 + 602, "2 failures")}
+    # carried into b's controller: h1 stays out for what is left of its cooldown
+    state = failure_history.carried_into(SliceState(), got, 100.0, WALL0 + 10, spec())
+    assert failure_history.describe(state, 100.0)["quarantined"] == {"h1": 592.0}
 
 
 def test_a_successor_keeps_the_fence_of_a_lost_process_0(tmp_path):

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import lm_spec
+from conftest import lm_spec, tiny_spec
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
 from elastic.controller.server import ControllerServer
@@ -96,3 +96,49 @@ def test_a_job_refuses_another_jobs_checkpoints_and_seeks_no_slice_of_its_own(tm
         return server.controller.state.phase
 
     assert asyncio.run(construct()) is Phase.WAITING
+
+
+def test_the_next_job_keeps_a_quarantine_and_releases_it_only_when_needed(tmp_path, tagged):
+    """Job a sets host-2 aside (its worker crashes at every start); job b,
+    on the same agents and state directory, leaves it out for the rest of
+    its cooldown although it could use 3 hosts (before: b put it back at
+    once, and its crashes would have to set it aside again); job c, which
+    needs all 3 (min_hosts = 3), releases it early rather than wait out
+    the cooldown (600 s) for want of a host."""
+    specs = {}
+    for job, args, low in (
+            ("a", "--steps 200 --step-time-s 0.02 --crash-on-host host-2 --crash-after-steps 2",
+             2), ("b", "--steps 20 --step-time-s 0.02", 2), ("c", "--steps 20 --step-time-s 0.02",
+                                                           3)):
+        (tmp_path / job).mkdir()
+        path = tiny_spec(tmp_path / job, args, min_hosts=low, max_hosts=3,
+                         job_extra=f'checkpoint_dir = "{tmp_path / job / "checkpoints"}"',
+                         extra="[quarantine]\nfailures = 2\ncooldown_s = 600\n")
+        path.write_text(path.read_text().replace('id = "test"', f'id = "{job}"'))
+        specs[job] = path
+    state = tmp_path / "state"
+    local = start_slice(str(specs["a"]), load_spec(specs["a"]), 3, 1, state, pin_job=False)
+    runs = {}
+    try:
+        for job in ("a", "b", "c"):
+            if job != "a":
+                local = start_next_job(local, str(specs[job]))
+            _ended(local)
+            runs[job] = _since_last_start(state)
+    finally:
+        stop_slice(local)
+    for job, run in runs.items():
+        assert run[-2]["kind"] == "job_succeeded", (job, run[-3:])
+    [set_aside] = [e for e in runs["a"] if e["kind"] == "host_quarantined"]
+    assert set_aside["host"] == "host-2"
+    # b: carried (controller_started says so), and left out
+    carried = runs["b"][0]["carried"]["quarantined"]
+    assert list(carried) == ["host-2"] and 500 < carried["host-2"] <= 600, carried
+    started = [e["hosts"] for e in runs["b"] if e["kind"] == "generation_started"]
+    assert started == [["host-0", "host-1"]], started
+    assert not [e for e in runs["b"] if e["kind"] == "host_released"]
+    # c: released, as no slice of 3 could start without it
+    [released] = [e for e in runs["c"] if e["kind"] == "host_released"]
+    assert released["host"] == "host-2" and "no slice can start without it" in released["reason"]
+    started = [e["hosts"] for e in runs["c"] if e["kind"] == "generation_started"]
+    assert started == [["host-0", "host-1", "host-2"]], started

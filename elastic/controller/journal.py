@@ -252,8 +252,10 @@ def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
     `job_id`, what controllers of other jobs journaled in the same state
     directory (`entry_job`) gives only the generation and the term, which
     stay monotonic in a state directory, and where those jobs kept their
-    checkpoints: not their run id, steps, failures, end or running slice (a
-    slice of this job has ended once another job started a generation). A
+    checkpoints, and their quarantines, which are about the hosts
+    (elastic.policy.failure_history): not their run id, steps, failures, end
+    or running slice (a slice of this job has ended once another job started
+    a generation). A
     new job on the agents and in the state directory of the one before
     must not inherit that job's run id, under which the hosts' local
     snapshots of its state would be restored into it."""
@@ -262,7 +264,7 @@ def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
     ended: int | None = None
     term = 0
     failures = FailureHistory()
-    other_job, others = False, {}
+    other_job, others, other_name = False, {}, ""
     for e in read_journal(state_dir):
         kind = e["kind"]
         if kind == "controller_started" and isinstance(e.get("term"), int) and \
@@ -277,7 +279,9 @@ def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
             other_job = named != job_id
             if other_job:  # (journals before 2026-11-23 name no directory: the default)
                 others[e.get("checkpoint_dir") or os.path.join(state_dir, "checkpoints")] = named
-        if other_job:
+                other_name = named
+        if other_job:  # (its quarantines are about hosts, and carry over)
+            failures = failure_history.after_other_job(failures, e, other_name)
             continue
         failures = failure_history.after(failures, e)
         value = e.get("step")

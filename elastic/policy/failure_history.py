@@ -18,6 +18,13 @@ a controller's `SliceState` on its own monotonic clock. Both are pure. A
 job that ended (`job_succeeded`, `job_failed`) starts its count again: a
 job started again on the same state directory is a new run, and a crash
 loop it ended on (the bug since fixed) must not fail it at once.
+
+Quarantines are the exception: they are about the host, not the run, so
+they outlive the job that set them, and the next job on the same state
+directory (the same job again, or another one, whose entries
+`after_other_job` folds) leaves those hosts out until their cooldown ends.
+That costs it nothing it needs: a slice that cannot start without a
+quarantined host releases it (elastic.policy.quarantine.release_needed).
 """
 
 from __future__ import annotations
@@ -101,7 +108,7 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
     if ts is None:
         return history
     if kind in ("job_succeeded", "job_failed"):
-        return FailureHistory()
+        return FailureHistory(quarantined=history.quarantined)  # (see the module docstring)
     adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
     if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
         # (a step starts the crash-loop count again, as decide's first_progress
@@ -137,6 +144,26 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
     if kind in ("generation_started", "generation_discovered", "fence_lifted"):
         return dataclasses.replace(history, fenced_until=0.0)
     return history
+
+
+def after_other_job(history: FailureHistory, entry: Mapping, job: str) -> FailureHistory:
+    """`history` with one journal `entry` of another job (`job`, its id) in
+    the same state directory folded in: only its quarantines and releases
+    count (the reason names the job); its failures, steps and fences are
+    that job's own."""
+    kind, ts, host = entry["kind"], _number(entry, "ts"), entry.get("host")
+    if ts is None or kind not in ("host_quarantined", "host_released") or \
+            not isinstance(host, str):
+        return history
+    if kind == "host_released":
+        return dataclasses.replace(history, quarantined={
+            h: q for h, q in history.quarantined.items() if h != host})
+    until_s = _number(entry, "until_s")
+    if until_s is None:
+        return history
+    reason = f"in job {job!r}: {entry.get('reason', '')}"
+    return dataclasses.replace(history, quarantined={**history.quarantined,
+                                                     host: (ts + until_s, reason)})
 
 
 def carried_into(state: SliceState, history: FailureHistory, monotonic_now: float,
