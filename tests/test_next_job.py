@@ -107,14 +107,17 @@ def test_the_next_job_keeps_a_quarantine_and_releases_it_only_when_needed(tmp_pa
     the cooldown (600 s) for want of a host."""
     specs = {}
     for job, args, low in (
-            ("a", "--steps 200 --step-time-s 0.02 --crash-on-host host-2 --crash-after-steps 2",
+            ("a", "--steps 60 --step-time-s 0.02 --crash-on-host host-2 --crash-after-steps 2",
              2), ("b", "--steps 20 --step-time-s 0.02", 2), ("c", "--steps 20 --step-time-s 0.02",
                                                            3)):
         (tmp_path / job).mkdir()
         path = tiny_spec(tmp_path / job, args, min_hosts=low, max_hosts=3,
                          job_extra=f'checkpoint_dir = "{tmp_path / job / "checkpoints"}"',
                          extra="[quarantine]\nfailures = 2\ncooldown_s = 600\n")
-        path.write_text(path.read_text().replace('id = "test"', f'id = "{job}"'))
+        text = path.read_text().replace('id = "test"', f'id = "{job}"')
+        if job == "b":  # (its agents come one by one: a heartbeat timeout to arrive in)
+            text = text.replace("heartbeat_timeout_s = 1.5", "heartbeat_timeout_s = 5.0")
+        path.write_text(text)
         specs[job] = path
     state = tmp_path / "state"
     local = start_slice(str(specs["a"]), load_spec(specs["a"]), 3, 1, state, pin_job=False)

@@ -80,14 +80,17 @@ def release_needed(quarantined: Mapping[str, tuple[float, str]],
 
 
 def settled(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> bool:
-    """Whether the hosts still arriving have arrived: `health.rendezvous_settle_s`
-    has passed since the last registration or stream opening, and no
-    registered host's stream is still opening. Before then a quarantined
-    host is not released for want of hosts that are on their way (at a
-    job's start they register one by one)."""
+    """Whether the hosts still arriving have arrived: no host registered or
+    opened its stream for `health.heartbeat_timeout_s` (at least
+    `health.rendezvous_settle_s`), and no registered host's stream is still
+    opening. A host that is up but not heard from for less than a heartbeat
+    timeout is alive everywhere else in the controller; before then a
+    quarantined host is not released for want of hosts that are on their way
+    (at a next job's start the agents come one by one, each once its worker
+    of the job before has ended: over 1.2 s in tests/test_next_job.py)."""
     last = max(view.last_registration_at, view.last_stream_opened_at)
-    return now - last >= spec.health.rendezvous_settle_s and \
-        not usable_hosts.opening_count(state, view, now)
+    quiet_s = max(spec.health.heartbeat_timeout_s, spec.health.rendezvous_settle_s)
+    return now - last >= quiet_s and not usable_hosts.opening_count(state, view, now)
 
 
 def release_for_start(state: SliceState, view: ClusterView, spec: JobSpec,
