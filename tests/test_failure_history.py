@@ -293,6 +293,8 @@ def test_only_what_the_windows_still_count_is_carried():
     assert state.host_failures == {"a": (290.0,)}
     assert state.failures_without_progress == 2
     assert state.quarantined == {"c": (295.0, "old"), "d": (320.0, "new")}
+    # controller_started lists the one not ended (not "c": -5.0, a day late after a job)
+    assert failure_history.describe(state, 300.0)["quarantined"] == {"d": 20.0}
     # the first pass releases the quarantine that ended while no controller ran
     view = ClusterView()
     first = decide(dataclasses.replace(state, phase_since=300.0), view, 300.0, s)

@@ -10,6 +10,7 @@ import pytest
 
 from elastic.config import QuarantineSpec
 from elastic.policy import decide as d
+from elastic.policy import quarantine
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Disconnected, HeartbeatReceived, WorkerState, observe
 from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
@@ -152,10 +153,11 @@ def test_quarantine_never_sets_aside_the_hosts_the_job_needs():
 
 def _waiting_with(quarantined: dict, hosts=("h0", "h1", "h2"), min_hosts=2, gone=(),
                   now=T0 + 10, registered_at=T0):
-    """A WAITING slice (spec with `min_hosts`, up to 3 hosts) whose `hosts`
-    but those `gone` registered at `registered_at` and heartbeat at `now`,
-    offering ports; `quarantined`: host -> until. (spec, view, state)."""
-    s = spec(min_hosts=min_hosts, max_hosts=3)
+    """A WAITING slice (spec with `min_hosts`, up to as many hosts as `hosts`)
+    whose `hosts` but those `gone` registered at `registered_at` and
+    heartbeat at `now`, offering ports; `quarantined`: host -> until.
+    (spec, view, state)."""
+    s = spec(min_hosts=min_hosts, max_hosts=len(hosts))
     view = ClusterView()
     for h in hosts:
         if h not in gone:
@@ -217,6 +219,50 @@ def test_a_quarantine_is_not_released_for_hosts_still_on_their_way():
     s, view, state = _waiting_with({"h2": T0 + 500}, hosts=("h0", "h2"), registered_at=T0 + 9.5)
     assert not _started(decide(state, view, T0 + 14.4, s))
     assert _started(decide(state, view, T0 + 14.5, s)) == ["h0", "h2"]
+
+
+def test_a_quarantine_is_not_released_while_a_healthy_host_is_seconds_from_usable():
+    """h1 is still stopping a stray worker, or its stream closed within
+    reconnect_grace_s: it will be usable in seconds, so h2 stays aside."""
+    s, view, state = _waiting_with({"h2": T0 + 500})
+    worker(view, "h1", T0 + 10, 1, WorkerState.RUNNING)  # a stray of generation 1
+    stray = decide(state, view, T0 + 10, s)
+    assert "host_released" not in kinds(stray) and not _started(stray), stray.reason
+    assert [a.host for a in stray.actions if isinstance(a, d.StopWorker)] == ["h1"]
+    s, view, state = _waiting_with({"h2": T0 + 500})
+    observe(view, Disconnected("h1", "inc-h1"), T0 + 9.8)
+    closed = decide(state, view, T0 + 10, s)
+    assert "host_released" not in kinds(closed) and not _started(closed), closed.reason
+
+
+def test_the_shortest_run_of_quarantined_hosts_is_released():
+    """Five set aside, min_hosts 4 with one healthy host: the three whose
+    cooldowns end soonest, found in 4 plans (all five, then bisected), not
+    one plan per host; none at all when even all five cannot make a slice."""
+    hosts = tuple(f"h{i}" for i in range(6))
+    until = {"h1": T0 + 300, "h2": T0 + 100, "h3": T0 + 200, "h4": T0 + 900, "h5": T0 + 400}
+    s, view, state = _waiting_with(until, hosts=hosts, min_hosts=4)
+    spares = {h: d.candidate(view.hosts[h]) for h in until}
+    plans = []
+
+    def counting(candidates):
+        plans.append(len(candidates))
+        return d.plan_mesh(s, candidates)
+
+    quarantined = {h: (t, "") for h, t in until.items()}
+    released, plan = quarantine.release_needed(quarantined, spares,
+                                               [d.candidate(view.hosts["h0"])], counting)
+    assert released == ["h2", "h3", "h1"] and len(plan.hosts) == 4
+    assert plans == [6, 3, 4], plans
+    plans.clear()
+    assert quarantine.release_needed(quarantined, dict(list(spares.items())[:2]),
+                                     [d.candidate(view.hosts["h0"])], counting) == ([], None)
+    assert plans == [3]  # (one plan: even both are not enough)
+    # the same through decide, which starts h0 and those three
+    decision = decide(state, view, T0 + 10, s)
+    assert [a.host for a in decision.actions if isinstance(a, d.Journal)
+            and a.kind == "host_released"] == ["h2", "h3", "h1"]
+    assert sorted(_started(decision)) == ["h0", "h1", "h2", "h3"]
 
 
 def test_a_quarantined_host_that_is_not_usable_is_not_released():

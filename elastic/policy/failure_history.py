@@ -172,8 +172,8 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
     monotonic clock (a journal time t becomes `monotonic_now - (wall_now -
     t)`), keeping only what the windows still count: failure restarts within
     `restart.window_s`, a host's failures within `quarantine.window_s`, and
-    quarantines that have not yet ended (those that ended while no
-    controller ran are released by the first pass, which journals it), and
+    quarantines (those that ended while no controller ran are released by
+    the first pass, which journals it), and
     a fence (elastic.policy.fencing) that has not yet run out: no
     generation starts before it, though this controller never saw the
     hosts."""
@@ -198,10 +198,11 @@ def describe(state: SliceState, monotonic_now: float) -> dict:
     """What `controller_started` journals about the failures `state`
     counts: failure restarts within the budget's window, the crash-loop
     count, the latest restarts' costs (seconds), seconds left of a fence,
-    and host -> seconds left in quarantine."""
+    and host -> seconds left in quarantine (those not yet ended)."""
     return {"failure_restarts": len(state.failure_restarts),
             "failures_without_progress": state.failures_without_progress,
             "restart_costs_s": list(state.restart_costs_s),
             "fenced_s": round(max(state.fenced_until - monotonic_now, 0.0), 3),
             "quarantined": {h: round(until - monotonic_now, 3)
-                            for h, (until, _) in sorted(state.quarantined.items())}}
+                            for h, (until, _) in sorted(state.quarantined.items())
+                            if until > monotonic_now}}  # (ended ones: released by the first pass)

@@ -62,35 +62,54 @@ def release_needed(quarantined: Mapping[str, tuple[float, str]],
                    spares: Mapping[str, Candidate], candidates: Sequence[Candidate],
                    plan: Callable[[list[Candidate]], MeshPlan]
                    ) -> tuple[list[str], MeshPlan | None]:
-    """The fewest quarantined hosts to release early so that a slice can
-    start, when none can without them: `spares` (host -> its planner
-    candidate) are the quarantined hosts that are otherwise usable; they
-    are added to `candidates` one by one, the one whose cooldown ends
-    soonest first (ties by host id), until `plan(candidates)` gives a
-    plan with hosts. Returns (the spares that plan uses, in the order
-    added, and the plan), or ([], None) when not even all of them make a
-    slice. O(spares x planning)."""
-    added: list[str] = []
-    for host in sorted(spares, key=lambda h: (quarantined[h][0], h)):
-        added.append(host)
-        result = plan([*candidates, *(spares[h] for h in added)])
-        if result.hosts:
-            return [h for h in added if h in result.hosts], result
-    return [], None
+    """Which quarantined hosts to release early so that a slice can start,
+    when none can without them. `spares` (host -> its planner candidate) are
+    the quarantined hosts that are otherwise usable; taken in the order
+    their cooldowns end (ties by host id), the shortest run of them that,
+    added to `candidates`, lets `plan` give a plan with hosts, found by
+    bisection (which assumes that more candidates never make a slice
+    impossible). That is not always the fewest: with failure domains, one
+    later in the order may have done alone. Returns (the spares that plan
+    uses, in that order, and the plan), or ([], None) when not even all of
+    them make a slice. Plans once when none helps, about log2(spares) + 1
+    times when some do."""
+    order = sorted(spares, key=lambda h: (quarantined[h][0], h))
+
+    def with_first(count: int) -> MeshPlan:
+        return plan([*candidates, *(spares[h] for h in order[:count])])
+
+    found = with_first(len(order)) if order else None
+    if found is None or not found.hosts:
+        return [], None
+    low, high = 0, len(order)  # (none: no slice, the caller's plan; all: found)
+    while high - low > 1:
+        middle = (low + high) // 2
+        attempt = with_first(middle)
+        if attempt.hosts:
+            high, found = middle, attempt
+        else:
+            low = middle
+    return [h for h in order[:high] if h in found.hosts], found
 
 
 def settled(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> bool:
-    """Whether the hosts still arriving have arrived: no host registered or
+    """Whether the hosts on their way have arrived: no host registered or
     opened its stream for `health.heartbeat_timeout_s` (at least
-    `health.rendezvous_settle_s`), and no registered host's stream is still
-    opening. A host that is up but not heard from for less than a heartbeat
+    `health.rendezvous_settle_s`), and every host neither lost, quarantined
+    nor being taken away is usable now: none is still opening its stream,
+    stopping a worker, or within `health.reconnect_grace_s` of its stream
+    closing. A host that is up but not heard from for less than a heartbeat
     timeout is alive everywhere else in the controller; before then a
     quarantined host is not released for want of hosts that are on their way
     (at a next job's start the agents come one by one, each once its worker
-    of the job before has ended: over 1.2 s in tests/test_next_job.py)."""
+    of the job before has ended: over 1.2 s in tests/test_next_job.py).
+    O(hosts)."""
     last = max(view.last_registration_at, view.last_stream_opened_at)
     quiet_s = max(spec.health.heartbeat_timeout_s, spec.health.rendezvous_settle_s)
-    return now - last >= quiet_s and not usable_hosts.opening_count(state, view, now)
+    if now - last < quiet_s:
+        return False
+    return not any(h not in state.lost and h not in state.quarantined and not r.preemption
+                   and not usable_hosts.usable(r, state, view) for h, r in view.hosts.items())
 
 
 def release_for_start(state: SliceState, view: ClusterView, spec: JobSpec,
