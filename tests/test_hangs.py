@@ -44,13 +44,24 @@ def test_sigstop_worker_is_a_hang(tmp_path, local_job):
     wait_until(lambda: not alive(victim["workerPid"]), 10, "the stopped worker to be killed")
 
 
+def _started_after(job, generation: int, timeout_s: float = 30.0) -> dict:
+    """The first generation_started of a generation above `generation`."""
+    return wait_until(lambda: next((e for e in job.journal() if e["kind"] == "generation_started"
+                                    and e["generation"] > generation), None),
+                      timeout_s, f"a generation after {generation}")
+
+
 def test_sigstop_agent_is_lost_then_rejoins(tmp_path, local_job):
     # (the tiny worker's processes do not step in lockstep, so its peers'
     # steps prove nothing about it: the heartbeat timeout alone decides)
     spec = with_sections(tiny_spec(tmp_path, extra="carry_silent_hosts = false"),
                          '[restart]\ngrow = "immediately"\n')
     job = local_job(spec)
-    job.wait_for("first_progress", generation=1)
+    # the slice on all 4 hosts (on a loaded machine a host may register after
+    # the others' settle time and join only at a grow, in generation 2)
+    full = wait_until(lambda: next((e for e in job.journal() if e["kind"] == "generation_started"
+                                    and len(e["hosts"]) == 4), None), 60, "a slice of 4 hosts")
+    job.wait_for("first_progress", generation=full["generation"])
     # (the first step may be reported before host-1's heartbeat names its worker:
     # its pid of 0 then failed the check of the worker below, in a fresh clone's run)
     victim = wait_until(lambda: (h := job.host("host-1")).get("workerPid") and h, 10,
@@ -58,20 +69,20 @@ def test_sigstop_agent_is_lost_then_rejoins(tmp_path, local_job):
     os.kill(victim["agentPid"], signal.SIGSTOP)
     try:
         job.wait_for("host_lost", host="host-1")
-        started = job.wait_for("generation_started", generation=2)
+        started = _started_after(job, full["generation"])
         assert sorted(started["hosts"]) == ["host-0", "host-2", "host-3"]
-        job.wait_for("first_progress", generation=2)
+        job.wait_for("first_progress", generation=started["generation"])
         assert alive(victim["workerPid"])  # its worker went on while the agent was stopped
     finally:
         os.kill(victim["agentPid"], signal.SIGCONT)
     # the old worker is stopped before the host rejoins
     wait_until(lambda: not alive(victim["workerPid"]), 15, "the stale worker to be stopped")
-    rejoined = job.wait_for("generation_started", generation=3, timeout_s=30)
+    rejoined = _started_after(job, started["generation"])
     assert sorted(rejoined["hosts"]) == ["host-0", "host-1", "host-2", "host-3"]
-    # its reports about generation 1 were refused (fencing), and it rejoined only after
+    # its reports about its old generation were refused (fencing), and it rejoined only after
     refused = [e for e in job.journal() if e["kind"] == "stale_message_rejected"
                and e["host"] == "host-1"]
-    assert refused and refused[0]["stale_generation"] == 1
+    assert refused and refused[0]["stale_generation"] == full["generation"]
     assert refused[0]["ts"] < rejoined["ts"]
 
 
