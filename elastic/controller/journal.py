@@ -255,10 +255,9 @@ def recorded(state_dir: str | os.PathLike[str], job_id: str = "") -> Recorded:
     checkpoints, and their quarantines, which are about the hosts
     (elastic.policy.failure_history): not their run id, steps, failures, end
     or running slice (a slice of this job has ended once another job started
-    a generation). A
-    new job on the agents and in the state directory of the one before
-    must not inherit that job's run id, under which the hosts' local
-    snapshots of its state would be restored into it."""
+    a generation). A new job on the agents and in the state directory of the
+    one before must not inherit that job's run id, under which the hosts'
+    local snapshots of its state would be restored into it."""
     generation, step, committed, run_id = 0, -1, -1, ""
     running: Inherited | None = None
     ended: int | None = None

@@ -171,12 +171,11 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
     """`state` counting the failures of `history` on the controller's
     monotonic clock (a journal time t becomes `monotonic_now - (wall_now -
     t)`), keeping only what the windows still count: failure restarts within
-    `restart.window_s`, a host's failures within `quarantine.window_s`, and
-    quarantines (those that ended while no controller ran are released by
-    the first pass, which journals it), and
-    a fence (elastic.policy.fencing) that has not yet run out: no
-    generation starts before it, though this controller never saw the
-    hosts."""
+    `restart.window_s`, a host's failures within `quarantine.window_s`, a
+    fence (elastic.policy.fencing) that has not yet run out (no generation
+    starts before it, though this controller never saw the hosts), and every
+    quarantine: those that ended while no controller ran are released by
+    the first pass, which journals it."""
     offset = monotonic_now - wall_now
     restarts = tuple(t + offset for t in recent(history.restarts_at, wall_now, spec))
     failures = {}

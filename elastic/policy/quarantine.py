@@ -13,14 +13,13 @@ the quarantines of the jobs before it (elastic.policy.failure_history).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
-import dataclasses
-
 from elastic.config import JobSpec
+from elastic.policy import usable as usable_hosts
 from elastic.policy.mesh import Candidate, MeshPlan, plan_mesh
 from elastic.policy.state import Action, Journal, SliceState
-from elastic.policy import usable as usable_hosts
 from elastic.policy.view import ClusterView
 
 
