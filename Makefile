@@ -6,6 +6,13 @@ BIN := $(VENV)/bin
 
 .PHONY: demo demo-gcs demo-isolated test proto bench clean
 
+# Byte-compile the project's own modules before running them: an editable
+# install leaves them as source, and with PYTHONDONTWRITEBYTECODE=1 (as on the
+# CI machines) every process compiled them again, ~0.27 s of CPU for an agent
+# or a controller; five process-heavy test files took 7 % less time with them
+# compiled (187 and 187 s against 202 and 201 s, alternating, 2026-11-28).
+COMPILE := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m compileall -q elastic workers > /dev/null
+
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -17,6 +24,7 @@ $(BIN)/.installed: pyproject.toml
 # The main job: workers/lm on 4 simulated hosts x 2 CPU devices; host-1 is
 # killed at step 120 and training goes on with 3 hosts from the last checkpoint.
 demo: $(BIN)/.installed
+	$(COMPILE)
 	rm -rf elastic-state/demo
 	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
 		--fault kill-host:host-1@step=120 --state-dir elastic-state/demo
@@ -24,6 +32,7 @@ demo: $(BIN)/.installed
 # The same, with the checkpoints in a bucket of a local GCS emulator
 # (fake-gcs-server) instead of a local directory.
 demo-gcs: $(BIN)/.installed
+	$(COMPILE)
 	rm -rf elastic-state/demo-gcs
 	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
 		--fault kill-host:host-1@step=120 --state-dir elastic-state/demo-gcs --gcs-emulator
@@ -32,12 +41,14 @@ demo-gcs: $(BIN)/.installed
 # own, checkpoints in the emulator's bucket; host-2 is also cut off from every
 # other node at step 200, for 12 s.
 demo-isolated: $(BIN)/.installed
+	$(COMPILE)
 	rm -rf elastic-state/demo-isolated
 	$(BIN)/elasticd local --config workers/lm/job.toml --hosts 4 --devices-per-host 2 \
 		--fault kill-host:host-1@step=120 --fault partition:host-2@step=200 \
 		--state-dir elastic-state/demo-isolated --isolate
 
 test: $(BIN)/.installed
+	$(COMPILE)
 	$(BIN)/python -m pytest -q
 
 proto: $(BIN)/.installed
