@@ -47,9 +47,12 @@ demo-isolated: $(BIN)/.installed
 		--fault kill-host:host-1@step=120 --fault partition:host-2@step=200 \
 		--state-dir elastic-state/demo-isolated --isolate
 
+# Two pytest workers, each taking whole files (module fixtures run once), the
+# files that start processes first (tests/conftest.py): one alone keeps 1.3 of
+# the 2 cores busy, waiting on processes' startups and on timeouts.
 test: $(BIN)/.installed
 	$(COMPILE)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 proto: $(BIN)/.installed
 	$(BIN)/python -m elastic.protogen

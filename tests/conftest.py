@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -347,13 +349,46 @@ class LocalJob:
         assert not group_alive, f"process group {self.proc.pid} still has processes"
 
 
+#: Fixtures of tests that start processes: their files run first (see
+#: pytest_collection_modifyitems).
+SPAWNING = frozenset({"proc_env", "tagged", "local_job", "lm_reference"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Put the files whose tests start processes (seconds to a minute each)
+    before those of pure functions (milliseconds), keeping the order within
+    each group: `make test` runs two pytest workers that take whole files in
+    this order (`--dist loadfile --no-loadscope-reorder`), and a long file
+    taken last would leave one worker running it alone."""
+    spawning = {item.path for item in items if SPAWNING & set(getattr(item, "fixturenames", ()))}
+    items.sort(key=lambda item: item.path not in spawning)
+
+
+def shared_root(tmp_path_factory) -> pathlib.Path:
+    """The session's temporary root, shared by all pytest workers of a run
+    (pytest-xdist gives each worker a directory of its own under it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def shared_lock(tmp_path_factory, name: str):
+    """Hold an exclusive lock (flock) shared by all pytest workers of a run."""
+    with open(shared_root(tmp_path_factory) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory) -> pathlib.Path:
-    """One executable cache for every local job of the session: a program
-    and slice shape an earlier test compiled loads from it (as a host's
-    cache persists across runs), so each test pays for its own new shapes
-    only."""
-    return tmp_path_factory.mktemp("compile-cache")
+    """One executable cache for every local job of the run, shared by the
+    pytest workers: a program and slice shape an earlier test compiled loads
+    from it (as a host's cache persists across runs, or hosts share one in a
+    bucket), so each test pays for its own new shapes only. Entries are
+    written atomically (elastic.worker.compile_cache)."""
+    path = shared_root(tmp_path_factory) / "compile-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture
@@ -423,16 +458,22 @@ def lm_run_spec(tmp_path: pathlib.Path, name: str, grow: str = "never",
 @pytest.fixture(scope="session")
 def lm_reference(tmp_path_factory, compile_cache) -> dict[int, dict]:
     """step -> sample line of an undisturbed run of `lm_run_spec` on 4 hosts
-    x 2 devices, run once per session for the tests that compare a disturbed
-    run with it."""
-    tmp = tmp_path_factory.mktemp("lm-reference")
-    with guarded_env() as env:
-        job = LocalJob(lm_run_spec(tmp, "ref"), tmp / "state", env, hosts=4, devices=2,
-                       compile_cache=compile_cache)
-        try:
-            assert job.wait(240) == 0, job.output()
-        finally:
-            job.close()
+    x 2 devices, run once per test run (by the first pytest worker that needs
+    it, the others waiting for it) for the tests that compare a disturbed run
+    with it."""
+    tmp = shared_root(tmp_path_factory) / "lm-reference"
+    with shared_lock(tmp_path_factory, "lm-reference"):  # one run for all pytest workers
+        if not (tmp / "ref-samples.done").exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # (a run of another worker that failed)
+            tmp.mkdir()
+            with guarded_env() as env:
+                job = LocalJob(lm_run_spec(tmp, "ref"), tmp / "state", env, hosts=4,
+                               devices=2, compile_cache=compile_cache)
+                try:
+                    assert job.wait(240) == 0, job.output()
+                finally:
+                    job.close()
+            (tmp / "ref-samples.done").touch()
     reference = {s["step"]: s for s in lm_samples(tmp / "ref-samples.jsonl")}
     assert sorted(reference) == list(range(40))
     return reference
