@@ -19,18 +19,22 @@ from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_sli
 # --- silent agents ----------------------------------------------------------------------
 
 def silent_member_setup(peer_step: int, peer_step_at: float, carry: bool = True,
-                        h1_jump: int = 0):
+                        h1_jump: int = 0, peer_jump: int = 0):
     """h0, h1, h2 at step 5 at T0 (h1's last report `h1_jump` steps above
-    its one before); then only h0 and h2 are heard from, at `peer_step`
-    (reached at T0 + `peer_step_at`), heartbeating every second."""
+    its one before); then only h0 and h2 are heard from, reporting steps up
+    to `peer_step` (reached at T0 + `peer_step_at`) `peer_jump` at a time
+    (default 1), heartbeating every second."""
     view = ClusterView()
     for h in ("h0", "h1", "h2"):
         register(view, h)
     if h1_jump:
         worker(view, "h1", T0 - 1, 1, WorkerState.RUNNING, step=5 - h1_jump)
     state = running_slice(view, ["h0", "h1", "h2"])
-    for h in ("h0", "h2"):
-        observe(view, ProgressReported(h, f"inc-{h}", 1, peer_step, -1), T0 + peer_step_at)
+    steps = list(range(peer_step, 5, -(peer_jump or 1)))[::-1]
+    for i, step in enumerate(steps):
+        for h in ("h0", "h2"):
+            observe(view, ProgressReported(h, f"inc-{h}", 1, step, -1),
+                    T0 + peer_step_at * (i + 1) / len(steps))
     s = spec()
     s = dataclasses.replace(s, health=dataclasses.replace(s.health, carry_silent_hosts=carry))
     return state, view, s
@@ -43,7 +47,10 @@ def beat_peers(view: ClusterView, now: float) -> None:
 
 @pytest.mark.parametrize("peer_step,peer_step_at,now,carry,h1_jump,outcome", [
     (20, 4.0, 4.9, True, 0, None),         # not silent for heartbeat_timeout_s (5 s) yet
-    (8, 4.0, 5.1, True, 0, "carried"),     # the slice went 3 steps past h1's last report
+    # the slice went 4 steps past h1's last report: 3, and the 1 step a report
+    # of the slice lately carried (h1 may have stepped once since its last)
+    (9, 4.0, 5.1, True, 0, "carried"),
+    (8, 4.0, 5.1, True, 0, "lost"),        # 3: h1 may have died inside step 8
     (7, 4.0, 5.1, True, 0, "lost"),        # 2 steps: h1 may have died inside step 7
     (20, 0.05, 5.1, True, 0, "lost"),      # far ahead, but no step for 5 s: the slice stalled
     (20, 4.0, 5.1, False, 0, "lost"),      # health.carry_silent_hosts = false
@@ -51,10 +58,15 @@ def beat_peers(view: ClusterView, now: float) -> None:
     # to 9 after its last report and died there, its peers waiting at 10
     (10, 4.0, 5.1, True, 4, "lost"),
     (12, 4.0, 5.1, True, 4, "carried"),
+    # h1's last reports went up 2 steps at a time, its peers' 4: h1 too may
+    # have stepped on 4 past its last report (the slice's steps, not its own)
+    (10, 4.0, 5.1, True, (2, 4), "lost"),
+    (12, 4.0, 5.1, True, (2, 4), "carried"),
 ])
 def test_a_silent_member_is_carried_while_the_slice_steps_past_it(peer_step, peer_step_at, now,
                                                                   carry, h1_jump, outcome):
-    state, view, s = silent_member_setup(peer_step, peer_step_at, carry, h1_jump)
+    h1_jump, peer_jump = h1_jump if isinstance(h1_jump, tuple) else (h1_jump, 0)
+    state, view, s = silent_member_setup(peer_step, peer_step_at, carry, h1_jump, peer_jump)
     beat_peers(view, T0 + now)
     decision = decide(state, view, T0 + now, s)
     if outcome is None:

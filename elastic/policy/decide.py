@@ -139,11 +139,13 @@ def _track_lost(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
               if r.host_id not in lost and not silence.opening(r, now, view.lag_s)]
     # the slice's front step, O(members): only read when someone is silent
     front = _carry_front(state, view, now, spec) if silent or state.carried else None
+    jump = silence.slice_jump((view.hosts[h] for h in state.members if h in view.hosts),
+                              state.generation) if silent and front is not None else 0
     for record in silent:
         host = record.host_id
         silent_s = round(now - record.last_heartbeat_at, 3)
         lead = _lead(state, record, front)
-        if lead >= silence.lead_needed(record):
+        if lead >= silence.lead_needed(record, jump):
             if host not in carried:
                 carried[host] = record.last_heartbeat_at
                 actions.append(Journal(

@@ -15,7 +15,12 @@ as many steps past its last report as one report usually carries
 (`HostRecord.step_jump`): those are added to the lead a silent host needs.
 Without them, a host frozen whole (agent and worker) just before its next
 heartbeat, on steps faster than heartbeats, looked carried for a moment and
-was lost a timeout later than it should have been.
+was lost a timeout later than it should have been. The steps added are the
+most that any member's reports lately went up by, not the silent host's own:
+in lockstep every member steps at the same rate and reports as often, and one
+host's last few reports can carry fewer steps than the next one would have
+(tests/test_silent_agent.py on a slow evening: a frozen host whose reports had
+gone up by 2 was carried at a lead of 5).
 
 The same idea as Kubernetes' node lifecycle: a node that stops reporting
 becomes NotReady, but its pods keep running until the taint's
@@ -64,10 +69,17 @@ def slice_front(members: Iterable[HostRecord], generation: int, now: float,
                default=-1)
 
 
-def lead_needed(silent: HostRecord) -> int:
+def slice_jump(members: Iterable[HostRecord], generation: int) -> int:
+    """The most steps one report of any of `members` running `generation`
+    lately went up by (HostRecord.step_jump); 0 if none. O(members)."""
+    return max((r.step_jump for r in members if r.worker.generation == generation), default=0)
+
+
+def lead_needed(silent: HostRecord, jump: int = 0) -> int:
     """Steps the slice must be ahead of `silent`'s last report to carry it:
-    CARRY_LEAD_STEPS plus the steps its reports lately went up by."""
-    return CARRY_LEAD_STEPS + silent.step_jump
+    CARRY_LEAD_STEPS plus the most steps a report lately went up by, its own
+    or the slice's (`jump`: see slice_jump)."""
+    return CARRY_LEAD_STEPS + max(silent.step_jump, jump)
 
 
 def peer_lead(silent: HostRecord, front: int, generation: int) -> int:
