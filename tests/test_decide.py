@@ -569,6 +569,24 @@ def test_a_hang_ends_a_preemption_drain_at_once():
     assert "hang_detected" in kinds(hung)
 
 
+def test_a_drain_whose_emergency_checkpoint_committed_is_a_preemption_not_a_hang():
+    """The emergency save waited for an earlier save in flight, and its
+    commit comes after the hang timeout (10 s) counted from the last step:
+    within the save's allowance while it was in flight, not after it."""
+    state, view = preempted_slice()  # members made step 5 at T0
+    draining = decide(state, view, T0 + 1, spec())
+    observe(view, d_event_saved(), T0 + 7)
+    heartbeat_all(view, T0 + 10.5)
+    saving = decide(draining.state, view, T0 + 10.5, spec())
+    assert saving.state.phase is Phase.RUNNING and "draining" in saving.reason
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 12)
+    heartbeat_all(view, T0 + 12)
+    stopping = decide(saving.state, view, T0 + 12, spec())
+    assert stopping.state.phase is Phase.STOPPING and stopping.state.stop_kind == "preemption"
+    assert "hang_detected" not in kinds(stopping)
+    assert "emergency checkpoint step 9 committed" in stopping.reason
+
+
 def test_preemption_drain_is_bounded():
     state, view = preempted_slice()
     draining = decide(state, view, T0 + 1, spec())

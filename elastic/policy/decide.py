@@ -416,12 +416,18 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         actions.append(Finish(0))
         return _enter(state, Phase.SUCCEEDED, now, reason, exit_code=0)
     # A hang first: a slice draining for a preemption whose worker is stuck
-    # will never write its emergency checkpoint. (A carried member's step
-    # reports stopped with its agent; the others' steps time the slice.)
+    # will never write its emergency checkpoint. But once it has, the workers
+    # wait at the preemption sync point by design, and the hang clock, no
+    # longer extended for a save in flight, may run out in the very pass that
+    # sees the commit (tests/test_gcs.py under load: an emergency save that
+    # waited 6.6 s for an earlier one committed 10.3 s after the last step).
+    # (A carried member's step reports stopped with its agent; the others'
+    # steps time the slice.)
     hang = check_hang([r for r in members if r.host_id not in state.carried], view,
                       state.phase_since, state.progressed, now, spec)
     leaving = [r for r in members if r.preemption]
-    if leaving and not hang:
+    if leaving and (not hang or state.draining_since is not None
+                    and _emergency_committed(view, state.draining_since)):
         return _drain(state, view, now, spec, actions, leaving)
     if hang:
         actions.append(Journal("hang_detected", state.generation, hang.reason,
