@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="serve Prometheus metrics on this port of the --listen host "
                             "(HTTPS with client certificates of the job's CA; plain HTTP "
                             "with --insecure)")
+    start.add_argument("--expect-hosts", type=host_count, metavar="N",
+                       help="the first generation waits for N hosts to register, at most "
+                            "30 s (instead of health.expected_hosts)")
     _tls_args(start, CONTROLLER_TLS_DIR + " (a controller certificate)")
 
     status = sub.add_parser("status", help="show a running job")
@@ -343,6 +346,13 @@ def port_number(text: str) -> int:
     return int(text)
 
 
+def host_count(text: str) -> int:
+    """An argparse type: a number of hosts, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of hosts (0 or more)")
+    return int(text)
+
+
 def _start(args) -> int:
     from elastic.controller.server import StartError, serve
     from elastic.security.tls import TLSError, TLSFiles
@@ -356,6 +366,9 @@ def _start(args) -> int:
     if args.checkpoint_dir:
         spec = dataclasses.replace(spec, checkpoint_dir=args.checkpoint_dir if "://" in
                                    args.checkpoint_dir else os.path.abspath(args.checkpoint_dir))
+    if args.expect_hosts is not None:
+        spec = dataclasses.replace(spec, health=dataclasses.replace(
+            spec.health, expected_hosts=args.expect_hosts))
     _check_storage(spec)
     tls = None
     if not args.insecure:

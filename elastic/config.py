@@ -126,6 +126,12 @@ class HealthSpec:
       `max_hosts`, wait this long after the last registration or stream
       opening for more (and while a registered host's stream is still
       opening, at most elastic.policy.silence.STREAM_OPEN_S).
+    expected_hosts: the first generation waits for this many hosts to
+      register (at most `max_hosts`; 0: none), however far apart they come,
+      for at most elastic.policy.decide.EXPECTED_WAIT_S after the controller
+      started. `elasticd local` sets it to the hosts it launches: on a busy
+      machine they can register seconds apart, and a first generation
+      started on fewer would restart to grow moments later.
     carry_silent_hosts: a member of the running slice whose agent has been
       silent for heartbeat_timeout_s stays in the slice while the other
       members' steps prove its worker still takes part (see
@@ -159,6 +165,7 @@ class HealthSpec:
     stop_grace_s: float = 3.0
     stop_timeout_s: float = 10.0
     rendezvous_settle_s: float = 1.0
+    expected_hosts: int = 0
     carry_silent_hosts: bool = True
     controller_lease_s: float = 30.0
     leader_lease_s: float = 10.0
@@ -482,6 +489,7 @@ def validate(spec: JobSpec) -> None:
          f"health.stop_timeout_s ({h.stop_timeout_s}) must be greater than "
          f"health.stop_grace_s ({h.stop_grace_s})"),
         (h.rendezvous_settle_s >= 0, "health.rendezvous_settle_s must be >= 0"),
+        (h.expected_hosts >= 0, "health.expected_hosts must be >= 0"),
         (r.max_restarts >= 0, "restart.max_restarts must be >= 0"),
         (r.window_s > 0, "restart.window_s must be > 0"),
         (r.crash_loop_failures >= 1, "restart.crash_loop_failures must be at least 1"),

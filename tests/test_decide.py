@@ -640,3 +640,30 @@ def test_a_smaller_slice_keeps_the_lost_hosts_buddy(replicate, restarted_on):
     assert [a.host for a in restart.actions if isinstance(a, d.StartWorker)] == restarted_on
     started = next(a for a in restart.actions if getattr(a, "kind", "") == "generation_started")
     assert ("every host's last snapshot" in started.reason) is replicate
+
+
+@pytest.mark.parametrize("expected, third_at, start_at, hosts", [
+    (0, None, 2.1, 2),      # none expected: the settle (1 s after the last registration)
+    (3, 5.0, 5.0, 3),       # the third comes 5 s later: one generation on all three
+    (3, None, 30.0, 2),     # it never comes: started on two at EXPECTED_WAIT_S
+    (9, 5.0, 5.0, 3),       # (more than max_hosts expected: max_hosts)
+])
+def test_the_first_generation_waits_for_the_expected_hosts(expected, third_at, start_at, hosts):
+    """elasticd local launches 3 hosts (health.expected_hosts = 3); on a
+    busy machine the third registers seconds after the others."""
+    s = spec(min_hosts=2, max_hosts=3)
+    s = dataclasses.replace(s, health=dataclasses.replace(s.health, expected_hosts=expected))
+    view, state = ClusterView(), SliceState(phase_since=T0)
+    for h in ("h0", "h1"):
+        register(view, h, T0 + 1)
+    for t in (1.5, 2.1, 4.9, 5.0, 29.9, 30.0):
+        if third_at is not None and t == third_at:
+            register(view, "h2", T0 + t)
+        heartbeat_all(view, T0 + t)
+        decision = decide(state, view, T0 + t, s)
+        started = [a.host for a in decision.actions if isinstance(a, d.StartWorker)]
+        if started:
+            assert t == start_at and len(started) == hosts, (t, started)
+            return
+        state = decision.state
+    raise AssertionError(f"no generation started; {state.reason}")

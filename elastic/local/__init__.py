@@ -273,7 +273,9 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     argv = [sys.executable, "-m", "elastic.cli", "start", "--config", spec_path,
             "--listen", listen, "--state-dir", str(state_dir), *security,
             *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []),
-            *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
+            *(["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
+            # the hosts it launches may register seconds apart on a busy machine
+            "--expect-hosts", str(hosts)]
     plain = argv
     if net is not None:
         argv = isolated_argv(net, network.CONTROLLER, argv, state_dir)

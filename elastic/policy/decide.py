@@ -31,6 +31,11 @@ from elastic.policy.slice_plan import (buddy_map, next_slices, plan_keeping_repl
 from elastic.policy.usable import candidate, opening_count, opening_text, usable
 from elastic.policy.view import ClusterView, HostRecord, WorkerState
 
+#: Seconds after the controller started that the first generation waits at
+#: most for `health.expected_hosts` (TorchElastic's rendezvous waits 30 s
+#: after `min_nodes` for more by default: its `last_call_timeout`).
+EXPECTED_WAIT_S = 30.0
+
 
 def decide(state: SliceState, view: ClusterView, now: float, spec: JobSpec) -> Decision:
     """One reconcile pass. See the module docstring."""
@@ -294,6 +299,13 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         if opening:
             return dataclasses.replace(
                 state, reason=f"{len(plan.hosts)} hosts ready; {opening_text(opening)}")
+        expected = min(spec.health.expected_hosts, spec.max_hosts)
+        wait_left = state.phase_since + EXPECTED_WAIT_S - now
+        if state.generation == 0 and len(view.hosts) - len(state.lost) < expected and \
+                wait_left > 0:
+            return dataclasses.replace(
+                state, reason=f"{len(plan.hosts)} hosts ready, waiting up to {wait_left:.1f} s "
+                              f"more for the {expected} expected (health.expected_hosts)")
     # above every generation a worker reports too: a journal that ended
     # early (or a generation that could not be adopted) must not be reused
     generation = max(state.generation, max((r.worker.generation for r in view.hosts.values()),
