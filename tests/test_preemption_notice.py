@@ -52,5 +52,8 @@ def test_a_sigterm_reaches_the_preemption_sync_at_once(proc_env):
     # JAX's own listener polls every 1 s: it would take 0.5 s on average
     assert result["told_after_s"] < 0.2, result
     # the death time parses as JAX's protocol needs it (else it cancels the
-    # sync), and the sync point is the step after the last one reported
-    assert result["death_time"].endswith("+00:00") and result["sync_step"] == 1, result
+    # sync and no sync point ever comes), and the sync point is the step
+    # after the last one reported when JAX's own thread took the notice: 1,
+    # or 2 on a busy machine, where the loop's first call may come first
+    # (seen with two pytest workers on 2 cores)
+    assert result["death_time"].endswith("+00:00") and result["sync_step"] in (1, 2), result
