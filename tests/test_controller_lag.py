@@ -283,3 +283,18 @@ def test_a_burst_of_events_is_decided_in_batches(tmp_path):
     busy = sum(end - start for start, end, _ in passes)
     # a third at PASS_SPACING 2, and slack (without the spacing: 0.96)
     assert busy / elapsed <= 0.4, (busy, elapsed, len(passes))
+
+
+def test_nothing_is_journaled_after_the_controllers_own_stop(tmp_path):
+    """A killed host's agent registering again while the server shut down was
+    journaled after `controller_stopped` (two pytest workers, test_chaos)."""
+    from elastic.clock import FakeClock
+    from elastic.controller.executor import Executor
+    from elastic.controller.journal import JournalWriter, read_journal
+    from tests.policy_tables import spec
+
+    executor = Executor(spec(), JournalWriter(tmp_path), FakeClock())
+    executor.record("job_succeeded", 2, "all exited 0")
+    executor.record("controller_stopped", 2, "the job ended")
+    executor.record("host_registered", 0, "2 devices", "host-1")
+    assert [e["kind"] for e in read_journal(tmp_path)] == ["job_succeeded", "controller_stopped"]

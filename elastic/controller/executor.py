@@ -150,6 +150,8 @@ class Executor:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.view = view
+        #: whether `controller_stopped` was journaled: nothing is journaled after it
+        self.stopped = False
         #: stream copies of datagram commands queued, and skipped (send_copies)
         self.copies_sent = self.copies_skipped = 0
         #: None, or the controller's check that it may still act (Controller.may_act)
@@ -177,10 +179,15 @@ class Executor:
 
     def record(self, kind: str, generation: int, reason: str, host: str | None = None,
                fields: dict | None = None) -> None:
-        """Journal one entry (timestamped with the injected clock) and log it."""
-        entry = self.journal.write(self.clock.time(), kind, generation, reason, host, fields)
+        """Journal one entry (timestamped with the injected clock) and log it.
+        After `controller_stopped` only log it: a controller's journal ends
+        with its own stop (a killed host's agent registering again while the
+        server shut down was journaled after it, under load)."""
         log.info("%s gen=%s%s: %s", kind, generation, f" host={host}" if host else "", reason)
-        return entry
+        if self.stopped:
+            return None
+        self.stopped = kind == "controller_stopped"
+        return self.journal.write(self.clock.time(), kind, generation, reason, host, fields)
 
     def record_facts(self, facts: list[Fact]) -> None:
         """Journal the facts `observe` returned."""
