@@ -53,9 +53,9 @@ test: $(BIN)/.installed
 
 # Two pytest workers, each taking whole files (module fixtures run once), the
 # files that start processes first (tests/conftest.py): ~11 minutes where one
-# takes ~15 on 2 cores, but not yet the default: each of four runs on 2 cores
-# found another test that fails when the machine is that loaded (docs/
-# performance-history.md, 2026-11-28 20:24-22:30 UTC).
+# takes ~15 on 2 cores, but not yet the default: three of six such runs on 2
+# cores failed, each on another test that a machine that loaded brings out
+# (docs/performance-history.md, 2026-11-28 20:24-22:30 UTC).
 test-parallel: $(BIN)/.installed
 	$(COMPILE)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
