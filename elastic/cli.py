@@ -347,7 +347,8 @@ def port_number(text: str) -> int:
 
 
 def host_count(text: str) -> int:
-    """An argparse type: a number of hosts, 0 or more."""
+    """An argparse type: a number of hosts, 0 or more; raises
+    argparse.ArgumentTypeError for anything else (a sign, a fraction, a word)."""
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of hosts (0 or more)")
     return int(text)

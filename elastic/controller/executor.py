@@ -178,8 +178,10 @@ class Executor:
                               prestart_next=self.spec.restart.prestart_workers)
 
     def record(self, kind: str, generation: int, reason: str, host: str | None = None,
-               fields: dict | None = None) -> None:
-        """Journal one entry (timestamped with the injected clock) and log it.
+               fields: dict | None = None) -> dict | None:
+        """Journal one entry (timestamped with the injected clock), log it and
+        return it (None when not journaled); raises OSError when the disk
+        refuses it.
         After `controller_stopped` only log it: a controller's journal ends
         with its own stop (a killed host's agent registering again while the
         server shut down was journaled after it, under load)."""
