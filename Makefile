@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-gcs demo-isolated test test-parallel proto bench clean
+.PHONY: demo demo-gcs demo-isolated test test-serial proto bench clean
 
 # Byte-compile the project's own modules before running them: an editable
 # install leaves them as source, and with PYTHONDONTWRITEBYTECODE=1 (as on the
@@ -47,18 +47,19 @@ demo-isolated: $(BIN)/.installed
 		--fault kill-host:host-1@step=120 --fault partition:host-2@step=200 \
 		--state-dir elastic-state/demo-isolated --isolate
 
+# Two pytest workers, each taking whole files (module fixtures run once), the
+# files that start processes first (tests/conftest.py), sharing one executable
+# cache and one undisturbed run of the reference model: 6m13s, 6m01s and 6m04s
+# against 8m58s and 9m23s in one process, alternating, on 2 cores at night;
+# ~11 against ~15 minutes on a slow evening (docs/performance-history.md).
 test: $(BIN)/.installed
 	$(COMPILE)
-	$(BIN)/python -m pytest -q
-
-# Two pytest workers, each taking whole files (module fixtures run once), the
-# files that start processes first (tests/conftest.py): ~11 minutes where one
-# takes ~15 on 2 cores, but not yet the default: three of six such runs on 2
-# cores failed, each on another test that a machine that loaded brings out
-# (docs/performance-history.md, 2026-11-28 20:24-22:30 UTC).
-test-parallel: $(BIN)/.installed
-	$(COMPILE)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+# The same in one process: for a failure to read in order, or --pdb.
+test-serial: $(BIN)/.installed
+	$(COMPILE)
+	$(BIN)/python -m pytest -q
 
 proto: $(BIN)/.installed
 	$(BIN)/python -m elastic.protogen

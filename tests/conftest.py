@@ -357,7 +357,7 @@ SPAWNING = frozenset({"proc_env", "tagged", "local_job", "lm_reference"})
 def pytest_collection_modifyitems(config, items) -> None:
     """Put the files whose tests start processes (seconds to a minute each)
     before those of pure functions (milliseconds), keeping the order within
-    each group: `make test-parallel` runs two pytest workers that take whole
+    each group: `make test` runs two pytest workers that take whole
     files in this order (`--dist loadfile --no-loadscope-reorder`), and a
     long file taken last would leave one worker running it alone."""
     spawning = {item.path for item in items if SPAWNING & set(getattr(item, "fixturenames", ()))}
