@@ -41,8 +41,12 @@ def alive(pid: int) -> bool:
 
 
 def signal_pid(pid: int, sig: int) -> bool:
-    """Send `sig` to `pid` (0: nobody); False if it could not be delivered."""
-    if not pid:
+    """Send `sig` to the one process `pid`; False if it could not be
+    delivered. A pid of 0 or less (a worker not started yet reads 0) signals
+    nobody: kill(2) would take 0 for the caller's own process group (under
+    `make`, make and everything it runs) and -1 for every process the caller
+    may signal."""
+    if pid <= 0:
         return False
     try:
         os.kill(pid, sig)
@@ -52,9 +56,11 @@ def signal_pid(pid: int, sig: int) -> bool:
 
 
 def signal_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
-    """Send `sig` to process group `pgid` (0: nobody); False if the group no
-    longer exists or cannot be signalled."""
-    if not pgid:
+    """Send `sig` to process group `pgid`; False if the group no longer
+    exists or cannot be signalled. A pgid of 0 or less signals nobody (see
+    signal_pid: killpg(0) is the caller's own group; killpg(1) is kill(-1),
+    every process, so 1 is refused too: no process group of ours is init's)."""
+    if pgid <= 1:
         return False
     try:
         os.killpg(pgid, sig)

@@ -104,6 +104,16 @@ def guarded_env():
     assert not left, f"processes left behind by the test: {left} {names}"
 
 
+def signal_process(pid: int, sig: int) -> None:
+    """os.kill(pid, sig) for a pid a test read from a status or an agent.
+    Raises AssertionError for a pid of 0 or less (a worker not reported or
+    not started yet), which os.kill would take for this process's own group
+    (0: under `make test`, make, pytest and both its workers, all killed at
+    once) or for every process (-1); OSError as os.kill does."""
+    assert pid > 0, f"no process to signal: pid {pid}"
+    os.kill(pid, sig)
+
+
 @pytest.fixture
 def proc_env():
     """Environment for processes a test starts; fails the test if any of

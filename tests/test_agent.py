@@ -9,7 +9,7 @@ import sys
 
 from elastic import worker_env
 from elastic.agent.supervisor import kill_leftovers
-from tests.conftest import LocalJob, alive, reaped, stop, tiny_spec, wait_until
+from tests.conftest import LocalJob, alive, reaped, signal_process, stop, tiny_spec, wait_until
 
 
 def test_restarted_agent_kills_leftovers_of_previous_incarnation(tmp_path, proc_env):
@@ -40,7 +40,7 @@ def test_worker_dies_with_its_agent(tmp_path, local_job):
     # session: a session each puts lockstep workers in separate autogroups
     assert os.getpgid(host["workerPid"]) == host["workerPid"]
     assert os.getsid(host["workerPid"]) == os.getsid(host["agentPid"])
-    os.kill(host["agentPid"], signal.SIGKILL)  # only the agent
+    signal_process(host["agentPid"], signal.SIGKILL)  # only the agent
     wait_until(lambda: not alive(host["workerPid"]), 10, "the worker to die with its agent")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 
 import pytest
@@ -19,7 +18,7 @@ from elastic.controller.journal import JournalWriter
 from elastic.policy import decide as d
 from elastic.policy.view import ClusterView, HostRecord, WorkerObs, WorkerState, command_taken
 from elastic.v1 import control_pb2 as pb
-from tests.conftest import tiny_spec
+from tests.conftest import signal_process, tiny_spec
 from tests.test_heartbeat_datagrams import _two_agents, _until
 from tests.test_grpc import run
 
@@ -167,8 +166,11 @@ def test_a_restart_goes_by_datagram_and_a_lost_command_datagram_by_the_stream(
     is not acted on: the worker is not restarted."""
     async def during(server, agents):
         h0, h1 = agents
+        # (h1's worker launched: the phase runs as soon as the starts are
+        # sent, and a pid of 0 would have killed this test's process group)
         await _until(lambda: server.controller.state.phase.value == "running"
-                     and all(a._datagrams is not None and a._datagrams.acks >= 1 for a in agents))
+                     and all(a._datagrams is not None and a._datagrams.acks >= 1 for a in agents)
+                     and h1.supervisor.running and h1.supervisor.status.pid > 0)
         real, dropped = h0._datagrams.inbox, []
 
         came = []  # what reached h1 as datagrams
@@ -190,7 +192,7 @@ def test_a_restart_goes_by_datagram_and_a_lost_command_datagram_by_the_stream(
 
         h0._datagrams.inbox = Lossy()
         h1._datagrams.inbox = Seen(h1._datagrams.inbox)
-        os.kill(h1.supervisor.status.pid, signal.SIGKILL)
+        signal_process(h1.supervisor.status.pid, signal.SIGKILL)
         c = server.controller
         await _until(lambda: c.state.generation == 2 and c.state.phase.value == "running"
                      and all(a.supervisor.status.generation == 2 and a.supervisor.running

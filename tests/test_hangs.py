@@ -3,11 +3,10 @@ processes and real signals (tiny worker, no JAX)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
-from tests.conftest import alive, tiny_spec, wait_until
+from tests.conftest import alive, signal_process, tiny_spec, wait_until
 
 HANG = "[hang]\nmin_timeout_s = 3.0\n"
 
@@ -25,7 +24,7 @@ def test_sigstop_worker_is_a_hang(tmp_path, local_job):
     victim = wait_until(lambda: (h := job.host("host-2")).get("workerPid") and h, 10,
                         "host-2 to report its worker's pid")
     stopped_at = time.time()
-    os.kill(victim["workerPid"], signal.SIGSTOP)
+    signal_process(victim["workerPid"], signal.SIGSTOP)
     hang = job.wait_for("hang_detected", generation=1, timeout_s=30)
     assert hang["host"] == "host-2" and hang["suspects"][0] == "host-2"
     assert "suspended" in hang["reason"]
@@ -66,7 +65,7 @@ def test_sigstop_agent_is_lost_then_rejoins(tmp_path, local_job):
     # its pid of 0 then failed the check of the worker below, in a fresh clone's run)
     victim = wait_until(lambda: (h := job.host("host-1")).get("workerPid") and h, 10,
                         "host-1 to report its worker's pid")
-    os.kill(victim["agentPid"], signal.SIGSTOP)
+    signal_process(victim["agentPid"], signal.SIGSTOP)
     try:
         job.wait_for("host_lost", host="host-1")
         started = _started_after(job, full["generation"])
@@ -74,7 +73,7 @@ def test_sigstop_agent_is_lost_then_rejoins(tmp_path, local_job):
         job.wait_for("first_progress", generation=started["generation"])
         assert alive(victim["workerPid"])  # its worker went on while the agent was stopped
     finally:
-        os.kill(victim["agentPid"], signal.SIGCONT)
+        signal_process(victim["agentPid"], signal.SIGCONT)
     # the old worker is stopped before the host rejoins
     wait_until(lambda: not alive(victim["workerPid"]), 15, "the stale worker to be stopped")
     rejoined = _started_after(job, started["generation"])

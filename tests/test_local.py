@@ -14,7 +14,7 @@ import time
 import pytest
 
 from elastic.procs import signal_group
-from tests.conftest import tiny_spec, wait_until
+from tests.conftest import signal_process, tiny_spec, wait_until
 
 
 def test_all_workers_exit_zero_job_succeeds(tmp_path, local_job):
@@ -37,7 +37,7 @@ def test_sigkill_worker_restarts_whole_slice(tmp_path, local_job):
     victim = job.host("host-2")
     assert victim["state"] == "member"
     others = {h["hostId"]: h["workerPid"] for h in job.status()["hosts"]}
-    os.kill(victim["workerPid"], signal.SIGKILL)
+    signal_process(victim["workerPid"], signal.SIGKILL)
     stopping = job.wait_for("slice_stopping", generation=1)
     assert stopping["host"] == "host-2" and "SIGKILL" in stopping["reason"]
     started = job.wait_for("generation_started", generation=2)
@@ -60,7 +60,7 @@ def test_lost_host_then_rejoin(tmp_path, local_job, proc_env):
     job.wait_for("first_progress", generation=1)
     victim = job.host("host-1")
     killed_at = time.time()
-    os.kill(victim["agentPid"], signal.SIGKILL)
+    signal_process(victim["agentPid"], signal.SIGKILL)
     # the worker dies with its agent (PR_SET_PDEATHSIG); its group may be gone already
     signal_group(victim["workerPid"], signal.SIGKILL)
     lost = job.wait_for("host_lost", host="host-1")

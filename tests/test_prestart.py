@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import launch_prestarted, reaped
+from conftest import launch_prestarted, reaped, signal_process
 from elastic import worker_env
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
 from elastic.worker.prestart import (READY_LINE, RUNTIME_PRELOAD, STORAGE_PRELOAD,
@@ -219,7 +220,7 @@ def test_restart_runs_in_the_prestarted_process(tmp_path, proc_env):
             assert await exits.wait() == (3, 0, 0)
             # a pre-started process that died before its launch: cold, no error
             warm_pid = await _ready(sup, spawned)
-            os.kill(warm_pid, 9)
+            signal_process(warm_pid, signal.SIGKILL)
             await sup._prestarted.proc.wait()
             await sup.start(4, argv, dict(base, ELASTIC_GENERATION="4", OTHER="x"), str(work))
             assert sup.status.pid != warm_pid

@@ -7,10 +7,9 @@ step ahead of another)."""
 
 from __future__ import annotations
 
-import os
 import signal
 
-from tests.conftest import lm_spec, wait_until
+from tests.conftest import lm_spec, signal_process, wait_until
 
 HEARTBEAT_TIMEOUT_S = 2.0
 
@@ -32,7 +31,7 @@ def test_a_silent_agent_is_carried_and_a_frozen_host_is_lost(tmp_path, local_job
 
     # 1. host-1's agent stops; its worker trains on with the others
     quiet = job.host("host-1")
-    os.kill(quiet["agentPid"], signal.SIGSTOP)
+    signal_process(quiet["agentPid"], signal.SIGSTOP)
     try:
         silent = job.wait_for("agent_silent", host="host-1")
         assert silent["lead_steps"] >= 3 and silent["silent_s"] >= HEARTBEAT_TIMEOUT_S
@@ -40,7 +39,7 @@ def test_a_silent_agent_is_carried_and_a_frozen_host_is_lost(tmp_path, local_job
         step = slice_step(job)
         wait_until(lambda: slice_step(job) >= step + 20, 60, "20 more steps")
     finally:
-        os.kill(quiet["agentPid"], signal.SIGCONT)
+        signal_process(quiet["agentPid"], signal.SIGCONT)
     job.wait_for("agent_heard", host="host-1")
     journal = job.journal()
     assert not [e for e in journal if e["kind"] in ("host_lost", "hang_detected",
@@ -51,7 +50,7 @@ def test_a_silent_agent_is_carried_and_a_frozen_host_is_lost(tmp_path, local_job
     # so nothing carries it; lost at the heartbeat timeout, not a 10 s hang
     frozen = job.host("host-2")
     for pid in (frozen["workerPid"], frozen["agentPid"]):
-        os.kill(pid, signal.SIGSTOP)
+        signal_process(pid, signal.SIGSTOP)
     try:
         lost = job.wait_for("host_lost", host="host-2")
         assert HEARTBEAT_TIMEOUT_S <= lost["silent_s"] < HEARTBEAT_TIMEOUT_S + 1.0, lost
@@ -60,6 +59,6 @@ def test_a_silent_agent_is_carried_and_a_frozen_host_is_lost(tmp_path, local_job
         job.wait_for("first_progress", generation=2, timeout_s=120)
     finally:
         for pid in (frozen["agentPid"], frozen["workerPid"]):
-            os.kill(pid, signal.SIGCONT)
+            signal_process(pid, signal.SIGCONT)
     assert not [e for e in job.journal() if e["kind"] == "agent_silent"
                 and e["host"] == "host-2"]

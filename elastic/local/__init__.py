@@ -54,7 +54,7 @@ from elastic.local.controllers import (STANDBY_DIR, controller_running, job_code
                                        spawn_standby)
 from elastic.local.console import JournalFollower, progress_line
 from elastic.local.slice import LOCAL_FILE, LocalSlice, child_env, write_local_file
-from elastic.procs import spawn_bound
+from elastic.procs import signal_pid, spawn_bound
 from elastic.report import summarize
 from elastic.security import allow, certs
 from elastic.security.files import open_private, private_dir, write_private
@@ -354,18 +354,12 @@ def stop_slice(local: LocalSlice, agent_grace_s: float = 10.0) -> None:
         listed = {}
     others = [a["pid"] for a in listed.values() if a.get("pid") and a["pid"] not in ours]
     for pid in others:
-        try:
-            os.kill(pid, signal.SIGINT)
-        except OSError:
-            pass
+        signal_pid(pid, signal.SIGINT)
     deadline = time.monotonic() + agent_grace_s
     for pid in others:
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.05)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+        signal_pid(pid, signal.SIGKILL)
     # a host killed by a fault and not started again left its snapshots in memory
     leftovers.remove_snapshot_dirs(local.state_dir)
 
