@@ -57,9 +57,9 @@ def signal_pid(pid: int, sig: int) -> bool:
 
 def signal_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
     """Send `sig` to process group `pgid`; False if the group no longer
-    exists or cannot be signalled. A pgid of 0 or less signals nobody (see
-    signal_pid: killpg(0) is the caller's own group; killpg(1) is kill(-1),
-    every process, so 1 is refused too: no process group of ours is init's)."""
+    exists or cannot be signalled. A pgid of 1 or less signals nobody:
+    killpg(0) is the caller's own group and killpg(1) is kill(-1), every
+    process (no process group of ours is init's; see signal_pid)."""
     if pgid <= 1:
         return False
     try:

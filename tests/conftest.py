@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from elastic.procs import alive
+from elastic.procs import alive, signal_pid
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY_WORKER = REPO / "workers" / "tiny" / "worker.py"
@@ -105,13 +105,12 @@ def guarded_env():
 
 
 def signal_process(pid: int, sig: int) -> None:
-    """os.kill(pid, sig) for a pid a test read from a status or an agent.
-    Raises AssertionError for a pid of 0 or less (a worker not reported or
-    not started yet), which os.kill would take for this process's own group
-    (0: under `make test`, make, pytest and both its workers, all killed at
-    once) or for every process (-1); OSError as os.kill does."""
-    assert pid > 0, f"no process to signal: pid {pid}"
-    os.kill(pid, sig)
+    """Send `sig` to a pid a test read from a status or an agent, through
+    elastic.procs.signal_pid, which refuses a pid of 0 or less (a worker not
+    reported or not started yet: os.kill would take it for this process's
+    own group, under `make test` make, pytest and both its workers, or for
+    every process). Raises AssertionError when the signal was not sent."""
+    assert signal_pid(pid, sig), f"could not signal pid {pid} (0 or less, or gone)"
 
 
 @pytest.fixture
@@ -367,9 +366,9 @@ SPAWNING = frozenset({"proc_env", "tagged", "local_job", "lm_reference"})
 def pytest_collection_modifyitems(config, items) -> None:
     """Put the files whose tests start processes (seconds to a minute each)
     before those of pure functions (milliseconds), keeping the order within
-    each group: `make test` runs two pytest workers that take whole
-    files in this order (`--dist loadfile --no-loadscope-reorder`), and a
-    long file taken last would leave one worker running it alone."""
+    each group: `make test` runs two pytest workers that take whole files in
+    this order (`--dist loadfile --no-loadscope-reorder`), and a long file
+    taken last would leave one worker running it alone."""
     spawning = {item.path for item in items if SPAWNING & set(getattr(item, "fixturenames", ()))}
     items.sort(key=lambda item: item.path not in spawning)
 
