@@ -177,14 +177,23 @@ def _load(path: str):
         raise UsageError(str(e)) from None
 
 
-def _check_storage(spec) -> None:
-    """A gs:// checkpoint directory must be usable before anything starts."""
+def _check_storage(spec, retry_s: float | None = None) -> None:
+    """A gs:// checkpoint directory must be usable before anything starts:
+    UsageError when it is not (no bucket, no right to write, no package,
+    no credentials). A bucket that is out of reach (StorageError.transient:
+    an outage) is only warned about: a controller restarted during an
+    outage must not fail for good (exit 2 is final), and the controller
+    waits for it before it leads (elastic.controller.server.serve).
+    `retry_s`: how long transient errors are retried (storage.check)."""
     from elastic.checkpoint.storage import StorageError, check
 
     try:
-        check(spec.checkpoint_dir)
+        check(spec.checkpoint_dir, retry_s)
     except StorageError as e:
-        raise UsageError(str(e)) from None
+        if not e.transient:
+            raise UsageError(str(e)) from None
+        print(f"elasticd: warning: {e} (starting anyway: an outage is not a mistake in the "
+              f"spec)", file=sys.stderr, flush=True)
 
 
 def _finite(value: float | None, what: str, minimum: float = 0.0) -> None:
@@ -355,7 +364,10 @@ def host_count(text: str) -> int:
 
 
 def _start(args) -> int:
-    from elastic.controller.server import StartError, serve
+    """`elasticd start`: the controller's exit code (elastic.controller.server:
+    serve's, or CRASHED_EXIT after an unexpected error, logged with its
+    traceback). Raises UsageError when it cannot start."""
+    from elastic.controller.server import CRASHED_EXIT, StartError, serve
     from elastic.security.tls import TLSError, TLSFiles
     from elastic.transport import parse_address
 
@@ -384,6 +396,9 @@ def _start(args) -> int:
                                  args.metrics_port))
     except StartError as e:
         raise UsageError(str(e)) from None
+    except Exception:  # noqa: BLE001 - a bug: restartable, unlike "the job failed" (1)
+        logging.getLogger("elasticd").exception("the controller crashed")
+        return CRASHED_EXIT
 
 
 def _cleanup(state_dir: str) -> int:

@@ -169,3 +169,21 @@ def test_insecure_mode_is_journaled(tmp_path, proc_env):
     assert [e["kind"] for e in entries] == ["insecure_mode", "controller_started",
                                             "waiting_for_hosts", "controller_stopped"]
     assert "anyone who can reach the port" in entries[0]["reason"]
+
+
+def test_a_crashed_controller_exits_70_not_the_failed_jobs_1(tmp_path, monkeypatch, caplog):
+    """An unexpected error in the controller (a bug) exits CRASHED_EXIT, 70,
+    which systemd and `elasticd local` restart; exit 1 says the job failed,
+    which is final. (serve() journals the crash itself; this is the mapping
+    to the exit code, so serve is replaced by one that raises.)"""
+    from elastic import cli
+    from elastic.controller import server
+
+    async def crash(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(server, "serve", crash)
+    code = cli.main(["start", "--config", str(tiny_spec(tmp_path)), "--listen", "127.0.0.1:0",
+                     "--state-dir", str(tmp_path / "state"), "--insecure"])
+    assert code == server.CRASHED_EXIT == 70
+    assert "the controller crashed" in caplog.text and "KeyError: 'a bug'" in caplog.text

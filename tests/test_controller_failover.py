@@ -10,6 +10,8 @@ tests/test_isolation.py.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import tiny_spec
 
 
@@ -249,6 +251,39 @@ def test_a_new_leader_outranks_every_term_it_can_know_of():
     assert leader_term(0, 0, now=1000.5) == 1000  # a fresh job: the time in seconds
     assert leader_term(3, 1000, now=1000.9) == 1001  # the same second: still above
     assert leader_term(2000, 1000, now=1500.0) == 2000  # the lock's count is higher
+
+
+def test_a_controller_waits_through_an_outage_for_its_lease_but_not_through_a_mistake():
+    """The first try at the bucket lease: an outage (a transient
+    StorageError) is polled through, standby or not, until the lease is
+    taken; a mistake (no such bucket) ends the start at once without
+    --standby. A controller restarted during an outage must not fail for
+    good."""
+    import asyncio
+
+    from elastic.checkpoint.storage import StorageError
+    from elastic.controller.server import _wait_to_lead
+
+    def acquirer(answers):
+        async def acquire():
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return acquire
+
+    async def lead(answers, standby=False):
+        return await _wait_to_lead(acquirer(answers), "the lease", standby, 0.01,
+                                   asyncio.Event(), [])
+
+    outage = StorageError("503 from the bucket", transient=True)
+    answers = [outage, outage, True]
+    assert asyncio.run(lead(answers)) == (None, True) and answers == []
+    with pytest.raises(StorageError, match="no such bucket"):
+        asyncio.run(lead([StorageError("no such bucket"), True]))
+    # a standby polls through either (the bucket may be fixed meanwhile)
+    assert asyncio.run(lead([StorageError("no such bucket"), False, True], standby=True)) == \
+        (None, True)
 
 
 def test_a_renewal_rides_out_a_failed_upload_and_a_lost_answer(tmp_path, gcs_emulator,

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import time
+import types
 
 import pytest
 
 from elastic.checkpoint import gcs
 from elastic.checkpoint.faulty_storage import FaultProxy
 from elastic.checkpoint.storage import StorageError
+from tests.conftest import tiny_spec
 
 
 @pytest.fixture
@@ -117,3 +119,62 @@ def test_a_failed_save_is_journaled_never_committed_and_training_goes_on(
     names = _objects(gcs_emulator.client(), url)
     assert "4/commit_success.txt" not in names and "8/commit_success.txt" not in names, names
     assert "10/commit_success.txt" in names, names
+
+
+#: The bucket's outage in the failover test: longer than the controller's
+#: half lease and restart (it steps down, and is restarted during the
+#: outage), shorter than the agents' controller lease (30 s: the workers
+#: train on and the slice can be adopted).
+OUTAGE_S = 15.0
+
+
+def test_a_leader_cut_off_from_its_bucket_steps_down_and_its_restart_adopts_the_slice(
+        tmp_path, local_job, gcs_bucket, proxy):
+    """Every request to the bucket is answered 503 for OUTAGE_S (a regional
+    outage), and there is no standby. The controller cannot renew its lease
+    and steps down (exit 3) after half of it; `elasticd local` starts it
+    again 2 s later, as systemd would. The restarted controller only warns
+    that the bucket is out of reach (refusing to start, exit 2, would be
+    final), waits for the bucket, takes its own lease back and adopts the
+    slice, which trained on meanwhile: one generation, no step lost."""
+    spec = tiny_spec(tmp_path, "--steps 800 --step-time-s 0.05 --checkpoint-every 100000",
+                     min_hosts=2, max_hosts=2, extra="leader_lease_s = 2.0",
+                     job_extra=f'checkpoint_dir = "{gcs_bucket}/tiny"')
+    job = local_job(spec, hosts=2, env=proxy.env)
+    job.wait_for("first_progress", generation=1, timeout_s=60)
+    proxy.set(outage_s=OUTAGE_S)
+    stepped_down = job.wait_for("controller_stopped", timeout_s=30)
+    adopted = job.wait_for("slice_adopted", timeout_s=OUTAGE_S + 60)
+    assert job.wait(90) == 0, job.output()
+    assert proxy.counts.outage > 0, proxy.counts
+    assert "controller stepped down: could not renew the lease" in stepped_down["reason"]
+    journal = job.journal()
+    kinds = [e["kind"] for e in journal]
+    starts = [e for e in journal if e["kind"] == "controller_started"]
+    assert len(starts) == 2 and starts[0]["term"] < starts[1]["term"], starts
+    assert starts[1]["adopting"]["generation"] == 1 and adopted["generation"] == 1
+    assert starts[1]["ts"] > stepped_down["ts"] + 2.0  # (restarted after RestartSec)
+    assert kinds.count("generation_started") == 1 and "slice_stopping" not in kinds, kinds
+    assert kinds[-2:] == ["job_succeeded", "controller_stopped"] and journal[-2]["step"] == 799
+    out = job.proc.stdout.read().decode()
+    assert "the controller exited with code 3; it starts again in 2 s, as systemd would" in out
+
+
+def test_a_bucket_out_of_reach_at_start_is_a_warning_and_a_missing_one_an_error(
+        gcs_bucket, proxy, monkeypatch, capsys):
+    """`elasticd start`'s check of the checkpoint bucket: through an outage
+    (503 to everything, past the check's retries) it warns and lets the
+    controller start, which waits for the bucket before it leads; a bucket
+    that does not exist is a usage error (exit 2, final for systemd)."""
+    from elastic.cli import UsageError, _check_storage
+
+    for name, value in proxy.env.items():  # (the storage client reads them)
+        monkeypatch.setenv(name, value)
+    proxy.set(outage_s=60.0)
+    _check_storage(types.SimpleNamespace(checkpoint_dir=f"{gcs_bucket}/run"), retry_s=1.0)
+    assert "elasticd: warning: checkpoint directory" in capsys.readouterr().err
+    assert proxy.counts.outage > 0
+    proxy.set(outage_s=0.0)
+    with pytest.raises(UsageError, match="does not exist"):
+        _check_storage(types.SimpleNamespace(checkpoint_dir="gs://no-such-bucket/run"),
+                       retry_s=1.0)

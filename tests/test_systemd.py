@@ -71,6 +71,20 @@ def test_the_controller_restarts_well_inside_the_agents_lease():
     assert "\nRestart=always\n" in text and delay + 5.0 < HealthSpec().controller_lease_s
 
 
+def test_the_unit_and_elasticd_local_restart_the_same_exits():
+    """The controller unit's RestartPreventExitStatus is the controller's
+    FINAL_EXITS, which `elasticd local`'s restarts follow too: a controller
+    that stepped down (3), crashed (70) or was killed starts again."""
+    from elastic.controller.server import CRASHED_EXIT, DEPOSED_EXIT, FINAL_EXITS
+    from elastic.local.controllers import restarts_after
+
+    text = (UNITS / "elasticd.service").read_text()
+    final = re.search(r"\nRestartPreventExitStatus=([\d ]+)\n", text).group(1).split()
+    assert {int(code) for code in final} == FINAL_EXITS
+    codes = (None, 0, 1, 2, DEPOSED_EXIT, CRASHED_EXIT, 143, -9)
+    assert [restarts_after(c) for c in codes] == [False] * 4 + [True] * 4
+
+
 def test_sysusers_creates_the_units_user(tmp_path):
     sysusers = tool("systemd-sysusers")
     (tmp_path / "etc").mkdir()

@@ -39,7 +39,9 @@ def split(url: str) -> tuple[str, str]:
     return bucket, (prefix + "/") if prefix else ""
 
 
-def _transient(error: BaseException) -> bool:
+def transient(error: BaseException) -> bool:
+    """Whether `error` from google-cloud-storage is worth retrying: a 429,
+    a 5xx, a dropped connection or a timeout."""
     from google.api_core import exceptions
     import requests
 
@@ -51,7 +53,7 @@ def _transient(error: BaseException) -> bool:
 
 def _retrying(retry_s: float) -> tenacity.Retrying:
     return tenacity.Retrying(
-        retry=tenacity.retry_if_exception(_transient),
+        retry=tenacity.retry_if_exception(transient),
         wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=5.0, jitter=0.1),
         stop=tenacity.stop_after_delay(retry_s), reraise=True)
 
@@ -85,7 +87,8 @@ def _explain(url: str, error: Exception) -> StorageError:
         return StorageError(f"checkpoint directory {url}: permission denied "
                             f"({type(error).__name__}: {error.message})")
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return StorageError(f"checkpoint directory {url}: {type(error).__name__}: {text[:300]}")
+    return StorageError(f"checkpoint directory {url}: {type(error).__name__}: {text[:300]}",
+                        transient=transient(error))
 
 
 def committed_steps(url: str, retry_s: float = RETRY_S, gcs=None) -> list[int]:

@@ -9,7 +9,14 @@ import os
 
 
 class StorageError(RuntimeError):
-    """A checkpoint directory that cannot be used; the message says why."""
+    """A checkpoint directory that cannot be used; the message says why.
+    `transient`: the storage service did not answer, or answered that it
+    is unavailable (a 429, a 5xx, a dropped connection, a timeout), after
+    retries: what an outage gives, not a mistake in the job's spec."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 def scheme(directory: str) -> str:
@@ -40,17 +47,18 @@ def resolve(directory: str) -> "epath.Path":  # noqa: F821 (etils, imported when
     return epath.Path(directory)
 
 
-def check(directory: str | None) -> None:
+def check(directory: str | None, retry_s: float | None = None) -> None:
     """Before anything starts: a gs:// checkpoint directory needs the `gcs`
     extra, credentials, an existing bucket and the right to write under its
-    prefix (elastic.checkpoint.gcs.check_writable). Local directories are
-    made by the workers. Raises StorageError with one line."""
+    prefix (elastic.checkpoint.gcs.check_writable; transient errors retried
+    for `retry_s` seconds, default gcs.RETRY_S). Local directories are made
+    by the workers. Raises StorageError with one line."""
     if not directory or not directory.startswith("gs://"):
         return
     resolve(directory)  # the gcsfs check
     from elastic.checkpoint import gcs
 
-    gcs.check_writable(directory)
+    gcs.check_writable(directory, gcs.RETRY_S if retry_s is None else retry_s)
 
 
 def latest_step(directory: str | None) -> int:

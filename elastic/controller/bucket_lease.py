@@ -154,14 +154,16 @@ class BucketLease:
         directory's, or has not changed for `lease_s` since this controller
         first saw its generation; the journal it holds replaces the local
         one. False while another controller holds it. Raises StorageError
-        (transient errors retried) when the bucket cannot be used."""
+        when the bucket cannot be used (`transient` for an outage: a 429, a
+        5xx, a dropped connection, a timeout)."""
         try:
             return self._try_acquire()
         except StorageError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one line
             raise StorageError(f"the lease on {self.url}: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
+                               f"{str(e).splitlines()[0] if str(e) else ''}"[:300],
+                               transient=gcs.transient(e)) from None
 
     def _try_acquire(self) -> bool:
         from google.api_core import exceptions

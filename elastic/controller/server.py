@@ -33,6 +33,19 @@ LEADERSHIP_POLL_S = 0.2
 #: The exit code of a controller that stopped leading (deposed, or cut off
 #: from the bucket that holds its lease).
 DEPOSED_EXIT = 3
+#: The exit code of a controller that crashed (an unexpected error; its log
+#: has the traceback): EX_SOFTWARE of sysexits.h, not 1, which says the job
+#: failed.
+CRASHED_EXIT = 70
+#: Exit codes after which a controller must not be started again, as the
+#: unit's RestartPreventExitStatus (workers/systemd/elasticd.service):
+#: 0 the job succeeded, 1 it failed, 2 a bad command line or job spec, or
+#: another controller on the state directory. Any other exit (stepped down,
+#: crashed, killed) is restarted, by systemd or by `elasticd local`.
+FINAL_EXITS = frozenset({0, 1, 2})
+#: At most one warning this often (seconds) while the bucket that holds the
+#: lease does not answer a controller waiting to lead.
+STORAGE_WARN_EVERY_S = 30.0
 #: The controller's gRPC service (proto/elastic/v1/control.proto).
 CONTROLLER_SERVICE = "elastic.v1.Controller"
 
@@ -210,7 +223,8 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
     stopped by SIGTERM / SIGINT (agents keep their workers; a restarted
     controller takes over). SIGHUP is journaled and ignored (certificates are
     re-read at every new connection anyway; the job spec is not reloaded).
-    Every exit, an unexpected error included, journals `controller_stopped`.
+    Every exit, an unexpected error included, journals `controller_stopped`
+    (the error then propagates; `elasticd start` exits CRASHED_EXIT, 70).
     Raises StartError when the controller cannot start."""
     received: list[int] = []
     stopped = asyncio.Event()
@@ -286,13 +300,21 @@ async def _wait_to_lead(acquire, what: str, standby: bool, poll_s: float,
     waited) once held, (128 + the signal, True) when stopped first. Without
     `standby`, raises LeadershipTaken at once when another holds it; a
     StorageError is raised without `standby`, logged and polled through with
-    it."""
-    if await acquire():
-        return None, False
-    if not standby:
-        raise LeadershipTaken(f"another controller holds {what}; start this one with "
-                              f"--standby to take over when it ends")
-    log.info("standby: another controller holds %s; taking over when it ends", what)
+    it, and so is a transient one (an outage: StorageError.transient)
+    without it."""
+    try:
+        if await acquire():
+            return None, False
+    except StorageError as e:
+        if not (standby or e.transient):
+            raise
+        log.warning("%s; trying again until it answers", e)
+    else:
+        if not standby:
+            raise LeadershipTaken(f"another controller holds {what}; start this one with "
+                                  f"--standby to take over when it ends")
+        log.info("standby: another controller holds %s; taking over when it ends", what)
+    warned_at = time.monotonic()
     while not stopped.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopped.wait(), poll_s)
@@ -303,7 +325,9 @@ async def _wait_to_lead(acquire, what: str, standby: bool, poll_s: float,
                 log.info("the leader is gone; this controller holds %s", what)
                 return None, True
         except StorageError as e:
-            log.warning("standby: %s", e)
+            if time.monotonic() - warned_at >= STORAGE_WARN_EVERY_S:  # (polled every poll_s)
+                warned_at = time.monotonic()
+                log.warning("standby: %s", e)
     return 128 + received[0], True
 
 

@@ -49,9 +49,9 @@ from elastic.controller.server import ADDRESS_FILE
 from elastic.chaos import STORAGE_KINDS, Chaos, ChaosSpec
 from elastic.faults import Fault
 from elastic.local import leftovers, network
-from elastic.local.controllers import (STANDBY_DIR, controller_running, job_code, journal_dir,
-                                       kill_controller, restart_controller, spawn_controller,
-                                       spawn_standby)
+from elastic.local.controllers import (STANDBY_DIR, ControllerRestarts, controller_running,
+                                       job_code, journal_dir, kill_controller,
+                                       launch_controller, restart_controller, spawn_controller)
 from elastic.local.console import JournalFollower, progress_line
 from elastic.local.slice import LOCAL_FILE, LocalSlice, child_env, write_local_file
 from elastic.procs import signal_pid, spawn_bound
@@ -282,19 +282,20 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     controller, address = spawn_controller(argv, state_dir, env)
     controller_argv = [address if arg == listen else arg for arg in argv]
     standby_proc, standby_argv, addresses, other = None, [], address, ""
+    shares = standby and not (checkpoint_dir or spec.checkpoint_dir or "").startswith("gs://")
     if standby:
         # on its own node when isolated (any port is free there)
         other = f"{net.address(network.STANDBY)}:7470" if net is not None else \
             f"127.0.0.1:{free_port()}"  # (elastic.checkpoint.emulator's)
         standby_argv = [other if arg == listen else arg for arg in plain] + ["--standby"]
-        if (checkpoint_dir or spec.checkpoint_dir or "").startswith("gs://"):
+        if not shares:
             # controllers that share only the bucket: a state dir of its own
             # (elastic.controller.bucket_lease); the journal follows the lease
             own = private_dir(state_dir / STANDBY_DIR)
             standby_argv[standby_argv.index("--state-dir") + 1] = str(own)
         if net is not None:
             standby_argv = isolated_argv(net, network.STANDBY, standby_argv, state_dir)
-        standby_proc = spawn_standby(standby_argv, state_dir, env)
+        standby_proc = launch_controller(standby_argv, state_dir, env)
         addresses = f"{address},{other}"
     per_domain = spec.hosts_per_failure_domain
     host_key: dict[str, pathlib.Path] = {}
@@ -319,7 +320,7 @@ def start_slice(spec_path: str, spec: JobSpec, hosts: int,
     local = LocalSlice(state_dir, controller, address, agents, argvs, tls,
                        spec.health.heartbeat_timeout_s, extra_env, net, controller_argv,
                        standby=standby_proc, standby_argv=standby_argv, standby_address=other,
-                       addresses=addresses)
+                       standby_shares_state_dir=shares, addresses=addresses)
     write_local_file(local)
     return local
 
@@ -580,7 +581,13 @@ def run_local(spec_path: str, spec: JobSpec, hosts: int,
             injector.start()
         live = sys.stdout.isatty()
         next_line = time.monotonic() + (0.5 if live else progress_every_s)
-        while not received and controller_running(local):
+        restarts = ControllerRestarts(local)
+        while not received:
+            for line in restarts.poll():
+                print(("\n" if live and not quiet else "") + f"elasticd local: {line}",
+                      flush=True)
+            if not controller_running(local):
+                break
             time.sleep(0.05)
             if not quiet and time.monotonic() >= next_line:
                 next_line = time.monotonic() + (0.5 if live else progress_every_s)

@@ -2,6 +2,11 @@
 a crash would, start it again as systemd would, and tell from their exits
 how the job ended.
 
+A controller that exits with a code systemd's unit restarts (any but
+FINAL_EXITS: stepped down, crashed, killed) is started again after
+CONTROLLER_RESTART_S, with the same command line (`ControllerRestarts`),
+as the unit's Restart=always would.
+
 Two ways a standby shares the job (elastic.controller.server.serve):
 - a shared state directory (checkpoints on a local disk): the standby waits
   for the lock on it, so a killed leader is replaced at once; the killed
@@ -20,10 +25,11 @@ import dataclasses
 import pathlib
 import subprocess
 import time
+from collections.abc import Callable
 
 from elastic.chaos import CONTROLLER_RESTART_S
 from elastic.controller.journal import JOURNAL_NAME
-from elastic.controller.server import ADDRESS_FILE
+from elastic.controller.server import ADDRESS_FILE, FINAL_EXITS
 from elastic.local.slice import LocalSlice, child_env, write_local_file
 from elastic.procs import spawn_bound
 from elastic.security.files import open_private
@@ -45,16 +51,25 @@ def _wait_for_address(state_dir: pathlib.Path, controller: subprocess.Popen,
     return None
 
 
+def launch_controller(argv: list[str], state_dir: pathlib.Path,
+                      env: dict[str, str]) -> subprocess.Popen:
+    """Start a controller (bound to this process), its output appended to
+    STATE_DIR/controller.log, without waiting for it to listen (a standby
+    writes no address until it leads)."""
+    log = open_private(state_dir / "controller.log", "ab")
+    proc = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
+                       stdin=subprocess.DEVNULL, env=env)
+    log.close()
+    return proc
+
+
 def spawn_controller(argv: list[str], state_dir: pathlib.Path,
                      env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """Start the controller (bound to this process) and wait for the
     address it listens at. Raises RuntimeError when it exits or does not
     listen within 30 s (its log says why)."""
     (state_dir / ADDRESS_FILE).unlink(missing_ok=True)  # a killed one's is stale
-    log = open_private(state_dir / "controller.log", "ab")
-    controller = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env=env)
-    log.close()
+    controller = launch_controller(argv, state_dir, env)
     address = _wait_for_address(state_dir, controller, 30.0)
     if address is None:
         controller.kill()
@@ -63,20 +78,10 @@ def spawn_controller(argv: list[str], state_dir: pathlib.Path,
     return controller, address
 
 
-def spawn_standby(argv: list[str], state_dir: pathlib.Path,
-                  env: dict[str, str]) -> subprocess.Popen:
-    """Start a standby controller (it writes no address until it leads)."""
-    log = open_private(state_dir / "controller.log", "ab")
-    proc = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
-                       stdin=subprocess.DEVNULL, env=env)
-    log.close()
-    return proc
-
-
 def controller_running(local: LocalSlice) -> bool:
     """Whether the job still has a controller: one alive (the leader, or a
     standby that will take over), or one being started again."""
-    return local.controller_away or any(
+    return local.controller_away or local.standby_away or any(
         p is not None and p.poll() is None for p in (local.controller, local.standby))
 
 
@@ -99,59 +104,105 @@ def journal_dir(state_dir: pathlib.Path) -> pathlib.Path:
                key=lambda d: (d / JOURNAL_NAME).stat().st_size, default=state_dir)
 
 
-def _shares_state_dir(local: LocalSlice) -> bool:
-    """Whether the standby waits on the leader's state directory (its lock)
-    rather than on the bucket lease (a state directory of its own)."""
-    def state_dir(argv: list[str]) -> str:
-        return argv[argv.index("--state-dir") + 1]
-    return state_dir(local.standby_argv) == state_dir(local.controller_argv)
-
-
-def kill_controller(local: LocalSlice) -> tuple[int, str]:
-    """SIGKILL the controller (a crash, an OOM kill); returns its pid and
-    what happens next (for the journal).
-    With a standby on the same state directory, the standby becomes the
-    controller the run waits on (it takes over at once) and the killed one
-    comes back as the new standby (`restart_controller`). Otherwise the
-    controller is away until `restart_controller` starts it again, and a
-    standby that shares only the bucket waits on (see the module
-    docstring)."""
-    killed = local.controller
+def _leader_gone(local: LocalSlice) -> str:
+    """Mark the leader's process as gone (killed, or exited for a restart)
+    until `restart_controller`; returns what happens next, for the journal.
+    With a live standby on the same state directory, the standby becomes
+    the controller the run waits on (it takes the lock at once) and the
+    gone one comes back as the new standby. Otherwise the controller is
+    away until started again, and a standby that shares only the bucket
+    waits on (see the module docstring)."""
     if local.standby is not None and local.standby.poll() is None and \
-            _shares_state_dir(local):
-        local.controller, local.standby = local.standby, killed
+            local.standby_shares_state_dir:
+        gone = local.controller
+        local.controller, local.standby = local.standby, gone
         local.controller_argv, local.standby_argv = (
             [a for a in local.standby_argv if a != "--standby"],
             local.controller_argv + ["--standby"])
         local.address, local.standby_address = local.standby_address, local.address
-        then = (f"the standby takes over; the killed one comes back as the standby in "
+        local.standby_away = True
+        return (f"the standby takes over; the old leader comes back as the standby in "
                 f"{CONTROLLER_RESTART_S:g} s")
-    else:
-        local.controller_away = True
-        then = f"it starts again in {CONTROLLER_RESTART_S:g} s"
-        if local.standby is not None:
-            then += " and takes its bucket lease back before the standby may"
-    killed.kill()
-    killed.wait()
+    local.controller_away = True
+    then = f"it starts again in {CONTROLLER_RESTART_S:g} s"
+    if local.standby is not None:
+        then += " and takes its bucket lease back before the standby may"
+    return then
+
+
+def kill_controller(local: LocalSlice) -> tuple[int, str]:
+    """SIGKILL the controller (a crash, an OOM kill); returns its pid and
+    what happens next (for the journal; see `_leader_gone`). The caller
+    starts it again (`restart_controller`) after CONTROLLER_RESTART_S."""
+    with local.controllers_lock:
+        killed = local.controller
+        then = _leader_gone(local) if not local.controller_away else "it starts again"
+        killed.kill()
+        killed.wait()
     return killed.pid, then
 
 
 def restart_controller(local: LocalSlice) -> None:
-    """Start the killed controller again with the same command line (spec,
-    address, state directory), as systemd's Restart=always would; it adopts
-    the running slice (elastic.policy.adopt), or, after a swap with a
-    standby on the same state directory, waits as the new standby. Raises
-    RuntimeError when it does not start."""
+    """Start every controller that is away (killed, or exited with a code
+    systemd restarts) again with the same command line (spec, address,
+    state directory), as systemd's Restart=always would: a leader adopts
+    the running slice (elastic.policy.adopt), a leader swapped out for the
+    standby waits as the new standby. Does not wait for the leader to listen
+    (a controller restarted during a bucket outage waits for the bucket
+    first). Nothing is done when none is away."""
     env = {**child_env(), **local.extra_env}
-    if not local.controller_away:  # (swapped: it comes back as the standby)
-        local.standby = spawn_standby(local.standby_argv, local.state_dir, env)
+    with local.controllers_lock:
+        if local.standby_away:
+            local.standby = launch_controller(local.standby_argv, local.state_dir, env)
+            local.standby_away = False
+        if local.controller_away:
+            (local.state_dir / ADDRESS_FILE).unlink(missing_ok=True)  # the gone one's
+            local.controller = launch_controller(local.controller_argv, local.state_dir, env)
+            local.controller_away = False
         write_local_file(local)
-        return
-    try:
-        local.controller, _ = spawn_controller(local.controller_argv, local.state_dir, env)
-    finally:  # (if it did not start, the run ends with the dead one's code)
-        local.controller_away = False
-    write_local_file(local)
+
+
+def restarts_after(code: int | None) -> bool:
+    """Whether a controller whose process ended with `code`
+    (Popen.returncode: None while it runs, -N after signal N) is started
+    again, as the unit's RestartPreventExitStatus decides: any code but
+    FINAL_EXITS (0 succeeded, 1 failed, 2 refused to start)."""
+    return code is not None and code not in FINAL_EXITS
+
+
+@dataclasses.dataclass
+class ControllerRestarts:
+    """Starts the controllers of `local` again as systemd's unit would: a
+    leader or standby that exits with a code `restarts_after` accepts (3
+    stepped down, 70 crashed, a signal) is started again
+    CONTROLLER_RESTART_S later. `poll()` is called by the launcher's loop;
+    `clock`: monotonic seconds."""
+
+    local: LocalSlice
+    clock: Callable[[], float] = time.monotonic
+    due: float | None = None  # when the controllers away are started again
+
+    def poll(self) -> list[str]:
+        """Notice exits and start what is due; returns what it did, one
+        line each, for the launcher to print."""
+        local, lines = self.local, []
+        with local.controllers_lock:  # (the fault injector kills and restarts them too)
+            if not local.controller_away and restarts_after(code := local.controller.poll()):
+                then = _leader_gone(local)
+                lines.append(f"the controller exited with code {code}; {then}, as systemd "
+                             f"would")
+            standby = local.standby
+            if standby is not None and not local.standby_away and \
+                    restarts_after(code := standby.poll()):
+                local.standby_away = True
+                lines.append(f"the standby controller exited with code {code}; it starts "
+                             f"again in {CONTROLLER_RESTART_S:g} s, as systemd would")
+            if lines and self.due is None:
+                self.due = self.clock() + CONTROLLER_RESTART_S
+            if self.due is not None and self.clock() >= self.due:
+                self.due = None
+                restart_controller(local)
+        return lines
 
 
 def start_next_job(local: LocalSlice, spec_path: str,

@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 from elastic.local import leftovers
 from elastic.local.network import NetworkPlan
@@ -37,13 +38,23 @@ class LocalSlice:
     network: NetworkPlan | None = None
     # the controller's command line, listening at `address` (for restarts)
     controller_argv: list[str] = dataclasses.field(default_factory=list)
-    # True from a kill of the controller (chaos: kill-controller) until its restart
+    # True from the controller's end (chaos: kill-controller; an exit systemd
+    # would restart) until its restart (elastic.local.controllers)
     controller_away: bool = False
+    # the same for the standby (a killed leader that comes back as the standby)
+    standby_away: bool = False
+    # held while the controllers are killed, noticed gone or started again
+    # (elasticd local's loop and its fault injector's thread both do)
+    controllers_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     # a standby controller (elasticd start --standby) and its command line
     standby: subprocess.Popen | None = None
     standby_argv: list[str] = dataclasses.field(default_factory=list)
     # the standby's address (it writes no address file until it leads)
     standby_address: str = ""
+    # whether the standby waits on the leader's state directory (its lock;
+    # then the two swap places when the leader goes) rather than on the
+    # bucket lease, with a state directory of its own
+    standby_shares_state_dir: bool = False
     # what the agents are given: the controller's address, and the standby's
     addresses: str = ""
 
