@@ -181,6 +181,33 @@ def test_an_agent_whose_datagrams_go_unacked_heartbeats_on_its_stream(tmp_path, 
     assert kinds.count("generation_started") == 1
 
 
+def test_agents_of_a_controller_behind_wait_longer_for_datagrams_and_keep_their_sessions(
+        tmp_path, tagged, pki):
+    """As above, but the controller runs behind by the agents' patience (its
+    measured lag, told in every ack): they wait that much longer before they
+    go to their streams, longer than their limit on the controller's
+    silence. That limit waits for them to go, and counts from then: no
+    session ends, no host is lost."""
+    async def during(server, agents):
+        c = server.controller
+        await _until(lambda: c.state.phase.value == "running"
+                     and all(a._datagrams is not None and a._datagrams.acks >= 1 for a in agents))
+        lag = agents[0]._datagrams.patience_s
+        c.lag.allowance_s = lambda now: lag  # (what a loop this far behind measures)
+        await _until(lambda: all(a._datagrams.controller_lag_s == lag for a in agents))
+        sessions = [a.sessions_opened for a in agents]
+        server._datagrams.close()
+        await _until(lambda: all(a._datagrams is not None and a._datagrams.given_up
+                                 for a in agents), timeout_s=10)
+        await asyncio.sleep(2 * 1.5)  # two heartbeat timeouts on the streams alone
+        return (_paths(server), c.state.phase.value,
+                [a.sessions_opened for a in agents] == sessions)
+
+    (paths, phase, same_sessions), kinds = _two_agents(tmp_path, pki, "", during)
+    assert paths == {"h0": "stream", "h1": "stream"} and phase == "running" and same_sessions
+    assert not {"host_lost", "agent_silent"} & set(kinds), kinds
+
+
 def test_forged_replayed_and_overtaken_datagrams_are_dropped(tmp_path, tagged, pki):
     """Anyone can send datagrams to the port: one sealed with a key of its
     own, garbage, and an agent's datagram held back on the way until a
@@ -223,7 +250,7 @@ def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
     after REPROBE_S one heartbeat is tried as a datagram again, and its ack
     brings them back. An ack that says the controller runs behind adds its
     lag to the wait, up to the patience again."""
-    from elastic.agent.datagrams import HeartbeatDatagrams
+    from elastic.agent.datagrams import WENT_TO_STREAM, HeartbeatDatagrams
 
     async def main():
         key, now = hd.new_key(), [100.0]
@@ -257,8 +284,10 @@ def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
             assert (await asyncio.wait_for(inbox.get(), 5)) == stop and agent.acks == 1
             assert send_at(104.0) and send_at(107.0)   # acked at 103: patient again
             assert send_at(112.0)                      # held up 5 s: the wait restarts
-            assert send_at(115.0) and not agent.given_up
+            assert send_at(115.0) and not agent.given_up and agent.going_to_stream()
             assert send_at(115.5) is False and agent.given_up  # 3.5 s unacked
+            # (the session's limit on the controller's silence counts from here)
+            assert inbox.get_nowait() is WENT_TO_STREAM and not agent.going_to_stream()
             assert send_at(116.0) is False and not agent.probe_due()
             now[0] = 145.5                             # REPROBE_S later: one goes both ways
             assert agent.probe_due()
@@ -276,6 +305,7 @@ def test_the_agent_goes_back_to_its_stream_only_after_its_patience():
             assert agent.waits_s() == 5.0
             assert all(send_at(t) for t in (147.0, 149.0, 151.0, 152.0))  # 5 s unacked
             assert send_at(152.5) is False and agent.given_up
+            assert inbox.get_nowait() is WENT_TO_STREAM
             far = pb.ControllerMessage(ack=pb.HeartbeatAck(seq=1, controller_lag_s=60.0))
             server.sendto(controller.seal(far.SerializeToString()), sender)
             await asyncio.wait_for(inbox.get(), 5)

@@ -34,6 +34,10 @@ _parse = transport.lenient(pb.ControllerMessage)
 
 #: Seconds between tries of datagrams again once they went unacked.
 REPROBE_S = 30.0
+#: Put into the session's inbox when the agent gives datagrams up: its first
+#: stream heartbeat has just gone, and the controller's silence is counted
+#: again from here (elastic.agent.session).
+WENT_TO_STREAM = object()
 
 
 class HeartbeatDatagrams(asyncio.DatagramProtocol):
@@ -53,6 +57,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         self.channel = DatagramChannel(key, host_id, TO_CONTROLLER)
         self.inbox, self.address, self.clock = inbox, address, clock
         self.patience_s = patience_s
+        self.interval_s = interval_s
         # a gap this long between two sends: this agent did not run meanwhile
         self.held_up_s = max(2 * interval_s, patience_s)
         self.transport: asyncio.DatagramTransport | None = None
@@ -80,6 +85,7 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
                         "or lost on the way, or the controller behind?); heartbeats go on the "
                         "stream, and try datagrams again every %.0f s", now - self.unacked_since,
                         REPROBE_S)
+            self.inbox.put_nowait(WENT_TO_STREAM)
             return False
         if not self._sendto(message):
             return False
@@ -109,6 +115,16 @@ class HeartbeatDatagrams(asyncio.DatagramProtocol):
         10,000 agents on 2026-11-26: a third of the agents moved to their
         streams while the controller ran 3.2 s behind)."""
         return self.patience_s + min(self.controller_lag_s, self.patience_s)
+
+    def going_to_stream(self) -> bool:
+        """Whether datagrams went unacked and the agent has not gone to its
+        stream yet, which it does at a heartbeat once they have gone unacked
+        for `waits_s()`. Until then the controller has had no heartbeat it
+        could ack on the stream, so its silence is no sign yet: with the
+        lag it told added, the wait can be longer than the session's
+        silence limit (elastic.agent.session)."""
+        return not self.given_up and self.unacked_since is not None and \
+            self.clock() - self.unacked_since <= self.waits_s() + 2 * self.interval_s
 
     def probe_due(self) -> bool:
         """Whether to try datagrams again (they went unacked REPROBE_S or

@@ -21,7 +21,7 @@ import tenacity
 
 from elastic import protocol, transport
 from elastic.agent import fence
-from elastic.agent.datagrams import open_datagrams
+from elastic.agent.datagrams import WENT_TO_STREAM, open_datagrams
 from elastic.policy.adopt import AGENT_RECONNECT_MAX_S
 from elastic.policy.silence import STREAM_OPEN_S
 from elastic.security.tls import TLSError
@@ -204,6 +204,9 @@ class ControllerSession:
         # stopped or cut off (its connection may stay open for minutes):
         # end the session and go round the addresses (a standby may lead).
         # (Reads go through a queue: a cancelled read would end the call.)
+        # While its datagrams go unacked and before it goes to the stream, and
+        # from when it does, the limit counts from then: with the lag the
+        # controller told added, the datagrams' wait may be longer.
         silence_s = max(reply.heartbeat_timeout_s, 3 * reply.heartbeat_interval_s)
         # Until the stream's first answer, as long as the controller waits for
         # the stream itself: with thousands of agents connecting, gRPC holds a
@@ -237,12 +240,14 @@ class ControllerSession:
                     message = await asyncio.wait_for(inbox.get(), wait_s)
                 except TimeoutError:
                     await asyncio.sleep(0.5)  # (this agent may have been stopped itself)
-                    if inbox.empty():
+                    if inbox.empty() and not (datagrams and datagrams.going_to_stream()):
                         log.warning("controller %s silent for %.1f s%s; looking for a "
                                     "controller", address, wait_s,
                                     "" if answered else " since the stream opened")
                         raise _Silent()
                     continue
+                if message is WENT_TO_STREAM:
+                    continue  # (the silence limit counts from its first stream heartbeat)
                 answered = True
                 if message is None:
                     await asyncio.wait([reader])
