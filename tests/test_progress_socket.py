@@ -45,3 +45,38 @@ def test_reports_from_another_user_are_dropped(proc_env):
     dropped = asyncio.run(main())
     assert dropped == 1
     assert [decode(d).step for d in received] == [3]
+
+
+def test_the_last_reports_reach_a_slow_agent_when_the_worker_finishes():
+    """Reports that find the agent's socket full are dropped (training never
+    waits for the agent); at the end there is no next report to carry the
+    last step, so close() sends the last step and committed step again and
+    waits for room. Here the agent reads nothing until the worker has sent
+    600 steps (more than any queue of Linux's datagram sockets holds), then
+    reads while close() waits."""
+    import threading
+
+    address = f"@elastic-progress-test-{uuid.uuid4().hex[:8]}"
+    received: list[Report] = []
+    receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
+    try:
+        reporter = ProgressReporter(address, 3)
+        reporter.committed(399)
+        for step in range(600):
+            reporter.step(step, loss=1.0 / (step + 1))
+        assert reporter.dropped > 0  # the agent was too slow for them all
+        closing = threading.Thread(target=reporter.close)
+        closing.start()
+        while closing.is_alive() or not received:
+            receiver.receive()  # the agent catches up while close() waits for room
+        closing.join()
+        receiver.receive()
+        last = received[-2:]
+        assert Report(3, step=599, metrics={"loss": 1.0 / 600}) in last, last
+        assert Report(3, committed_step=399) in last, last
+        count = len(received)
+        reporter.step(600)  # after close: nothing sent
+        receiver.receive()
+        assert len(received) == count
+    finally:
+        receiver.close()

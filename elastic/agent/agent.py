@@ -116,6 +116,7 @@ class Agent(ControllerSession):
         self.ports = PortProber()
         self._prestart_next = False
         self.progress_address = f"@elastic-progress-{self.incarnation}"
+        self._progress_receiver: progress.ProgressReceiver | None = None
         self._outbox: asyncio.Queue | None = None
         # the session's heartbeat datagrams (elastic.agent.datagrams), if any
         self._datagrams: HeartbeatDatagrams | None = None
@@ -244,6 +245,10 @@ class Agent(ControllerSession):
             datagrams.probe(pb.AgentMessage(header=self._header(), heartbeat=heartbeat))
 
     def _worker_exited(self, status: pb.WorkerStatus) -> None:
+        if self._progress_receiver is not None:
+            # reports the worker sent before it exited count first (its reaping
+            # and its last datagrams may be ready in the same pass of the loop)
+            self._progress_receiver.receive()
         outcome = "stopped" if status.stopped_on_request else \
             "succeeded" if status.exit_code == 0 and not status.signal else "failed"
         self.worker_exits[outcome] = self.worker_exits.get(outcome, 0) + 1
@@ -535,6 +540,7 @@ class Agent(ControllerSession):
         await self._serve_ports(loop)
         receiver = progress.ProgressReceiver(self.progress_address, self._progress)
         receiver.attach(loop)
+        self._progress_receiver = receiver
         connection = asyncio.create_task(self._connect_forever())
         self._spawn(self._keep_lease())
         if self.settings.metadata_url:
@@ -555,6 +561,7 @@ class Agent(ControllerSession):
             connection.cancel()
             for task in list(self._tasks):
                 task.cancel()
+            self._progress_receiver = None
             receiver.close()
             if self.service is not None:
                 await self.service.stop()

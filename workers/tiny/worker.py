@@ -110,6 +110,7 @@ def main() -> int:
         if env.process_id == 0 and (step + 1) % args.checkpoint_every == 0:
             save(step, emergency=False)
     print(f"tiny worker: done at step {args.steps - 1}", flush=True)
+    progress.close()  # (the last step again, should the agent have been too slow for it)
     return 0
 
 
