@@ -99,9 +99,11 @@ def test_a_controller_behind_is_corrected_and_a_step_is_followed_at_once():
 @pytest.mark.parametrize("corrected", [True, False])
 def test_a_controller_clock_ahead_of_its_agents_is_not_read_as_lag(tmp_path, pki, corrected):
     """Two real agents whose clocks run 30 s behind the controller's. With
-    their heartbeats stamped on its clock, the controller reads no lag and
-    admits a third agent; stamped on their own (`corrected` False: the agents
-    learn no offset), it reads the 30 s as its lag and defers the third."""
+    their heartbeats stamped on its clock, the controller never reads the 30 s
+    as lag and admits a third agent (on a loaded machine it may first defer
+    it for a moment of real lag: all run on one starved loop here);
+    stamped on their own (`corrected` False: the agents learn no offset), it
+    reads the 30 s as its lag and defers the third."""
     spec = load_spec(tiny_spec(tmp_path, min_hosts=4, max_hosts=4))  # (it waits: idle hosts)
 
     def agent(address: str, host: str) -> Agent:
@@ -127,19 +129,21 @@ def test_a_controller_clock_ahead_of_its_agents_is_not_read_as_lag(tmp_path, pki
         delays = c.receipts.latencies()[-4:]
         third = agent(address, "h2")
         tasks.append(asyncio.create_task(third.run()))
-        await until(lambda: third.sessions_opened or c.registrations_deferred, 30,
-                    "h2 to be admitted or deferred")
-        lag_s, deferred = c.measured_lag_s, c.registrations_deferred
+        if corrected:
+            await until(lambda: third.sessions_opened, 30, "h2 to be admitted")
+        else:
+            await until(lambda: c.registrations_deferred, 30, "h2 to be deferred")
+        lag_s, deferred, worst_s = c.measured_lag_s, c.registrations_deferred, c.lag.worst_s
         for a in agents + [third]:
             a.shutdown()
         await asyncio.gather(*tasks)
         loop_task.cancel()
         await server.stop("test over")
-        return delays, lag_s, deferred
+        return delays, lag_s, deferred, worst_s
 
-    delays, lag_s, deferred = asyncio.run(asyncio.wait_for(main(), 60))
-    if corrected:
-        assert max(delays) < 1.0 and lag_s < 1.0 and deferred == 0, (delays, lag_s, deferred)
+    delays, lag_s, deferred, worst_s = asyncio.run(asyncio.wait_for(main(), 60))
+    if corrected:  # (admitted: the wait above)
+        assert max(delays) < 1.0 and worst_s < SKEW_S - 1, (delays, worst_s, deferred)
     else:  # (the skew is real in this test, and would be read as lag)
         assert min(delays) > SKEW_S - 1 and lag_s > SKEW_S - 1 and deferred >= 1, \
             (delays, lag_s, deferred)
