@@ -302,6 +302,7 @@ async def _wait_to_lead(acquire, what: str, standby: bool, poll_s: float,
     StorageError is raised without `standby`, logged and polled through with
     it, and so is a transient one (an outage: StorageError.transient)
     without it."""
+    warned_at = float("-inf")  # (the last warning that the bucket does not answer)
     try:
         if await acquire():
             return None, False
@@ -309,12 +310,12 @@ async def _wait_to_lead(acquire, what: str, standby: bool, poll_s: float,
         if not (standby or e.transient):
             raise
         log.warning("%s; trying again until it answers", e)
+        warned_at = time.monotonic()
     else:
         if not standby:
             raise LeadershipTaken(f"another controller holds {what}; start this one with "
                                   f"--standby to take over when it ends")
         log.info("standby: another controller holds %s; taking over when it ends", what)
-    warned_at = time.monotonic()
     while not stopped.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopped.wait(), poll_s)

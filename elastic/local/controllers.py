@@ -55,7 +55,8 @@ def launch_controller(argv: list[str], state_dir: pathlib.Path,
                       env: dict[str, str]) -> subprocess.Popen:
     """Start a controller (bound to this process), its output appended to
     STATE_DIR/controller.log, without waiting for it to listen (a standby
-    writes no address until it leads)."""
+    writes no address until it leads). Raises OSError when it cannot be
+    started (the log cannot be opened, the program not executed)."""
     log = open_private(state_dir / "controller.log", "ab")
     proc = spawn_bound(argv, stdout=log, stderr=subprocess.STDOUT,
                        stdin=subprocess.DEVNULL, env=env)
@@ -149,7 +150,8 @@ def restart_controller(local: LocalSlice) -> None:
     the running slice (elastic.policy.adopt), a leader swapped out for the
     standby waits as the new standby. Does not wait for the leader to listen
     (a controller restarted during a bucket outage waits for the bucket
-    first). Nothing is done when none is away."""
+    first). Nothing is done when none is away. Raises OSError when one
+    cannot be started (launch_controller)."""
     env = {**child_env(), **local.extra_env}
     with local.controllers_lock:
         if local.standby_away:
