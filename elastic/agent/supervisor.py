@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from elastic import worker_env
+from elastic.agent.child import WorkerProcess, spawn
 from elastic.agent.logs import WorkerLog
 from elastic.checkpoint import storage
 from elastic.procs import (WORKER_PROCESS_GROUP, die_with_parent, process_state, signal_group,
@@ -67,18 +68,27 @@ def launch_key(argv: list[str], full_env: Mapping[str, str], workdir: str) -> tu
     return (argv[0], workdir, env, storage.scheme(full_env.get(worker_env.ENV_CHECKPOINT_DIR, "")))
 
 
+def _ended(pid: int) -> bool:
+    """Whether child `pid` has exited, reaped or not (asyncio's child watcher
+    reaps in a thread before the loop hears of it)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # (reaped already)
+        return True
+
+
 @dataclasses.dataclass
 class Prestarted:
     """A pre-started worker process (elastic.worker.prestart): `ready`
     resolves True once it has imported what it preloads and waits for its
     launch, False if it exited first."""
 
-    proc: asyncio.subprocess.Process
+    proc: WorkerProcess
     key: tuple
     ready: asyncio.Task
 
 
-async def _ready(proc: asyncio.subprocess.Process) -> bool:
+async def _ready(proc: WorkerProcess) -> bool:
     while line := await proc.stderr.readline():
         if line.rstrip() == READY_LINE:
             return True
@@ -111,7 +121,7 @@ class WorkerSupervisor:
         self.incarnation = incarnation
         self.on_exit = on_exit
         self.status = pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1, committed_step=-1)
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: WorkerProcess | None = None
         self._watch: asyncio.Task | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self._stop_requested = False
@@ -174,8 +184,8 @@ class WorkerSupervisor:
         how = "in its pre-started process" if proc else "cold"
         if proc is None:
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    *die_with_parent(argv), cwd=workdir or None, env=full_env,
+                proc = await spawn(
+                    die_with_parent(argv), cwd=workdir or None, env=full_env,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE, **WORKER_PROCESS_GROUP)
             except OSError as e:
@@ -225,9 +235,9 @@ class WorkerSupervisor:
         spawn_env = {k: v for k, v in full_env.items() if k not in worker_env.PER_GENERATION_ENV}
         script = [] if argv[1] == "-m" else [argv[1]]
         try:
-            proc = await asyncio.create_subprocess_exec(
+            proc = await spawn(
                 # -P: the working directory is not put on the import path
-                *die_with_parent([argv[0], "-P", "-m", "elastic.worker.prestart", *script]),
+                die_with_parent([argv[0], "-P", "-m", "elastic.worker.prestart", *script]),
                 cwd=workdir or None, env=spawn_env, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 **WORKER_PROCESS_GROUP)
@@ -238,7 +248,7 @@ class WorkerSupervisor:
         log.info("pre-started pid %d for the next worker", proc.pid)
 
     async def _launch_prestarted(self, argv: list[str], full_env: dict[str, str],
-                                 workdir: str) -> asyncio.subprocess.Process | None:
+                                 workdir: str) -> WorkerProcess | None:
         warm, self._prestarted = self._prestarted, None
         if warm is None:
             return None
@@ -270,7 +280,7 @@ class WorkerSupervisor:
             return None
         return warm.proc
 
-    def discard_prestarted(self) -> asyncio.subprocess.Process | None:
+    def discard_prestarted(self) -> WorkerProcess | None:
         """Kill the pre-started process, if any; returns it (to await)."""
         warm, self._prestarted = self._prestarted, None
         if warm is not None:
@@ -301,17 +311,19 @@ class WorkerSupervisor:
             if tail:
                 self._tail.append(line.decode(errors="replace").rstrip("\n"))
 
-    async def _watch_exit(self, proc: asyncio.subprocess.Process, generation: int) -> None:
+    async def _watch_exit(self, proc: WorkerProcess, generation: int) -> None:
         keep = None if self.log_state_dir is None else \
             WorkerLog(self.log_state_dir, generation, self.status.process_id)
         pumps = asyncio.gather(self._pump(proc.stdout, sys.stdout.buffer, keep, False),
                                self._pump(proc.stderr, sys.stderr.buffer, keep, True))
-        code = await proc.wait()
+        code = await proc.ended  # (not proc.wait(): it waits for the pipes too)
+        on_request = self._stop_requested  # (a stop from here on found it ended by itself)
         signal_group(proc.pid)  # grandchildren in the worker's group go with it
         try:
             await asyncio.wait_for(pumps, 1.0)  # a leftover may hold the pipes open
         except (TimeoutError, asyncio.CancelledError):
             pumps.cancel()
+            proc.transport.close()  # (lets go of them)
         finally:
             if keep is not None:
                 keep.close()
@@ -320,7 +332,7 @@ class WorkerSupervisor:
         self.status.state = pb.WORKER_EXITED
         self.status.exit_code = code if code >= 0 else 0
         self.status.signal = -code if code < 0 else 0
-        self.status.stopped_on_request = self._stop_requested
+        self.status.stopped_on_request = on_request
         self.status.stderr_tail = "\n".join(self._tail)[-4000:]
         self._proc = None
         log.info("worker of generation %d (pid %d) exited: code %d", generation, proc.pid, code)
@@ -340,16 +352,17 @@ class WorkerSupervisor:
         proc, watch = self._proc, self._watch
         if proc is None or not self.running or self.status.generation > generation:
             return
-        self._stop_requested = True
-        if grace_s > 0:
-            signal_group(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(asyncio.shield(watch), grace_s)
-                return
-            except TimeoutError:
-                log.warning("worker pid %d still running %.1f s after SIGTERM; SIGKILL",
-                            proc.pid, grace_s)
-        signal_group(proc.pid, signal.SIGKILL)
+        if not _ended(proc.pid):  # (one that ended by itself first was not stopped)
+            self._stop_requested = True
+            if grace_s > 0:
+                signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(asyncio.shield(watch), grace_s)
+                    return
+                except TimeoutError:
+                    log.warning("worker pid %d still running %.1f s after SIGTERM; SIGKILL",
+                                proc.pid, grace_s)
+            signal_group(proc.pid, signal.SIGKILL)
         try:
             await asyncio.wait_for(asyncio.shield(watch), 5.0)
         except TimeoutError:

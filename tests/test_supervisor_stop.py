@@ -1,0 +1,79 @@
+"""A worker's exit is reported the moment it ends, even while a process it
+started holds its stdout and stderr open; and one that ended by itself
+before its agent's stop arrived is reported as ended by itself, not "on
+request": adoption and the journal tell a crash from a stop by it
+(elastic.agent.supervisor, elastic.agent.child)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import reaped
+from elastic.agent.supervisor import WorkerSupervisor, _ended
+from elastic.procs import signal_pid
+
+LEAVES_A_PIPE_HOLDER = """
+import pathlib, subprocess, sys
+# a process it started outlives it and holds its stdout and stderr open
+holder = subprocess.Popen(["sleep", "30"], start_new_session=sys.argv[1] == "session")
+pathlib.Path("holder.pid").write_text(str(holder.pid))
+sys.exit(1)
+"""
+
+
+def _exit_of(pid: int) -> None:
+    """Return once child `pid` has exited (reaping nothing)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # (asyncio's child watcher reaped it first)
+        pass
+
+
+@pytest.mark.parametrize("where", ["group", "session"])
+def test_an_exit_is_reported_at_once_and_a_stop_after_it_is_not_its_reason(tmp_path, proc_env,
+                                                                          where):
+    """In the worker's process group, the holder goes with the group (the
+    agent kills it once the worker has ended); in a session of its own it
+    stays, and the agent reads the pipes for a second more. asyncio's
+    Process.wait() would have waited for it (30 s here). The controller's
+    stop arrives after the exit, while the pipes are still read."""
+    (tmp_path / "worker.py").write_text(LEAVES_A_PIPE_HOLDER)
+    exits = []
+
+    async def scenario():
+        reported = asyncio.Event()
+        sup = WorkerSupervisor(str(tmp_path / "state"), "inc",
+                               lambda status: (exits.append(status), reported.set()))
+        try:
+            await sup.start(1, [sys.executable, "worker.py", where], dict(proc_env),
+                            str(tmp_path))
+            await asyncio.wait_for(asyncio.to_thread(_exit_of, sup.status.pid), 60)
+            assert sup.running  # (its pipes are still read)
+            await sup.stop(1, 0.0)
+            await asyncio.wait_for(reported.wait(), 10)
+            if where == "session":  # reported while the holder still runs
+                assert signal_pid(int((tmp_path / "holder.pid").read_text()), 0)
+        finally:
+            sup.kill_now()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        signal_pid(int((tmp_path / "holder.pid").read_text()), 9)  # (gone with its group?)
+    [status] = exits
+    assert (status.exit_code, status.signal) == (1, 0)
+    assert not status.stopped_on_request
+
+
+def test_ended_tells_a_child_that_exited_before_it_is_reaped(proc_env):
+    with reaped(subprocess.Popen(["sleep", "30"], env=proc_env)) as running:
+        assert not _ended(running.pid)
+    with reaped(subprocess.Popen(["true"], env=proc_env)) as child:
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # (waits; reaps nothing)
+        assert _ended(child.pid)  # a zombie
+    assert _ended(child.pid)  # reaped
