@@ -79,3 +79,31 @@ def test_the_last_reports_reach_a_slow_agent_when_the_worker_finishes():
         assert len(received) == count
     finally:
         receiver.close()
+
+
+def test_a_worker_failing_tells_even_a_slow_agent_why():
+    """The word that a worker is failing (and whether by its own error or a
+    peer's) decides which host is blamed: like the last reports, it waits
+    for room in a full socket instead of being dropped."""
+    import threading
+
+    address = f"@elastic-progress-test-{uuid.uuid4().hex[:8]}"
+    received: list[Report] = []
+    receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
+    try:
+        reporter = ProgressReporter(address, 3)
+        for step in range(600):
+            reporter.step(step)
+        assert reporter.dropped > 0
+        failing = threading.Thread(target=reporter.failing, args=("peer",))
+        failing.start()
+        while failing.is_alive():
+            receiver.receive()
+        receiver.receive()
+        assert received[-1] == Report(3, failure="peer"), received[-1]
+        with pytest.raises(ValueError, match="failure cause 'both'"):
+            reporter.failing("both")
+        with pytest.raises(ValueError, match="failure"):
+            decode(b'{"g":3,"x":"both"}')
+    finally:
+        receiver.close()

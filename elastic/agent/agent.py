@@ -307,6 +307,10 @@ class Agent(ControllerSession):
                     isinstance(report.fields.get("step"), int):
                 self.replica_sender.offer(report.fields["step"])
             return
+        if report.failure:  # (the controller hears of it now, while the worker may wait)
+            if self.supervisor.note_failure(report.generation, report.failure):
+                self._heartbeat()
+            return
         if report.event:
             if report.generation == self.supervisor.status.generation:
                 self._post(worker_event=pb.WorkerEvent(

@@ -31,6 +31,9 @@ from elastic.v1 import control_pb2 as pb
 
 log = logging.getLogger("elastic-agent")
 
+_FAILURE_CAUSES = {"own": pb.FAILURE_CAUSE_OWN, "peer": pb.FAILURE_CAUSE_PEER}
+
+
 def kill_leftovers(owner: str, incarnation: str) -> list[int]:
     """SIGKILL every process marked as started by an agent with state dir
     `owner` but another incarnation (what a previous agent process left).
@@ -384,6 +387,16 @@ class WorkerSupervisor:
         self.discard_prestarted()
         if self._proc is not None:
             signal_group(self._proc.pid)
+
+    def note_failure(self, generation: int, cause: str) -> bool:
+        """Record the worker's word that it is failing, and why (`cause`:
+        "own" or "peer", elastic.worker.progress.FAILURES); returns whether
+        the status changed. A report of another generation is ignored."""
+        value = _FAILURE_CAUSES.get(cause, pb.FAILURE_CAUSE_UNSPECIFIED)
+        if generation != self.status.generation or self.status.failure_cause == value:
+            return False
+        self.status.failure_cause = value
+        return True
 
     def note_progress(self, generation: int, step: int | None, committed_step: int | None,
                       metrics: Mapping[str, float] | None = None) -> tuple[bool, bool]:

@@ -45,6 +45,7 @@ log = logging.getLogger("elasticd")
 
 _STATES = {pb.WORKER_IDLE: v.WorkerState.IDLE, pb.WORKER_RUNNING: v.WorkerState.RUNNING,
            pb.WORKER_EXITED: v.WorkerState.EXITED}
+_FAILURE_CAUSES = {pb.FAILURE_CAUSE_OWN: "own", pb.FAILURE_CAUSE_PEER: "peer"}
 _CODES = {"denied": grpc.StatusCode.PERMISSION_DENIED,
           "incompatible": grpc.StatusCode.FAILED_PRECONDITION,
           "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -115,7 +116,8 @@ def worker_obs(status: pb.WorkerStatus) -> v.WorkerObs:
         stopped_on_request=status.stopped_on_request,
         step=status.step, committed_step=status.committed_step, metrics=dict(status.metrics),
         suspended=status.suspended, process_id=status.process_id,
-        num_processes=status.num_processes)
+        num_processes=status.num_processes,
+        failure_cause=_FAILURE_CAUSES.get(status.failure_cause, ""))
 
 
 def _still_due(command: pb.ControllerMessage | None, state: SliceState, host: str) -> bool:

@@ -28,7 +28,6 @@ elected master "reads state from the Paxos store and polls the Borglets").
 from __future__ import annotations
 
 import dataclasses
-import signal
 from typing import NamedTuple
 
 from elastic.policy.view import ClusterView, WorkerState
@@ -84,15 +83,17 @@ def crashed(inherited: Inherited, view: ClusterView) -> list[str]:
     or the agent's self-fencing once no controller was heard for its lease)
     while no controller ran, the likeliest root cause first: a worker that
     exited with a code of its own, then one killed by another signal, then
-    one aborted (SIGABRT: what JAX's coordination service does to the peers
-    of a dead process); in rank order within each."""
+    an echo of another's failure (WorkerObs.failed_by_peer: a collective
+    failed under it, or it was aborted, SIGABRT, which is what JAX's
+    coordination service does to the peers of a dead process); in rank
+    order within each."""
     g = inherited.generation
     found = [(rank, r.worker) for rank, h in enumerate(inherited.hosts)
              if (r := view.get(h)) is not None and r.worker.generation == g
              and r.worker.state is WorkerState.EXITED and not r.worker.succeeded
              and not r.worker.stopped_on_request]
-    found.sort(key=lambda item: (0 if not item[1].signal else
-                                 2 if item[1].signal == signal.SIGABRT else 1, item[0]))
+    found.sort(key=lambda item: (2 if item[1].failed_by_peer else 1 if item[1].signal else 0,
+                                 item[0]))
     return [inherited.hosts[rank] for rank, _ in found]
 
 

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Set
 
 from elastic.config import JobSpec
-from elastic.policy import adopt, failure_history, fencing, grow, quarantine, silence, strays
+from elastic.policy import adopt, blame, failure_history, fencing, grow, quarantine, silence, strays
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
@@ -345,26 +345,29 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
 
 
 def _member_failure(state: SliceState, record: HostRecord | None, host: str,
-                    incarnation: str) -> tuple[float, str] | None:
-    """(when, why) if member `host` (`record`: its record, None if it has
-    none) failed in the current generation, else None.
+                    incarnation: str) -> blame.MemberFailure | None:
+    """How member `host` (`record`: its record, None if it has none)
+    failed in the current generation, None if it did not.
     A member whose agent now counts fewer devices than the generation puts
     in the mesh (a chip failed), or another kind, has failed too: its worker
     cannot go on, and the next plan leaves it out or shrinks the mesh."""
     if record is None or host in state.lost:
-        return (record.last_heartbeat_at if record else 0.0), f"host {host} lost"
+        return blame.MemberFailure(record.last_heartbeat_at if record else 0.0, host,
+                                   f"host {host} lost")
     if record.incarnation != incarnation:
-        return record.registered_at, (f"agent of host {host} restarted (incarnation "
-                                      f"{incarnation} -> {record.incarnation})")
+        return blame.MemberFailure(record.registered_at, host, (
+            f"agent of host {host} restarted (incarnation {incarnation} -> "
+            f"{record.incarnation})"))
     if state.devices_per_host and (record.devices < state.devices_per_host
                                    or record.device_kind != state.device_kind):
         kind = f" {record.device_kind}" if record.device_kind != state.device_kind else ""
-        return record.devices_changed_at, (
+        return blame.MemberFailure(record.devices_changed_at, host, (
             f"host {host} now reports {record.devices}{kind} device(s); generation "
-            f"{state.generation} uses {state.devices_per_host} per host")
+            f"{state.generation} uses {state.devices_per_host} per host"))
     w = record.worker
     if w.generation == state.generation and w.state is WorkerState.EXITED and not w.succeeded:
-        return record.exited_at, f"worker on host {host} exited with {w.describe_exit()}"
+        return blame.MemberFailure(record.exited_at, host, f"worker on host {host} exited with "
+                                   f"{w.describe_exit()}", w.failed_by_peer)
     return None
 
 
@@ -381,7 +384,7 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         record = hosts.get(host)
         failure = _member_failure(state, record, host, incarnation)
         if failure:
-            failures.append((failure[0], host, failure[1]))
+            failures.append(failure)
             continue
         members.append(record)
         w = record.worker
@@ -406,12 +409,18 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         # A member whose connection closed (its agent died: its worker did,
         # and the peers' collectives abort) is the likelier root cause than a
         # peer's exit reported in the same instant.
-        failed = {f[1] for f in failures}
-        failures += [(at, host, f"host {host} disconnected (its agent's stream closed)")
+        failed = {f.host for f in failures}
+        failures += [blame.MemberFailure(at, host, f"host {host} disconnected (its agent's "
+                                                   f"stream closed)")
                      for host in state.members
                      if host not in failed and (at := view.disconnected.get(host)) is not None]
-        when, host, why = min(failures)
-        return _begin_stop(state, now, spec, actions, "failure", why, (host,),
+        declared = [r.host_id for r in members if r.worker.generation == generation
+                    and r.worker.running and r.worker.failure_cause == "own"]
+        found = blame.culprit(failures, declared, len(failures) < len(state.members), now)
+        if found.waiting:
+            return state if state.reason == found.why else dataclasses.replace(state,
+                                                                                reason=found.why)
+        return _begin_stop(state, now, spec, actions, "failure", found.why, found.hosts,
                            view.hosts.keys() - state.lost)
     carried = sum(h in state.carried for h in state.members) if state.carried else 0
     if done == len(state.members) or (carried and done and done + carried == len(state.members)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import signal as signals
 from collections.abc import Collection, Iterator
 
 
@@ -30,6 +31,9 @@ class WorkerObs:
     step / committed_step: last reported training / checkpoint step, -1 none.
     process_id / num_processes: its rank in its generation and the
       generation's process count (0 / 0: not reported).
+    failure_cause: "" (not said), or the worker's word that it is failing
+      (it may still be running): "own" (its own error) or "peer" (a
+      collective failed under it: a peer's failure seen from here).
     """
 
     generation: int = 0
@@ -45,6 +49,7 @@ class WorkerObs:
     suspended: bool = False
     process_id: int = 0
     num_processes: int = 0
+    failure_cause: str = ""
 
     @property
     def running(self) -> bool:
@@ -54,12 +59,19 @@ class WorkerObs:
     def succeeded(self) -> bool:
         return self.state is WorkerState.EXITED and self.exit_code == 0 and self.signal == 0
 
+    @property
+    def failed_by_peer(self) -> bool:
+        """Whether its failure reads as another process's seen from here: a
+        collective failed under it ("peer"), or JAX's coordination service
+        aborted it (SIGABRT, what it does to the peers of a dead process)."""
+        return self.failure_cause == "peer" or (self.signal == signals.SIGABRT
+                                                and self.failure_cause != "own")
+
     def describe_exit(self) -> str:
         """"exit code 3" / "signal 9 (SIGKILL)", for reasons."""
         if self.signal:
-            import signal as _signal
             try:
-                name = _signal.Signals(self.signal).name
+                name = signals.Signals(self.signal).name
             except ValueError:
                 name = "?"
             return f"signal {self.signal} ({name})"
@@ -336,7 +348,7 @@ def _merge_worker(record: HostRecord, reported: WorkerObs, now: float) -> bool:
     elif reported.step > old.step:
         record.step_at = now
         _note_jump(record, old.step, reported.step)
-    changed |= old.suspended != reported.suspended
+    changed |= old.suspended != reported.suspended or old.failure_cause != reported.failure_cause
     record.suspended_at = (record.suspended_at or now) if reported.suspended else 0.0
     record.worker = reported
     return changed
@@ -455,6 +467,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
                            + (f"; stderr: {tail[0][:200]}" if tail else ""),
                            {"exit_code": w.exit_code, "signal": w.signal,
                             "stopped_on_request": w.stopped_on_request, "step": w.step,
+                            "failure_cause": w.failure_cause,
                             "stderr_tail": w.stderr_tail[-2000:]})]
     if isinstance(event, ProgressReported):
         opened = view._touch(record, now)  # (an agent sends what it queued first)

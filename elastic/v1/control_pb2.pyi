@@ -13,10 +13,19 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_IDLE: _ClassVar[WorkerState]
     WORKER_RUNNING: _ClassVar[WorkerState]
     WORKER_EXITED: _ClassVar[WorkerState]
+
+class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_CAUSE_UNSPECIFIED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_OWN: _ClassVar[FailureCause]
+    FAILURE_CAUSE_PEER: _ClassVar[FailureCause]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_IDLE: WorkerState
 WORKER_RUNNING: WorkerState
 WORKER_EXITED: WorkerState
+FAILURE_CAUSE_UNSPECIFIED: FailureCause
+FAILURE_CAUSE_OWN: FailureCause
+FAILURE_CAUSE_PEER: FailureCause
 
 class Header(_message.Message):
     __slots__ = ("job_id", "host_id", "incarnation", "generation", "seq")
@@ -33,7 +42,7 @@ class Header(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("generation", "state", "pid", "exit_code", "signal", "stderr_tail", "stopped_on_request", "step", "committed_step", "metrics", "suspended", "process_id", "num_processes")
+    __slots__ = ("generation", "state", "pid", "exit_code", "signal", "stderr_tail", "stopped_on_request", "step", "committed_step", "metrics", "suspended", "process_id", "num_processes", "failure_cause")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +63,7 @@ class WorkerStatus(_message.Message):
     SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     state: WorkerState
     pid: int
@@ -67,7 +77,8 @@ class WorkerStatus(_message.Message):
     suspended: bool
     process_id: int
     num_processes: int
-    def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., suspended: _Optional[bool] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ...) -> None: ...
+    failure_cause: FailureCause
+    def __init__(self, generation: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., stopped_on_request: _Optional[bool] = ..., step: _Optional[int] = ..., committed_step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., suspended: _Optional[bool] = ..., process_id: _Optional[int] = ..., num_processes: _Optional[int] = ..., failure_cause: _Optional[_Union[FailureCause, str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "devices", "address", "failure_domain", "agent_pid", "worker", "free_port", "device_kind", "fenced", "service_port", "metrics_port", "protocol", "release")

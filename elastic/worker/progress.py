@@ -27,9 +27,13 @@ from collections.abc import Callable
 
 log = logging.getLogger("elastic-agent")
 
-#: How long (seconds) `ProgressReporter.close` waits for room in the agent's
-#: socket for the last reports.
+#: How long (seconds) `ProgressReporter.close` and `.failing` wait for room
+#: in the agent's socket for each of the reports that must not be dropped.
 FLUSH_S = 2.0
+
+#: A worker's judgement of its failure (elastic.worker.failure_cause): its
+#: own error, or a collective failing under it because a peer failed.
+FAILURES = ("own", "peer")
 
 
 def socket_address(text: str) -> str:
@@ -40,7 +44,9 @@ def socket_address(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """One datagram: a step (with metrics), a committed step, or an event."""
+    """One datagram: a step (with metrics), a committed step, an event, or
+    a failure (`failure`: one of FAILURES, the worker's judgement of why it
+    is failing)."""
 
     generation: int
     step: int | None = None
@@ -49,10 +55,12 @@ class Report:
     event: str | None = None
     reason: str = ""
     fields: dict = dataclasses.field(default_factory=dict)
+    failure: str | None = None
 
     def encode(self) -> bytes:
         body: dict = {"g": self.generation}
-        for key, value in (("s", self.step), ("c", self.committed_step), ("e", self.event)):
+        for key, value in (("s", self.step), ("c", self.committed_step), ("e", self.event),
+                           ("x", self.failure)):
             if value is not None:
                 body[key] = value
         if self.metrics:
@@ -69,11 +77,13 @@ def decode(data: bytes) -> Report:
         report = Report(generation=body["g"], step=body.get("s"), committed_step=body.get("c"),
                         metrics={str(k): float(v) for k, v in body.get("m", {}).items()},
                         event=body.get("e"), reason=str(body.get("r", "")),
-                        fields=dict(body.get("f", {})))
+                        fields=dict(body.get("f", {})), failure=body.get("x"))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"bad progress report {data[:100]!r}: {e}") from None
     if not isinstance(report.generation, int):
         raise ValueError(f"bad progress report {data[:100]!r}: generation")
+    if report.failure is not None and report.failure not in FAILURES:
+        raise ValueError(f"bad progress report {data[:100]!r}: failure")
     return report
 
 
@@ -121,6 +131,17 @@ class ProgressReporter:
         accepts: elastic.policy.view.WORKER_EVENT_KINDS)."""
         self._send(Report(self.generation, event=kind, reason=reason, fields=fields).encode())
 
+    def failing(self, cause: str, flush_s: float = FLUSH_S) -> None:
+        """Tell the agent this worker is failing and why (`cause`: "own" or
+        "peer", see FAILURES), waiting up to `flush_s` seconds for room: the
+        controller blames the host of a worker failing by itself before the
+        peers failing with it, whichever exit it hears of first. Raises
+        ValueError for another cause."""
+        if cause not in FAILURES:
+            raise ValueError(f"failure cause {cause!r}: expected one of {FAILURES}")
+        if self._sock is not None:
+            self._send_waiting([Report(self.generation, failure=cause).encode()], flush_s)
+
     def close(self, flush_s: float = FLUSH_S) -> None:
         """Send the latest step and committed-step reports again, each
         waiting up to `flush_s` seconds for room in the agent's socket (on a
@@ -131,11 +152,14 @@ class ProgressReporter:
             return
         self._sock.close()
         self._sock = None
-        if not self._last:
+        self._send_waiting(list(self._last.values()), flush_s)
+
+    def _send_waiting(self, payloads: list[bytes], flush_s: float) -> None:
+        if not payloads:
             return
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as flush:
             flush.settimeout(flush_s)
-            for payload in self._last.values():
+            for payload in payloads:
                 try:
                     flush.sendto(payload, self._address)
                 except OSError:  # (the agent is gone, or still behind after flush_s)

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from elastic.config import SpecError
 from elastic.worker_env import WorkerEnv
 from elastic.worker import preemption_notice
+from elastic.worker.failure_cause import caused_by_peer
 from elastic.worker.progress import ProgressReporter
 
 
@@ -421,6 +422,12 @@ def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> N
       JAX's shutdown, in case its peers leave as well, and then exits with
       code 1, saying so on stderr.
 
+    Either way the process first tells its agent it is failing, and whether
+    by its own error or because a collective failed under it (a peer's
+    failure: elastic.worker.failure_cause), so that the controller blames
+    the right host; and before it exits it sends its last step and
+    committed step again (ProgressReporter.close).
+
     `context()`: the process's WorkerContext, None while `init()` has not
     made it yet (a failure then has no save to wait for). Call before
     `jax.distributed.initialize` and after importing JAX (its exit handler
@@ -432,14 +439,26 @@ def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> N
         if issubclass(kind, KeyboardInterrupt):
             return
         ctx = context()
-        checkpoints = ctx._checkpoints if ctx is not None else None
-        if checkpoints is not None and (step := checkpoints.saving()) is not None:
-            print(f"elastic.worker: letting the save of checkpoint step {step} in flight "
-                  f"end (at most {FAILED_SAVE_WAIT_S:g} s) before exiting", file=sys.stderr,
-                  flush=True)
-            waiting = threading.Thread(target=checkpoints.wait, daemon=True)
-            waiting.start()
-            waiting.join(FAILED_SAVE_WAIT_S)
+        try:
+            if ctx is not None:
+                ctx.progress.failing("peer" if caused_by_peer(value) else "own")
+            checkpoints = ctx._checkpoints if ctx is not None else None
+            if checkpoints is not None and (step := checkpoints.saving()) is not None:
+                print(f"elastic.worker: letting the save of checkpoint step {step} in flight "
+                      f"end (at most {FAILED_SAVE_WAIT_S:g} s) before exiting",
+                      file=sys.stderr, flush=True)
+                waiting = threading.Thread(target=checkpoints.wait, daemon=True)
+                waiting.start()
+                waiting.join(FAILED_SAVE_WAIT_S)
+            if ctx is not None:
+                ctx.progress.close()  # (the step it ended at, and a commit the wait let end)
+        finally:
+            _exit_now(1)
+
+    def give_up(ctx: "WorkerContext | None") -> None:
+        if ctx is not None:
+            ctx.progress.failing("own")
+            ctx.progress.close()
         _exit_now(1)
 
     def leaving() -> None:
@@ -449,7 +468,7 @@ def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> N
         print(f"elastic.worker: leaving without finish(): waiting at most "
               f"{UNFINISHED_EXIT_WAIT_S:g} s for the other processes, then exit code 1",
               file=sys.stderr, flush=True)
-        timer = threading.Timer(UNFINISHED_EXIT_WAIT_S, _exit_now, (1,))
+        timer = threading.Timer(UNFINISHED_EXIT_WAIT_S, give_up, (ctx,))
         timer.daemon = True
         timer.start()
 
