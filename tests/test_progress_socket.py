@@ -107,3 +107,41 @@ def test_a_worker_failing_tells_even_a_slow_agent_why():
             decode(b'{"g":3,"x":"both"}')
     finally:
         receiver.close()
+
+
+PREEMPTED_WORKER = """
+import logging, sys, types
+from elastic.worker.progress import ProgressReporter
+from elastic.worker.runtime import WorkerContext
+reporter = ProgressReporter(sys.argv[1], 3)
+for step in range(600):
+    reporter.step(step)
+reporter.committed(599)  # (the emergency checkpoint: its report finds the socket full)
+assert reporter.dropped > 0
+ctx = types.SimpleNamespace(progress=reporter, log=logging.getLogger("w"))
+WorkerContext._preempted(ctx, 599, True, wait_s=0.0)  # (exits 75)
+"""
+
+
+def test_a_preempted_worker_sends_its_emergency_commit_again(proc_env):
+    """The controller stops a preempted slice once it hears that the
+    emergency checkpoint committed; a worker that has saved it takes no
+    further step, so nothing would carry a dropped report of it."""
+    address = f"@elastic-progress-test-{uuid.uuid4().hex[:8]}"
+    received: list[Report] = []
+    receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
+    try:
+        worker = subprocess.Popen([sys.executable, "-c", PREEMPTED_WORKER, address],
+                                  env=proc_env)
+        try:
+            while worker.poll() is None:  # (its resend waits for room while this reads)
+                receiver.receive()
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+            worker.wait()
+        receiver.receive()
+        assert worker.returncode == 75
+        assert Report(3, committed_step=599) in received[-2:], received[-2:]
+    finally:
+        receiver.close()

@@ -177,6 +177,9 @@ class WorkerContext:
         (EX_TEMPFAIL) if nobody does within `wait_s`."""
         self.log.warning("preemption: checkpoint step %d %s; waiting to be stopped", step,
                          "committed" if committed else "failed")
+        # (the controller stops the slice once it hears of the commit: the
+        # report, a datagram, may have been dropped; close() sends it again)
+        self.progress.close()
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             time.sleep(0.5)
