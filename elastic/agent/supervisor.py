@@ -33,6 +33,14 @@ log = logging.getLogger("elastic-agent")
 
 _FAILURE_CAUSES = {"own": pb.FAILURE_CAUSE_OWN, "peer": pb.FAILURE_CAUSE_PEER}
 
+#: How long (seconds) the agent goes on reading a worker's stdout and stderr
+#: after it ended, before it reports the exit: what it wrote is in the pipes
+#: already, and only a process it left behind, outside its process group, can
+#: keep them open. Well under the controller's wait for the cause of a failure
+#: (elastic.policy.blame.ECHO_WAIT_S, 1 s): a cause reported this much late is
+#: still blamed before its echoes.
+PIPES_AFTER_EXIT_S = 0.25
+
 
 def kill_leftovers(owner: str, incarnation: str) -> list[int]:
     """SIGKILL every process marked as started by an agent with state dir
@@ -298,7 +306,7 @@ class WorkerSupervisor:
         self.kill_now()
         if proc is not None:
             try:
-                await asyncio.wait_for(proc.wait(), 5.0)
+                await asyncio.wait_for(proc.ended, 5.0)
             except TimeoutError:
                 log.error("pre-started pid %d not reaped 5 s after SIGKILL", proc.pid)
 
@@ -306,7 +314,13 @@ class WorkerSupervisor:
                     tail: bool) -> None:
         if stream is None:
             return
-        while line := await stream.readline():
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # (a line over STREAM_LIMIT: asyncio drops it)
+                line = b"[elastic-agent: a line of over 64 KiB was left out]\n"
+            if not line:
+                return
             out.write(line)
             out.flush()
             if keep is not None:
@@ -323,7 +337,7 @@ class WorkerSupervisor:
         on_request = self._stop_requested  # (a stop from here on found it ended by itself)
         signal_group(proc.pid)  # grandchildren in the worker's group go with it
         try:
-            await asyncio.wait_for(pumps, 1.0)  # a leftover may hold the pipes open
+            await asyncio.wait_for(pumps, PIPES_AFTER_EXIT_S)  # (a leftover may hold them)
         except (TimeoutError, asyncio.CancelledError):
             pumps.cancel()
             proc.transport.close()  # (lets go of them)
