@@ -37,7 +37,8 @@ RELEASE_CHARS = 40
 PROTOCOL = 1
 #: `fingerprint()` of the proto that PROTOCOL was last looked at for (WorkerStatus
 #: .failure_cause, 2026-11-29, left it at 1: a peer of the release before
-#: neither sends it nor reads it, and a failure without it is blamed as before).
+#: neither sends it nor reads it; a failure without it is blamed as before,
+#: but for a SIGABRT, which now waits up to 1 s for another cause).
 PROTOCOL_FINGERPRINT = "f8f78525ddc8e6c6"
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -116,8 +117,10 @@ from elastic.worker.runtime import WorkerContext
 reporter = ProgressReporter(sys.argv[1], 3)
 for step in range(600):
     reporter.step(step)
+dropped = reporter.dropped
 reporter.committed(599)  # (the emergency checkpoint: its report finds the socket full)
-assert reporter.dropped > 0
+assert reporter.dropped == dropped + 1
+print("filled", flush=True)  # (the agent may read now)
 ctx = types.SimpleNamespace(progress=reporter, log=logging.getLogger("w"))
 WorkerContext._preempted(ctx, 599, True, wait_s=0.0)  # (exits 75)
 """
@@ -132,14 +135,17 @@ def test_a_preempted_worker_sends_its_emergency_commit_again(proc_env):
     receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
     try:
         worker = subprocess.Popen([sys.executable, "-c", PREEMPTED_WORKER, address],
-                                  env=proc_env)
+                                  env=proc_env, stdout=subprocess.PIPE, text=True)
         try:
-            while worker.poll() is None:  # (its resend waits for room while this reads)
-                receiver.receive()
+            assert worker.stdout.readline() == "filled\n"  # (its commit report was dropped)
+            deadline = time.monotonic() + 60
+            while worker.poll() is None and time.monotonic() < deadline:
+                receiver.receive()  # (its resend waits for room while this reads)
         finally:
             if worker.poll() is None:
                 worker.kill()
             worker.wait()
+            worker.stdout.close()
         receiver.receive()
         assert worker.returncode == 75
         assert Report(3, committed_step=599) in received[-2:], received[-2:]

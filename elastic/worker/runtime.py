@@ -425,11 +425,13 @@ def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> N
       JAX's shutdown, in case its peers leave as well, and then exits with
       code 1, saying so on stderr.
 
-    Either way the process first tells its agent it is failing, and whether
-    by its own error or because a collective failed under it (a peer's
-    failure: elastic.worker.failure_cause), so that the controller blames
-    the right host; and before it exits it sends its last step and
-    committed step again (ProgressReporter.close).
+    Before it exits with code 1, either way, the process tells its agent it
+    is failing, and whether by its own error or because a collective failed
+    under it (a peer's failure: elastic.worker.failure_cause), so that the
+    controller blames the right host (an exception says so before the save's
+    wait, a process leaving without finish() only when its wait is over),
+    and it sends its last step and committed step again
+    (ProgressReporter.close).
 
     `context()`: the process's WorkerContext, None while `init()` has not
     made it yet (a failure then has no save to wait for). Call before
@@ -438,13 +440,14 @@ def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> N
     previous = sys.excepthook
 
     def hook(kind, value, traceback) -> None:
-        previous(kind, value, traceback)
         if issubclass(kind, KeyboardInterrupt):
+            previous(kind, value, traceback)
             return
         ctx = context()
         try:
+            previous(kind, value, traceback)
             if ctx is not None:
-                ctx.progress.failing("peer" if caused_by_peer(value) else "own")
+                ctx.progress.failing("peer" if _caused_by_peer(value) else "own")
             checkpoints = ctx._checkpoints if ctx is not None else None
             if checkpoints is not None and (step := checkpoints.saving()) is not None:
                 print(f"elastic.worker: letting the save of checkpoint step {step} in flight "
@@ -459,10 +462,12 @@ def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> N
             _exit_now(1)
 
     def give_up(ctx: "WorkerContext | None") -> None:
-        if ctx is not None:
-            ctx.progress.failing("own")
-            ctx.progress.close()
-        _exit_now(1)
+        try:
+            if ctx is not None:
+                ctx.progress.failing("own")
+                ctx.progress.close()
+        finally:
+            _exit_now(1)
 
     def leaving() -> None:
         ctx = context()
@@ -477,6 +482,15 @@ def exit_promptly_on_failure(context: Callable[[], "WorkerContext | None"]) -> N
 
     sys.excepthook = hook
     atexit.register(leaving)
+
+
+def _caused_by_peer(error: BaseException) -> bool:
+    """caused_by_peer, "own" when it cannot tell (an exception whose str()
+    raises): an excepthook must not raise."""
+    try:
+        return caused_by_peer(error)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _exit_now(code: int) -> None:
