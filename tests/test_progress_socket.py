@@ -151,3 +151,33 @@ def test_a_preempted_worker_sends_its_emergency_commit_again(proc_env):
         assert Report(3, committed_step=599) in received[-2:], received[-2:]
     finally:
         receiver.close()
+
+
+def test_an_event_that_finds_the_socket_full_is_sent_later_without_blocking():
+    """Step reports that find the agent's socket full are dropped (the next
+    one carries the newer step); an event is the only one of its kind (a
+    save's journal entry, the snapshot a buddy copies), so a thread sends it
+    once there is room, and training does not wait for that."""
+    address = f"@elastic-progress-test-{uuid.uuid4().hex[:8]}"
+    received: list[Report] = []
+    receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
+    try:
+        reporter = ProgressReporter(address, 3)
+        for step in range(600):
+            reporter.step(step)
+        dropped = reporter.dropped
+        assert dropped > 0
+        reporter.event("checkpoint_saved", "save of step 599 started", step=599)
+        assert reporter.dropped == dropped  # (kept, not dropped, and not waited for here)
+        reporter.step(600)
+        assert reporter.dropped == dropped + 1  # (a step report still is)
+        sender = reporter._backlog_sender
+        assert sender is not None
+        while sender.is_alive():  # (it waits at most FLUSH_S for room)
+            receiver.receive()
+        receiver.receive()
+        saved = Report(3, event="checkpoint_saved", reason="save of step 599 started",
+                       fields={"step": 599})
+        assert saved in received and reporter.dropped == dropped + 1
+    finally:
+        receiver.close()

@@ -5,9 +5,11 @@ Sending never blocks: when the agent is slow and the socket buffer is full
 (Linux queues `net.unix.max_dgram_qlen` datagrams, 10 on these machines),
 or the agent is gone, the report is dropped (the next one carries the newer
 step; heartbeats carry the latest). Measured cost: a few microseconds per
-report, far under 1 % of a training step. Only at the end, `close()` sends
-the last step and committed step again and waits (at most FLUSH_S) for
-room: after the last report there is no next one to carry them.
+report, far under 1 % of a training step. What no later report carries is
+not dropped: an event that finds the socket full goes to a thread that
+waits for room; `failing()` waits for room itself; and at the end,
+`close()` sends the last step and committed step again and waits (at most
+FLUSH_S each) for room.
 
 An abstract socket has no file permissions and its name is listed in
 /proc/net/unix for every local user, so the agent's end (`ProgressReceiver`)
@@ -17,12 +19,14 @@ from its own user: the one its workers run as.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger("elastic-agent")
@@ -101,6 +105,10 @@ class ProgressReporter:
         self._last: dict[str, bytes] = {}
         self._address = socket_address(address) if address else None
         self._sock = None
+        # events that found the socket full, and the thread sending them
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self._backlog_lock = threading.Lock()
+        self._backlog_sender: threading.Thread | None = None
         if self._address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -128,8 +136,36 @@ class ProgressReporter:
 
     def event(self, kind: str, reason: str, **fields) -> None:
         """Something for the job's journal (kind must be one the controller
-        accepts: elastic.policy.view.WORKER_EVENT_KINDS)."""
-        self._send(Report(self.generation, event=kind, reason=reason, fields=fields).encode())
+        accepts: elastic.policy.view.WORKER_EVENT_KINDS). Never blocks; unlike
+        a step report, an event that finds the agent's socket full is not
+        dropped but sent by a thread of its own, waiting up to FLUSH_S for
+        room: events are few, and each is the only one of its kind (the
+        journal's record of a save, the startup phases, the snapshot a
+        buddy is to copy)."""
+        payload = Report(self.generation, event=kind, reason=reason, fields=fields).encode()
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            sock.sendto(payload, self._address)
+        except BlockingIOError:  # (the agent is behind)
+            with self._backlog_lock:
+                self._backlog.append(payload)
+                if self._backlog_sender is None:
+                    self._backlog_sender = threading.Thread(
+                        target=self._send_backlog, name="elastic-progress-events", daemon=True)
+                    self._backlog_sender.start()
+        except OSError:  # (the agent is gone)
+            self.dropped += 1
+
+    def _send_backlog(self) -> None:
+        while True:
+            with self._backlog_lock:
+                if not self._backlog:
+                    self._backlog_sender = None
+                    return
+                payload = self._backlog.popleft()
+            self._send_waiting([payload], FLUSH_S)
 
     def failing(self, cause: str, flush_s: float = FLUSH_S) -> None:
         """Tell the agent this worker is failing and why (`cause`: "own" or
@@ -152,6 +188,9 @@ class ProgressReporter:
             return
         self._sock.close()
         self._sock = None
+        sender = self._backlog_sender
+        if sender is not None:  # (the events first: a worker_finishing, say)
+            sender.join(flush_s)
         self._send_waiting(list(self._last.values()), flush_s)
 
     def _send_waiting(self, payloads: list[bytes], flush_s: float) -> None:
