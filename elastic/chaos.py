@@ -339,23 +339,25 @@ class Chaos(threading.Thread):
             host = next((x for x in status.hosts if x.host_id == h), host)
             worker = host.worker_pid
             note = f"save of step {saved['step']} in flight" if saved else "no save came; killed"
-            signal_group(worker, signal.SIGKILL)
             self._record(kind, host, status, [worker], note)
-            return
-        if kind == "kill-worker":
             signal_group(worker, signal.SIGKILL)
+            return
+        # (each fault is journaled before it is made: what it sets off, a
+        # preemption_notice say, comes after it in the journal)
+        if kind == "kill-worker":
             self._record(kind, host, status, [worker])
+            signal_group(worker, signal.SIGKILL)
         elif kind == "stop-worker":
-            signal_pid(worker, signal.SIGSTOP)
             self._record(kind, host, status, [worker])
+            signal_pid(worker, signal.SIGSTOP)
         elif kind == "kill-host":
+            self._record(kind, host, status, [agent, worker])
             signal_pid(agent, signal.SIGKILL)
             signal_group(worker, signal.SIGKILL)
-            self._record(kind, host, status, [agent, worker])
             self._later(self.host_down_s, lambda: self._restart_agent(h))
         elif kind == "stop-agent":
-            signal_pid(agent, signal.SIGSTOP)
             self._record(kind, host, status, [agent])
+            signal_pid(agent, signal.SIGSTOP)
             self._later(self.away_s, lambda: signal_pid(agent, signal.SIGCONT))
         elif kind == "lose-device":
             path = simdevices.device_dir(pathlib.Path(self.state_dir), h)
@@ -368,8 +370,8 @@ class Chaos(threading.Thread):
             self._record(kind, host, status, [], f"device {name} removed")
             self._later(REPAIR_S, lambda: simdevices.restore_device(path, name))
         elif kind == "preempt":
-            signal_pid(agent, signal.SIGTERM)
             self._record(kind, host, status, [agent])
+            signal_pid(agent, signal.SIGTERM)
             self._later(1.0, lambda: self._come_back_after_exit(h, agent))
 
     def _kill_controller(self, status) -> None:
