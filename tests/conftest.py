@@ -25,6 +25,7 @@ import uuid
 import pytest
 
 from elastic.procs import alive, signal_pid
+from elastic.worker.prestart import set_policy
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY_WORKER = REPO / "workers" / "tiny" / "worker.py"
@@ -145,8 +146,16 @@ def launch_prestarted(warm: subprocess.Popen, argv: list[str], env: dict,
     """Send a pre-started process (`python -m elastic.worker.prestart`,
     stdin, stdout and stderr piped) its launch as the agent does, and
     return its (stdout, stderr) once it has ended (subprocess.TimeoutExpired
-    after 60 s); it is killed, if need be, and reaped on the way out."""
+    after 60 s); it is killed, if need be, and reaped on the way out.
+    As root, the process preloads at SCHED_IDLE, which a busy machine may
+    not give it for minutes: like the agent, this raises it to normal
+    priority first (once it has gone idle, so that it cannot go idle after)."""
     with reaped(warm):
+        if os.geteuid() == 0:
+            wait_until(lambda: warm.poll() is not None
+                       or os.sched_getscheduler(warm.pid) == os.SCHED_IDLE, 30.0,
+                       "the pre-started process to go to SCHED_IDLE")
+            set_policy(warm.pid, os.SCHED_OTHER)
         return warm.communicate(json.dumps({"argv": argv, "env": env, "cwd": str(cwd)}).encode()
                                 + b"\n", timeout=60)
 
