@@ -68,9 +68,7 @@ def test_the_last_reports_reach_a_slow_agent_when_the_worker_finishes():
         assert reporter.dropped > 0  # the agent was too slow for them all
         closing = threading.Thread(target=reporter.close)
         closing.start()
-        while closing.is_alive():  # (it waits at most FLUSH_S a report)
-            receiver.receive()  # the agent catches up while close() waits for room
-        receiver.receive()
+        _read_while(closing, receiver)  # the agent catches up while close() waits for room
         last = received[-2:]
         assert Report(3, step=599, metrics={"loss": 1.0 / 600}) in last, last
         assert Report(3, committed_step=399) in last, last
@@ -82,25 +80,39 @@ def test_the_last_reports_reach_a_slow_agent_when_the_worker_finishes():
         receiver.close()
 
 
+def _slow_agent(address: str) -> tuple[ProgressReceiver, list[Report], ProgressReporter]:
+    """An agent's receiver at `address` that has read nothing while a
+    reporter of generation 3 sent 600 steps, more than any queue of Linux's
+    datagram sockets holds (some were dropped): (receiver, the reports it
+    will have read, reporter)."""
+    received: list[Report] = []
+    receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
+    reporter = ProgressReporter(address, 3)
+    for step in range(600):
+        reporter.step(step)
+    assert reporter.dropped > 0
+    return receiver, received, reporter
+
+
+def _read_while(thread, receiver: ProgressReceiver) -> None:
+    """Read as the agent does while `thread` (waiting at most FLUSH_S a
+    report for room) runs, then what is left."""
+    while thread.is_alive():
+        receiver.receive()
+    receiver.receive()
+
+
 def test_a_worker_failing_tells_even_a_slow_agent_why():
     """The word that a worker is failing (and whether by its own error or a
     peer's) decides which host is blamed: like the last reports, it waits
     for room in a full socket instead of being dropped."""
     import threading
 
-    address = f"@elastic-progress-test-{uuid.uuid4().hex[:8]}"
-    received: list[Report] = []
-    receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
+    receiver, received, reporter = _slow_agent(f"@elastic-progress-test-{uuid.uuid4().hex[:8]}")
     try:
-        reporter = ProgressReporter(address, 3)
-        for step in range(600):
-            reporter.step(step)
-        assert reporter.dropped > 0
         failing = threading.Thread(target=reporter.failing, args=("peer",))
         failing.start()
-        while failing.is_alive():
-            receiver.receive()
-        receiver.receive()
+        _read_while(failing, receiver)
         assert received[-1] == Report(3, failure="peer"), received[-1]
         with pytest.raises(ValueError, match="failure cause 'both'"):
             reporter.failing("both")
@@ -108,7 +120,6 @@ def test_a_worker_failing_tells_even_a_slow_agent_why():
             decode(b'{"g":3,"x":"both"}')
     finally:
         receiver.close()
-
 
 PREEMPTED_WORKER = """
 import logging, sys, types
@@ -158,24 +169,16 @@ def test_an_event_that_finds_the_socket_full_is_sent_later_without_blocking():
     one carries the newer step); an event is the only one of its kind (a
     save's journal entry, the snapshot a buddy copies), so a thread sends it
     once there is room, and training does not wait for that."""
-    address = f"@elastic-progress-test-{uuid.uuid4().hex[:8]}"
-    received: list[Report] = []
-    receiver = ProgressReceiver(address, lambda data: received.append(decode(data)))
+    receiver, received, reporter = _slow_agent(f"@elastic-progress-test-{uuid.uuid4().hex[:8]}")
     try:
-        reporter = ProgressReporter(address, 3)
-        for step in range(600):
-            reporter.step(step)
         dropped = reporter.dropped
-        assert dropped > 0
         reporter.event("checkpoint_saved", "save of step 599 started", step=599)
         assert reporter.dropped == dropped  # (kept, not dropped, and not waited for here)
         reporter.step(600)
         assert reporter.dropped == dropped + 1  # (a step report still is)
         sender = reporter._backlog_sender
         assert sender is not None
-        while sender.is_alive():  # (it waits at most FLUSH_S for room)
-            receiver.receive()
-        receiver.receive()
+        _read_while(sender, receiver)
         saved = Report(3, event="checkpoint_saved", reason="save of step 599 started",
                        fields={"step": 599})
         assert saved in received and reporter.dropped == dropped + 1

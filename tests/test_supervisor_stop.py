@@ -26,6 +26,15 @@ sys.exit(1)
 """
 
 
+def _supervisor(tmp_path, exits: list) -> tuple[WorkerSupervisor, asyncio.Event]:
+    """A supervisor (in a running loop) that appends each exit report to
+    `exits` and sets the event returned."""
+    reported = asyncio.Event()
+    sup = WorkerSupervisor(str(tmp_path / "state"), "inc",
+                           lambda status: (exits.append(status), reported.set()))
+    return sup, reported
+
+
 def _exit_of(pid: int) -> None:
     """Return once child `pid` has exited (reaping nothing)."""
     try:
@@ -46,9 +55,7 @@ def test_an_exit_is_reported_at_once_and_a_stop_after_it_is_not_its_reason(tmp_p
     exits = []
 
     async def scenario():
-        reported = asyncio.Event()
-        sup = WorkerSupervisor(str(tmp_path / "state"), "inc",
-                               lambda status: (exits.append(status), reported.set()))
+        sup, reported = _supervisor(tmp_path, exits)
         try:
             await sup.start(1, [sys.executable, "worker.py", where], dict(proc_env),
                             str(tmp_path))
@@ -80,9 +87,7 @@ def test_a_line_longer_than_the_pipe_reader_takes_does_not_hide_the_exit(tmp_pat
     exits = []
 
     async def scenario():
-        reported = asyncio.Event()
-        sup = WorkerSupervisor(str(tmp_path / "state"), "inc",
-                               lambda status: (exits.append(status), reported.set()))
+        sup, reported = _supervisor(tmp_path, exits)
         try:
             await sup.start(1, [sys.executable, "worker.py"], dict(proc_env), str(tmp_path))
             await asyncio.wait_for(reported.wait(), 60)
