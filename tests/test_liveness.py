@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from elastic.config import HangSpec
+from elastic.config import HangSpec, QuarantineSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, decide
 from elastic.policy.hang import hang_timeout
@@ -257,10 +257,49 @@ def test_hang_detection(silent_s, suspended, saving, hung, first_suspect, finish
         entry = next(a for a in decision.actions if isinstance(a, d.Journal)
                      and a.kind == "hang_detected")
         assert entry.fields["suspects"][0] == first_suspect
+        # the one behind the others, or the suspended one, takes the blame
+        assert entry.fields["blamed"] == [first_suspect]
+        stopping = next(a for a in decision.actions if isinstance(a, d.Journal)
+                        and a.kind == "slice_stopping")
+        assert stopping.fields["blamed"] == [first_suspect]
         assert decision.state.phase is Phase.STOPPING
         stops = [a for a in decision.actions if isinstance(a, d.StopWorker)]
         # SIGKILL at once, after each agent has dumped its worker's stacks
         assert {(a.grace_s, a.dump_stacks) for a in stops} == {(0.0, True)}
+
+
+@pytest.mark.parametrize("stepped,progressed,blamed", [
+    # every member stopped at step 5 (lockstep: all wait in one collective):
+    # none singled out, so none blamed, and none quarantined
+    ({"h0": 5, "h1": 5, "h2": 5}, True, []),
+    ({"h0": 6, "h1": 5, "h2": 6}, True, ["h1"]),     # h1 behind: h1
+    ({"h0": 5, "h1": 5, "h2": 6}, True, ["h0", "h1"]),
+    # no first step yet on any (one would start the slice's progress)
+    ({"h0": -1, "h1": -1, "h2": -1}, False, []),
+])
+def test_a_hang_is_blamed_on_the_members_it_singles_out(stepped, progressed, blamed):
+    view = ClusterView()
+    hosts = ["h0", "h1", "h2"]
+    for h in hosts:
+        register(view, h)
+    state = running_slice(view, hosts, progressed=progressed)
+    for h, step in stepped.items():
+        worker(view, h, T0 + 1, 1, WorkerState.RUNNING, step=step)
+    heartbeat_all(view, T0 + 700)
+    # one failure quarantines: before, a lockstep hang set aside every host
+    # min_hosts allowed, healthy ones included
+    s = dataclasses.replace(spec(), quarantine=QuarantineSpec(failures=1, window_s=1000,
+                                                              cooldown_s=600))
+    decision = decide(state, view, T0 + 700, s)
+    hang = next(a for a in decision.actions if isinstance(a, d.Journal)
+                and a.kind == "hang_detected")
+    assert hang.fields["blamed"] == blamed
+    assert hang.fields["suspects"] and set(blamed) <= set(hang.fields["suspects"])
+    stopping = next(a for a in decision.actions if isinstance(a, d.Journal)
+                    and a.kind == "slice_stopping")
+    assert stopping.fields["blamed"] == blamed
+    assert sorted(decision.state.quarantined) == blamed
+    assert decision.state.phase is Phase.STOPPING
 
 
 @pytest.mark.parametrize("reports,now,limit,hung", [

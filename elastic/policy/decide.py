@@ -453,10 +453,11 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if hang:
         actions.append(Journal("hang_detected", state.generation, hang.reason,
                                hang.suspects[0] if hang.suspects else None,
-                               {"suspects": list(hang.suspects), "silent_s": round(hang.silent_s, 3),
+                               {"suspects": list(hang.suspects), "blamed": list(hang.blamed),
+                                "silent_s": round(hang.silent_s, 3),
                                 "timeout_s": round(hang.timeout_s, 3)}))
         return _begin_stop(state, now, spec, actions, "failure", f"hang: {hang.reason}",
-                           hang.suspects, view.hosts.keys() - state.lost, dump_stacks=True)
+                           hang.blamed, view.hosts.keys() - state.lost, dump_stacks=True)
     return _consider_grow(state, view, now, spec, actions)
 
 

@@ -20,12 +20,19 @@ from elastic.policy.view import ClusterView, HostRecord
 @dataclasses.dataclass(frozen=True)
 class Hang:
     """reason: one line; suspects: hosts that most likely stopped first, in
-    order; silent_s: seconds without progress; timeout_s: the limit used."""
+    order (journaled, for the operator); blamed: the hosts the failure is
+    attributed to (quarantine), those the hang singles out — () when every
+    member stopped at the same step, as in lockstep SPMD training a slice
+    stuck in a collective does: the steps cannot say who stopped it, and
+    blaming all of them would set healthy hosts aside (the restart budget
+    and crash loop still count the failure); silent_s: seconds without
+    progress; timeout_s: the limit used."""
 
     reason: str
     suspects: tuple[str, ...]
     silent_s: float
     timeout_s: float
+    blamed: tuple[str, ...] = ()
 
 
 def hang_timeout(spec: JobSpec, step_time_s: float | None) -> float:
@@ -50,6 +57,19 @@ def suspects(records: Sequence[HostRecord]) -> tuple[str, ...]:
     return tuple(r.host_id for r in behind)
 
 
+def singled_out(records: Sequence[HostRecord]) -> tuple[str, ...]:
+    """The members a hang can be blamed on: those whose worker is suspended;
+    else those behind the others (a lower last step, first steps included:
+    -1 is none yet); else () — every member at the same step."""
+    stopped = tuple(r.host_id for r in records if r.worker.suspended)
+    if stopped or not records:
+        return stopped
+    steps = {r.worker.step for r in records}
+    if len(steps) == 1:
+        return ()
+    return tuple(r.host_id for r in records if r.worker.step == min(steps))
+
+
 def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: float,
                progressed: bool, now: float, spec: JobSpec) -> Hang | None:
     """A Hang if the generation (members in rank order) has made no step for
@@ -65,7 +85,8 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
         waiting = tuple(r.host_id for r in members if r.worker.step < 0) or \
             tuple(r.host_id for r in members)
         return Hang(f"no first step {silent:.1f} s after the generation started "
-                    f"(hang.startup_timeout_s = {limit:g})", waiting, silent, limit)
+                    f"(hang.startup_timeout_s = {limit:g})", waiting, silent, limit,
+                    singled_out(members))
     # The member that advanced least recently sets the clock: in SPMD training
     # every process waits for the slowest, and a member that stopped alone is
     # as stuck as a slice that stopped together. Finished workers are done.
@@ -82,7 +103,7 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
         return Hang(f"worker stopped (SIGSTOP) for {longest:.1f} s (hang.suspended_timeout_s = "
                     f"{stop_limit:g}); suspects: {', '.join(r.host_id for r in stopped)} "
                     f"(suspended)", tuple(r.host_id for r in stopped), now - progress_at,
-                    stop_limit)
+                    stop_limit, tuple(r.host_id for r in stopped))
     step_time = members[0].worker.metrics.get("step_time_s")
     limit = hang_timeout(spec, step_time)
     saving = view.save_started_at > view.committed_at
@@ -104,4 +125,5 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     return Hang(f"no step progress for {silent:.1f} s (timeout {limit:.1f} s, {basis}"
                 + (", a checkpoint save in flight" if saving else "")
                 + (", the workers finishing" if finishing else "")
-                + f"); suspects: {', '.join(found)} ({how})", found, silent, limit)
+                + f"); suspects: {', '.join(found)} ({how})", found, silent, limit,
+                singled_out(active))
