@@ -9,10 +9,12 @@ import json
 
 import pytest
 
-from elastic.controller.journal import job_entries, job_sharing, recorded
+from elastic.controller.journal import job_entries, job_sharing, read_journal, recorded
+from elastic.policy import failure_history
 from elastic.policy.adopt import Inherited, discover, judge, window_s
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Registered, WorkerObs, WorkerState, observe
+from tests import test_failure_history as fh
 from tests.policy_tables import T0, kinds, spec
 
 HOSTS = ("h0", "h1", "h2")
@@ -342,3 +344,27 @@ def test_no_generation_a_worker_reports_is_started_again():
     started = decide(state, view, T0 + 5.0, s)
     assert kinds(started)[-1] == "generation_started", started.reason
     assert started.state.generation == 6
+
+
+@pytest.mark.parametrize("crashed,count", [
+    (False, 0),  # adopted at step 120: the crash loop is over, as a first step ends it
+    (True, 1),   # h1 crashed while no controller ran, after the slice's step 120
+])
+def test_an_adopted_slice_counts_the_crash_loop_as_its_journal_does(tmp_path, crashed, count):
+    """Two failures in a row without a step were journaled before the
+    controller restarted; the slice it finds made a step since. Live and
+    from the journal alike, the count starts again (an audit found both
+    cases off: live 2 and 3, the journal 0 and 3)."""
+    view, s = ClusterView(), spec()
+    for host in HOSTS:
+        come_back(view, host, **({"state": WorkerState.EXITED, "exit_code": 1}
+                                 if crashed and host == "h1" else {}))
+    state = dataclasses.replace(adopting(), failures_without_progress=2)
+    decision = decide(state, view, T0 + 0.1, s)
+    assert kinds(decision)[0] == ("slice_stopping" if crashed else "slice_adopted")
+    assert decision.state.failures_without_progress == count
+    fh.journal(tmp_path, [decision], [T0 + 0.1])
+    replayed = failure_history.FailureHistory(without_progress=2)
+    for entry in read_journal(tmp_path):
+        replayed = failure_history.after(replayed, entry)
+    assert replayed.without_progress == count

@@ -114,9 +114,13 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         actions.append(Journal("slice_adopted", g, why, None, {
             "hosts": list(inherited.hosts), "step": min(steps),
             "after_start_s": round(now - state.phase_since, 3)}))
+        # (a slice that made a step ends the crash loop, as its first_progress
+        # would have, and as the journal's reader counts it: failure_history)
+        without_progress = 0 if min(steps) >= 0 else state.failures_without_progress
         state = _enter(state, Phase.RUNNING if progressed else Phase.STARTING, now,
                        f"generation {g} adopted on {len(inherited.hosts)} hosts",
-                       progressed=progressed, **common)
+                       progressed=progressed, failures_without_progress=without_progress,
+                       **common)
     else:  # (a crash counts as any failure: towards the crash loop, whose count
         # needs whether the generation made a step, and the host's quarantine)
         failed, progressed = what == "failure", inherited.progressed or max(steps, default=-1) >= 0
@@ -582,9 +586,11 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
     (`usable`: the hosts the controller knows and has not lost, for quarantine).
     `dump_stacks` (a hang): every member's agent reports its worker's stacks first."""
     grace = spec.health.stop_grace_s if kind == "grow" else 0.0
+    fields = {"cause": kind, "grace_s": grace, "blamed": list(blamed)}
+    if kind == "failure":  # (the journal's reader counts the crash loop from it)
+        fields["progressed"] = state.progressed
     actions.append(Journal("slice_stopping", state.generation, why,
-                           blamed[0] if blamed else None,
-                           {"cause": kind, "grace_s": grace, "blamed": list(blamed)}))
+                           blamed[0] if blamed else None, fields))
     for member in state.members:
         actions.append(StopWorker(member, state.generation, grace, why, dump_stacks))
     changes: dict = {"draining_since": None, "stop_hurried": False,

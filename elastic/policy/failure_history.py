@@ -123,9 +123,13 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
         for h in blamed:
             if isinstance(h, str):
                 failures[h] = failures.get(h, ()) + (ts,)
+        # (0 after a step: see above; or the stop says its generation had made
+        # one, as an adopted slice found failing may have without first_progress)
+        without_progress = 1 if entry.get("progressed") is True else \
+            history.without_progress + 1
         return dataclasses.replace(
             history, restarts_at=history.restarts_at + (ts,), host_failures=failures,
-            without_progress=history.without_progress + 1)  # (0 after a step: see above)
+            without_progress=without_progress)
     if kind == "host_quarantined" and isinstance(host, str):
         until_s = _number(entry, "until_s")
         if until_s is None:
