@@ -214,3 +214,23 @@ def test_hosts_of_an_incomplete_domain_wait_rather_than_being_left_out():
     plan = plan_mesh(spec("data=-1", per_domain=2), mixed(2, 2, 2, per_domain=2))
     assert plan.hosts == ("h0", "h1") and plan.left_out == {}
     assert "1 incomplete failure domain(s) left out" in plan.reason
+
+
+@pytest.mark.parametrize("per_domain,domains,planned", [
+    # every agent says --failure-domain zone-a, the job's domains are 1 host:
+    # before, nothing fit, and the reason said "incomplete", naming no host
+    (1, ["zone-a"] * 3, ()),
+    (1, ["zone-a", "zone-a", "zone-b"], ("h2",)),    # zone-b alone is whole
+    (2, ["zone-a"] * 3 + ["zone-b"] * 2, ("h3", "h4")),
+])
+def test_a_failure_domain_with_too_many_hosts_is_named_and_its_hosts_left_out(
+        per_domain, domains, planned):
+    candidates = [Candidate(f"h{i}", d, 2) for i, d in enumerate(domains)]
+    plan = plan_mesh(spec("data=-1", per_domain=per_domain), candidates)
+    assert plan.hosts == planned
+    crowded = [c.host_id for c in candidates if c.failure_domain == "zone-a"]
+    assert plan.left_out == {h: f"its failure domain zone-a has {len(crowded)} hosts; "
+                             f"job.hosts_per_failure_domain is {per_domain}" for h in crowded}
+    assert (f"1 failure domain(s) with more hosts than job.hosts_per_failure_domain = "
+            f"{per_domain} left out: zone-a has {len(crowded)}") in plan.reason
+    assert "incomplete" not in plan.reason

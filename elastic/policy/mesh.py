@@ -191,14 +191,20 @@ def _misfit(spec: JobSpec, c: Candidate, chosen: _Option | None) -> str | None:
 def _left_out(spec: JobSpec, domains: Sequence[tuple[str, list[Candidate]]],
               chosen: _Option | None) -> dict[str, str]:
     """Why each candidate outside `chosen` cannot be in it: its own devices,
-    or a host of its failure domain that does not fit. Spares, and hosts
-    whose domain is incomplete (they wait for the rest of it, and arrive one
-    by one at start), are not listed."""
+    a host of its failure domain that does not fit, or a domain with more
+    hosts than `job.hosts_per_failure_domain` (hosts that share a failure
+    domain fail together, so none of such a domain is used: a spec or an
+    agent's --failure-domain is wrong). Spares, and hosts whose domain is
+    incomplete (they wait for the rest of it, and arrive one by one at
+    start), are not listed."""
     size = spec.hosts_per_failure_domain
     why: dict[str, str] = {}
     for name, members in domains:
         misfits = {c.host_id: m for c in members if (m := _misfit(spec, c, chosen))}
-        if len(members) != size:
+        if len(members) > size:
+            why.update((c.host_id, f"its failure domain {name} has {len(members)} hosts; "
+                        f"job.hosts_per_failure_domain is {size}") for c in members)
+        elif len(members) != size:
             why.update(misfits)
         elif misfits:
             first = min(misfits)
@@ -253,8 +259,7 @@ def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
                 options.append(option)
     best = max(options, key=lambda o: (o.devices, o.per_host), default=None)
     left_out = _left_out(spec, domains, best)
-    incomplete = sum(len(members) != spec.hosts_per_failure_domain for _, members in domains)
-    note = f" ({incomplete} incomplete failure domain(s) left out)" if incomplete else ""
+    note = _domains_left_out(spec, domains)
     if best is None:
         return MeshPlan((), (), _no_fit(spec, candidates, domains) + note, left_out=left_out)
     axes = ", ".join(f"{name}={size}" for name, size in zip(spec.mesh.names, best.shape))
@@ -284,6 +289,20 @@ def plan_mesh(spec: JobSpec, candidates: Sequence[Candidate]) -> MeshPlan:
         reason += f"; left out: {first} ({left_out[first]}){more}"
     return MeshPlan(tuple(c.host_id for c in best.hosts), best.shape, reason + note,
                     best.per_host, best.kind, left_out)
+
+
+def _domains_left_out(spec: JobSpec, domains: Sequence[tuple[str, list[Candidate]]]) -> str:
+    """" (...)" naming the failure domains no plan uses, or ""."""
+    size = spec.hosts_per_failure_domain
+    incomplete = sum(len(members) < size for _, members in domains)
+    over = [(name, len(members)) for name, members in domains if len(members) > size]
+    parts = [f"{incomplete} incomplete failure domain(s) left out"] if incomplete else []
+    if over:
+        shown = ", ".join(f"{name} has {n}" for name, n in over[:3])
+        parts.append(f"{len(over)} failure domain(s) with more hosts than "
+                     f"job.hosts_per_failure_domain = {size} left out: {shown}"
+                     + (", ..." if len(over) > 3 else ""))
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _no_fit(spec: JobSpec, candidates: Sequence[Candidate],
