@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
-from elastic.security.allow import AllowList, check_launch, matches
+from elastic.security.allow import AllowList, check_launch, matches, real_path
 
 PATH = {"python": "/opt/venv/bin/python", "python3": "/usr/bin/python3", "id": "/usr/bin/id",
         "trainer": "/opt/bin/trainer"}
@@ -77,6 +78,8 @@ def test_any_worker_runs_anything_with_any_environment():
     ("/a/b*c", "/a/b[*]c", True),                                     # a literal *
     ("/a/bxc", "/a/b[*]c", False),
     ("/a/bxc", "/a/b[!x]c", False),
+    ("/a/b/c", "/a/b[!x]c", False),                                   # [!...] is never a /
+    ("/a/byc", "/a/b[!x]c", True),
 ])
 def test_patterns(text, pattern, expected):
     assert matches(text, pattern) is expected
@@ -93,6 +96,53 @@ def test_scripts_and_workdirs_are_matched_by_their_real_path(tmp_path):
     # textually jobs/lm/train.py, but the kernel opens elsewhere/train.py
     verdict = check_launch(allow, ["python", "../train.py"], {}, str(jobs / "data"), PATH.get)
     assert isinstance(verdict, str) and str(elsewhere / "train.py") in verdict
+
+
+def test_an_option_matches_only_an_options_pattern():
+    """python's `-c` code ending in /train.py matched `**/train.py` (an audit
+    found it; python ran the code)."""
+    allow = AllowList.parse(["/opt/venv/bin/python **/train.py",
+                             "/opt/venv/bin/python -X importtime /srv/jobs/*/train.py"])
+    code = "-cimport os;os.system('id')#/train.py"
+    verdict = check_launch(allow, ["python", code], {}, "/srv/jobs/lm", PATH.get)
+    assert isinstance(verdict, str) and "is not in this host's allow-list" in verdict
+    assert check_launch(allow, ["python", "-X", "importtime", "train.py"], {}, "/srv/jobs/lm",
+                        PATH.get) == ["/opt/venv/bin/python", "-X", "importtime", "train.py"]
+
+
+def test_a_path_through_proc_is_refused(tmp_path):
+    """/proc/self is the agent when it checks and the worker when it runs:
+    `/proc/self/cwd/train.py` checked as the agent's directory's train.py
+    but ran the working directory's."""
+    jobs = tmp_path / "jobs" / "lm"
+    jobs.mkdir(parents=True)
+    (jobs / "train.py").write_text("")
+    (jobs / "cwd").symlink_to("/proc/self/cwd")
+    (jobs / "fd").symlink_to("/dev/fd")
+    allow = AllowList.parse([f"/opt/venv/bin/python {tmp_path}/**/train.py",
+                             "/proc/**/python /srv/jobs/*/train.py"])
+    for script in ("/proc/self/cwd/train.py", "cwd/train.py", "fd/../lm/train.py",
+                   "/dev/stdin"):
+        verdict = check_launch(allow, ["python", script], {}, str(jobs), PATH.get)
+        assert isinstance(verdict, str) and "passes through /proc" in verdict, (script, verdict)
+    verdict = check_launch(allow, ["/proc/self/cwd/python", "/srv/jobs/lm/train.py"], {},
+                           "/srv/jobs/lm", PATH.get)
+    assert isinstance(verdict, str) and "is under /proc" in verdict
+    # the same file by a path that does not: allowed
+    assert check_launch(allow, ["python", "train.py"], {}, str(jobs), PATH.get) == \
+        ["/opt/venv/bin/python", "train.py"]
+
+
+def test_real_path_resolves_as_os_path_realpath(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "l").symlink_to(tmp_path / "a" / "b")
+    (tmp_path / "rel").symlink_to("a")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    for path in ("l/../x.py", "rel/b/../../l/y", "a/./b/missing/z", "l", "../q", "a//b/"):
+        full = os.path.join(str(tmp_path), path)
+        assert real_path(full) == os.path.realpath(full), path
+    assert real_path(str(tmp_path / "loop" / "x")) is None
 
 
 def test_parse_refuses_relative_programs_and_warns_on_bare_interpreters():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from conftest import launch_prestarted, reaped, signal_process, wait_until
 from elastic import worker_env
 from elastic.agent.supervisor import WorkerSupervisor, launch_key
+from elastic.security.allow import resolve
 from elastic.worker.prestart import (READY_LINE, RUNTIME_PRELOAD, STORAGE_PRELOAD,
                                      preload_names, program_imports, set_policy)
 
@@ -127,6 +129,31 @@ def test_a_launched_script_imports_beside_its_real_path_as_python_does(tmp_path,
                            str(other / "train.py")], cwd=other, env=proc_env,
                           input=launch + "\n", capture_output=True, text=True, timeout=60)
     assert (cold.stdout, warm.stdout) == ("jobs\n", "jobs\n"), (cold.stderr, warm.stderr)
+
+
+def test_a_launched_script_is_the_file_the_allow_list_checked(tmp_path, proc_env):
+    """`x/../train.py` with x a symlink: the kernel (a cold start, and the
+    allow-list's real path) takes `..` after the link, to the link's target's
+    parent; the pre-started process took it textually, and ran the train.py
+    beside x instead — a file the allow-list never checked (found by a
+    security audit: an allowed /srv/jobs/*/train.py ran /dev/shm/w/train.py)."""
+    allowed, work = tmp_path / "jobs" / "lm", tmp_path / "w"
+    allowed.mkdir(parents=True)
+    work.mkdir()
+    (allowed / "inner").mkdir()
+    (allowed / "train.py").write_text("print('allowed')\n")
+    (work / "train.py").write_text("print('unchecked')\n")
+    (work / "x").symlink_to(allowed / "inner")
+    argv = [sys.executable, "x/../train.py"]
+    checked = resolve(argv, str(work), shutil.which)
+    assert checked[1] == str(allowed / "train.py")
+    cold = subprocess.run(argv, cwd=work, env=proc_env, capture_output=True, text=True,
+                          timeout=60)
+    launch = json.dumps({"argv": argv, "env": proc_env, "cwd": str(work)})
+    warm = subprocess.run([sys.executable, "-P", "-m", "elastic.worker.prestart",
+                           str(work / "x/../train.py")], cwd=work, env=proc_env,
+                          input=launch + "\n", capture_output=True, text=True, timeout=60)
+    assert (cold.stdout, warm.stdout) == ("allowed\n", "allowed\n"), (cold.stderr, warm.stderr)
 
 
 def test_a_library_changed_after_the_preload_starts_the_program_afresh(tmp_path, proc_env):

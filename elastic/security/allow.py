@@ -13,13 +13,18 @@ within one path component, `**` across components, `[...]` a character.
   directory); the agent then runs exactly that absolute path, so the job's
   environment cannot make another program of the same name run;
 - a later token that starts with `-`, or follows `-m`, `-c`, `-W` or `-X`,
-  is compared as is;
+  is compared as is; one that starts with `-` only with a pattern that does
+  too (`-cimport os;#/train.py` is python's -c, whatever `**/train.py` says);
 - any other later token is a path (the script), compared by its real path
-  (symlinks and `..` resolved as the kernel will when it opens it).
+  (symlinks and `..` resolved as the kernel will when it opens it). A path
+  that passes through /proc is refused: /proc/self and the links to it
+  (/dev/fd, /dev/stdin) name the agent when it checks, the worker when it
+  runs.
 
 So `/opt/venv/bin/python /srv/jobs/*/train.py` allows `python train.py
 --steps 10` started in /srv/jobs/lm, and nothing else: not `python -c ...`,
-not another script, not /srv/jobs/lm/out/train.py. An entry of a Python
+not another script, not /srv/jobs/lm/out/train.py. `[!...]` never matches
+`/`, as `*` does not. An entry of a Python
 interpreter alone allows any code (the agent warns). `python -m module` puts
 the working directory first on sys.path, so such a start also needs the
 directory's real path allowed (`workdirs`).
@@ -133,7 +138,7 @@ def _regex(pattern: str) -> re.Pattern:
             out.append("[^/]")
         elif close != -1:
             body = pattern[i + 1:close]
-            body = "^" + body[1:] if body.startswith("!") else body
+            body = "^/" + body[1:] if body.startswith("!") else body  # (never a `/`)
             out.append("[" + body.replace("\\", "\\\\").replace("[", "\\[") + "]")
             i = close
         else:
@@ -147,12 +152,53 @@ def matches(text: str, pattern: str) -> bool:
     return _regex(pattern).match(text) is not None
 
 
+def _token_matches(token: str, pattern: str) -> bool:
+    """`matches`, but an option (`-...`) only ever matches an option's pattern."""
+    return (not token.startswith("-") or pattern.startswith("-")) and matches(token, pattern)
+
+
+#: How many symlinks a path may pass through (Linux's own limit, MAXSYMLINKS).
+_MAX_LINKS = 40
+
+
+def real_path(path: str) -> str | None:
+    """The real path of the absolute `path` — symlinks and `..` resolved as
+    the kernel resolves them, a missing part kept as it is (as
+    os.path.realpath) — or None if the way passes through /proc (where
+    /proc/self names the process that looks, and /dev/fd, /dev/stdin lead)
+    or through more than 40 symlinks."""
+    parts, done, links = [p for p in path.split("/") if p], "/", 0
+    while parts:
+        part = parts.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            done = os.path.dirname(done)
+            continue
+        here = os.path.join(done, part)
+        if here == "/proc" or here.startswith("/proc/"):
+            return None
+        try:
+            target = os.readlink(here)
+        except OSError:  # (not a link, or not there)
+            done = here
+            continue
+        links += 1
+        if links > _MAX_LINKS:
+            return None
+        if target.startswith("/"):
+            done = "/"
+        parts = [p for p in target.split("/") if p] + parts
+    return done
+
+
 def resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
             ) -> list[str] | str:
     """argv as the allow-list sees it — the program resolved (see the
     module doc), later path tokens by their real path against `workdir`,
     options and their values as they are — or why it cannot be (the
-    program is not on the PATH `which` searches)."""
+    program is not on the PATH `which` searches; a path passes through
+    /proc: `real_path`)."""
     program = argv[0]
     if "/" in program:
         path = os.path.normpath(os.path.join(workdir, program))
@@ -161,13 +207,19 @@ def resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None
         if path is None:
             return f"program {program!r} is not on this agent's PATH"
         path = os.path.abspath(path)
+    if path == "/proc" or path.startswith("/proc/"):
+        return f"program {path!r} is under /proc, whose links name the worker when it runs"
     resolved = [path]
     takes_value = False
     for token in argv[1:]:
         if token.startswith("-") or takes_value:
             resolved.append(token)
+        elif (real := real_path(os.path.join(workdir, token))) is None:
+            return (f"{token!r} in {workdir} passes through /proc, whose links name the agent "
+                    f"when it checks and the worker when it runs (or through over "
+                    f"{_MAX_LINKS} symlinks)")
         else:
-            resolved.append(os.path.realpath(os.path.join(workdir, token)))
+            resolved.append(real)
         takes_value = token in _OPTIONS_WITH_VALUE
     return resolved
 
@@ -198,12 +250,13 @@ def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], 
                     f"--allow-env {name}")
     shown = " ".join(shlex.quote(t) for t in resolved[:4])
     for head in allow.workers:
-        if len(head) <= len(resolved) and all(matches(token, pattern)
+        if len(head) <= len(resolved) and all(_token_matches(token, pattern)
                                               for token, pattern in zip(resolved, head)):
             first_option_or_script = next(
                 (t for t in resolved[1:] if t == "-m" or not t.startswith("-")), None)
-            if first_option_or_script == "-m" and not any(
-                    matches(os.path.realpath(workdir), p) for p in allow.workdirs):
+            real_workdir = real_path(workdir)
+            if first_option_or_script == "-m" and (real_workdir is None or not any(
+                    matches(real_workdir, p) for p in allow.workdirs)):
                 return (f"`{shown}` runs a module with {workdir} first on its import path; "
                         f"allow the directory with --allow-workdir")
             return run

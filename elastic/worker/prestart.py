@@ -146,8 +146,10 @@ def run(launch: dict) -> None:
         # the directory of the script's real path first on sys.path (the
         # allow-list checked that path: a symlink to the script in another
         # directory must not import that directory's modules; runpy.run_path
-        # would make argv[0] the path it was given).
-        script = os.path.abspath(argv[0])
+        # would make argv[0] the path it was given). Joined, not normalised:
+        # the kernel takes `..` after a symlink physically, as the allow-list
+        # did (os.path.abspath would take it textually, to another file).
+        script = os.path.join(os.getcwd(), argv[0])
         sys.argv = list(argv)
         sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
         main = types.ModuleType("__main__")
