@@ -18,10 +18,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import socket
+import ssl
+import threading
 from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app, start_http_server
 from prometheus_client.core import Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from elastic.security.tls import TLSFiles
@@ -61,18 +66,64 @@ class LoopCollector(Collector):
         return list(self.build(state))
 
 
+#: Seconds a connection to the HTTPS endpoint may take for its TLS handshake,
+#: and then for each read or write of its request and answer.
+CONNECTION_TIMEOUT_S = 10.0
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        """Nothing: a scrape is not news."""
+
+
+class _HTTPSServer(ThreadingWSGIServer):
+    """prometheus-client's threading server with the TLS handshake done in
+    each connection's own thread, under CONNECTION_TIMEOUT_S. Its own
+    `start_http_server(certfile=...)` wraps the listening socket, so the
+    handshake runs in the accept loop, without a timeout: one TCP connection
+    that sends nothing held every scrape, and `shutdown()` with them (a
+    controller told to stop never exited)."""
+
+    tls_context: ssl.SSLContext
+
+    def finish_request(self, request: socket.socket, client_address) -> None:
+        request.settimeout(CONNECTION_TIMEOUT_S)
+        try:
+            conn = self.tls_context.wrap_socket(request, server_side=True)
+        except (OSError, ValueError):  # (ssl.SSLError, a timeout, a reset, a closed socket)
+            return
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            conn.close()
+
+
+def _tls_context(tls: TLSFiles) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls.ca))
+    context.load_cert_chain(str(tls.cert), str(tls.key))
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 def serve(registry: CollectorRegistry, host: str, port: int, tls: TLSFiles | None):
     """Serve `registry` at http(s)://host:port/metrics from a daemon thread.
     Returns the server (`.server_port`: the port, `.shutdown()` to stop).
     With `tls`, HTTPS with that bundle's certificate, and a client
-    certificate from its CA required. Raises OSError when the port cannot
-    be bound."""
+    certificate from its CA required; each connection gets
+    CONNECTION_TIMEOUT_S for its handshake and each read, in a thread of its
+    own, so that a connection that stalls holds no other. Raises OSError
+    when the port cannot be bound, ssl.SSLError when the bundle cannot be
+    used."""
     if tls is None:
         server, _ = start_http_server(port, host, registry)
     else:
-        server, _ = start_http_server(port, host, registry, certfile=str(tls.cert),
-                                      keyfile=str(tls.key), client_cafile=str(tls.ca),
-                                      client_auth_required=True)
+        context = _tls_context(tls)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("_Server", (_HTTPSServer,), {"address_family": family,
+                                                          "tls_context": context})
+        server = make_server(host, port, make_wsgi_app(registry), server_class,
+                             handler_class=_Quiet)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics at %s://%s:%d/metrics", "https" if tls else "http", host,
              server.server_port)
     return server
