@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from elastic import transport
+from elastic.security.certs import host_server_name
 from elastic.security.tls import TLSFiles
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
@@ -37,7 +38,9 @@ async def host_logs(host: str, address: str, tls: TLSFiles | None, request: pb.L
     host could not be read (a line for the user)."""
     partial: dict[tuple, bytes] = {}
     try:
-        async with transport.aio_agent_channel(address, tls) as channel:
+        # (the agent must be `host`'s, not any host's: its certificate names it)
+        async with transport.aio_agent_channel(address, tls,
+                                               server_name=host_server_name(host)) as channel:
             call = pb_grpc.AgentStub(channel).Logs(
                 request, timeout=None if request.follow else timeout_s)
             async for chunk in call:

@@ -531,3 +531,29 @@ def test_snapshot_directories_cannot_be_planted_or_taken_first(tmp_path, pki):
         for a in (planted, default):
             snapshot_dir.remove_recorded(a.settings.state_dir)
     assert not os.path.exists(default.snapshot_dir) and not os.path.exists(explicit)
+
+
+def test_elasticd_logs_reads_a_host_only_from_that_hosts_agent(tmp_path, pki):
+    """An agent serving with host-2's certificate where host-1's logs are
+    asked for gets no request: the operator's channel checks the agent's
+    name (an audit found it took any host certificate)."""
+    from elastic.agent.service import AgentService
+    from elastic.logs import host_logs
+
+    async def scenario():
+        agent = AgentService("127.0.0.1:0", pki.host("host-2"), str(tmp_path / "state"))
+        port = await agent.start()
+        try:
+            lines: list[str] = []
+            ask = pb.LogsRequest(tail_bytes=100)
+            wrong = await host_logs("host-1", f"127.0.0.1:{port}", pki.operator, ask,
+                                    lines.append, timeout_s=10)
+            right = await host_logs("host-2", f"127.0.0.1:{port}", pki.operator, ask,
+                                    lines.append, timeout_s=10)
+            return wrong, right
+        finally:
+            await agent.stop()
+
+    wrong, right = asyncio.run(scenario())
+    assert wrong is not None and wrong.startswith("host-1: cannot read its logs"), wrong
+    assert right is None
