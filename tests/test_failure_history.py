@@ -282,6 +282,44 @@ def test_a_successor_keeps_the_fence_of_a_lost_process_0(tmp_path):
         assert history.fenced_until == 0.0
 
 
+def test_a_successor_fences_a_stop_its_predecessor_did_not_see_end(tmp_path):
+    """The controller dies between slice_stopping and slice_stopped, the host
+    of process 0 cut off: its worker may still commit a save. Before, the
+    successor read no running slice and no fence, and started the next
+    generation on the others at once (an audit found it). Now it waits for
+    that host's lease, counted from its own start, unless the host is seen
+    without a worker of that generation."""
+    s, view, state = three_hosts_leased()
+    started = d.Decision(state, (d.Journal("generation_started", 1, "", None,
+                                           {"hosts": ["h0", "h1", "h2"]}),), "")
+    heartbeat_all(view, T0 + 4)
+    for h in ("h1", "h2"):
+        worker(view, h, T0 + 6, 1, WorkerState.RUNNING)
+    stopping = decide(state, view, T0 + 9.5, s)  # h0 silent 5.5 s: lost, the slice stops
+    assert "slice_stopping" in kinds(stopping)
+    journal(tmp_path, [started, stopping], [T0, T0 + 9.5])  # ... and the controller dies
+    assert recorded(tmp_path).running is None
+    successor = dataclasses.replace(carried(tmp_path, T0 + 12, s), phase=Phase.WAITING,
+                                    generation=1)
+    # the lease counted from the successor's start (T0 + 12), as if heard then
+    assert (successor.fenced_until, successor.fence_host) == (SUCCESSOR_T0 + 12 + 32.5, "h0")
+    fresh = ClusterView()
+    for h in ("h1", "h2", "h3"):
+        register(fresh, h, SUCCESSOR_T0 + 12)
+    waiting = start_generation(fresh, successor, SUCCESSOR_T0 + 13, s, 1)
+    assert waiting.state.generation == 1 and "host h0 of generation 1 to fence itself" in \
+        waiting.reason, waiting.reason
+    # h0 comes back without a worker of generation 1: the fence is lifted
+    register(fresh, "h0", SUCCESSOR_T0 + 14)
+    lifted = start_generation(fresh, waiting.state, SUCCESSOR_T0 + 14, s, 2)
+    assert "fence_lifted" in kinds(lifted) and lifted.state.generation == 2, lifted.reason
+    # a stop journaled as ended leaves nothing to fence
+    stopped = decide(stopping.state, view, T0 + 60, s)
+    assert "slice_stopped" in kinds(stopped)
+    journal(tmp_path / "ended", [started, stopping, stopped], [T0, T0 + 9.5, T0 + 60])
+    assert carried(tmp_path / "ended", T0 + 62, s).fenced_until == 0.0
+
+
 def test_only_what_the_windows_still_count_is_carried():
     s = dataclasses.replace(spec(restart={"window_s": 100}),
                             quarantine=QuarantineSpec(failures=3, window_s=50, cooldown_s=30))

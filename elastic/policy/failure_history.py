@@ -33,6 +33,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from elastic.agent.fence import fenced_by
 from elastic.config import JobSpec
 from elastic.policy import grow
 from elastic.policy.state import SliceState
@@ -57,6 +58,12 @@ class FailureHistory:
       failure count, but carried the same way.
     fenced_until: when the fence of the latest `waiting_for_fencing` runs
       out (0.0: none, or lifted, or a generation started since).
+    fence_host: the host of process 0 that fence waits for ("" if none).
+    process0: the host of process 0 of the latest generation started,
+      discovered or adopted ("" if none).
+    stop_unfinished: that generation's stop began (`slice_stopping`) and was
+      not journaled as ended (`slice_stopped`): its controller died during
+      the stop, and whether process 0 stopped is not known.
     """
 
     restarts_at: tuple[float, ...] = ()
@@ -65,6 +72,9 @@ class FailureHistory:
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
     restart_costs_s: tuple[float, ...] = ()
     fenced_until: float = 0.0
+    fence_host: str = ""
+    process0: str = ""
+    stop_unfinished: bool = False
 
 
 def _number(entry: Mapping, key: str) -> float | None:
@@ -109,6 +119,7 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
         return history
     if kind in ("job_succeeded", "job_failed"):
         return FailureHistory(quarantined=history.quarantined)  # (see the module docstring)
+    history = _stop_progress(history, entry)
     adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
     if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
         # (a step starts the crash-loop count again, as decide's first_progress
@@ -143,10 +154,25 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
             h: q for h, q in history.quarantined.items() if h != host})
     if kind == "waiting_for_fencing":
         left_s = _number(entry, "lease_left_s")
-        return history if left_s is None else dataclasses.replace(history,
-                                                                  fenced_until=ts + left_s)
+        return history if left_s is None else dataclasses.replace(
+            history, fenced_until=ts + left_s, fence_host=host if isinstance(host, str) else "")
     if kind in ("generation_started", "generation_discovered", "fence_lifted"):
-        return dataclasses.replace(history, fenced_until=0.0)
+        return dataclasses.replace(history, fenced_until=0.0, fence_host="")
+    return history
+
+
+def _stop_progress(history: FailureHistory, entry: Mapping) -> FailureHistory:
+    """`history` with the latest generation's process 0 and whether its
+    stop is under way (see FailureHistory) updated by `entry`."""
+    kind = entry["kind"]
+    if kind in ("generation_started", "generation_discovered", "slice_adopted"):
+        hosts = entry.get("hosts")
+        first = hosts[0] if isinstance(hosts, list) and hosts and isinstance(hosts[0], str) \
+            else ""
+        return dataclasses.replace(history, process0=first or history.process0,
+                                   stop_unfinished=False)
+    if kind in ("slice_stopping", "slice_stopped"):
+        return dataclasses.replace(history, stop_unfinished=kind == "slice_stopping")
     return history
 
 
@@ -179,7 +205,11 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
     fence (elastic.policy.fencing) that has not yet run out (no generation
     starts before it, though this controller never saw the hosts), and every
     quarantine: those that ended while no controller ran are released by
-    the first pass, which journals it."""
+    the first pass, which journals it. A stop its controller did not see
+    end fences the next generation as a lost process 0 does, counting its
+    lease from `wall_now` (the latest its agent can have heard that
+    controller), until that host is seen without a worker of the stopped
+    generation (fencing.lift_fence)."""
     offset = monotonic_now - wall_now
     restarts = tuple(t + offset for t in recent(history.restarts_at, wall_now, spec))
     failures = {}
@@ -189,12 +219,19 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
             failures[host] = kept
     quarantined = {h: (until + offset, reason)
                    for h, (until, reason) in history.quarantined.items()}
-    fenced_until = history.fenced_until + offset if history.fenced_until > wall_now else 0.0
+    fenced_until, fence_host = (history.fenced_until, history.fence_host) \
+        if history.fenced_until > wall_now else (0.0, "")
+    if history.stop_unfinished and history.process0:
+        health = spec.health
+        until = fenced_by(wall_now, health.controller_lease_s, health.heartbeat_interval_s)
+        if until > fenced_until:
+            fenced_until, fence_host = until, history.process0
     return dataclasses.replace(state, failure_restarts=restarts,
                                failures_without_progress=history.without_progress,
                                host_failures=failures, quarantined=quarantined,
                                restart_costs_s=history.restart_costs_s,
-                               fenced_until=fenced_until)
+                               fenced_until=fenced_until + offset if fenced_until else 0.0,
+                               fence_host=fence_host)
 
 
 def describe(state: SliceState, monotonic_now: float) -> dict:

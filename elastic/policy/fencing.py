@@ -81,9 +81,9 @@ def lift_fence(state: SliceState, view: ClusterView, actions: list[Action]) -> S
     is seen stopped: its agent, heard again and not lost, reports no worker
     of that generation running (a stop acknowledgement read after the
     members were dropped, say after the controller itself was paused)."""
-    if not state.members:  # (a fence carried from the journal: its hosts unknown here)
+    host = state.members[0] if state.members else state.fence_host
+    if not host:  # (a fence carried from a journal that did not name the host)
         return state
-    host = state.members[0]
     record = view.get(host)
     if record is None or host in state.lost or (
             record.worker.running and record.worker.generation == state.generation):
@@ -98,8 +98,10 @@ def lift_fence(state: SliceState, view: ClusterView, actions: list[Action]) -> S
 def waiting(state: SliceState, now: float) -> str:
     """Why no generation starts while `state` is fenced (a sentence)."""
     left = f"waiting {state.fenced_until - now:.1f} s more for"
+    host = state.members[0] if state.members else state.fence_host
     if not state.members:  # (a fence carried from the journal)
-        return (f"{left} the host of process 0 of generation {state.generation} to fence "
-                f"itself, as a previous controller journaled")
-    return (f"{left} host {state.members[0]}, process 0 of generation {state.generation}, "
+        return (f"{left} {f'host {host}' if host else 'the host of process 0'} of generation "
+                f"{state.generation} to fence itself, as a previous controller journaled or "
+                f"left it stopping")
+    return (f"{left} host {host}, process 0 of generation {state.generation}, "
             f"to fence itself")

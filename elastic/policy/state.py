@@ -119,6 +119,8 @@ class SliceState:
       last one's process 0 was lost, not seen to stop its worker, which may
       commit a checkpoint until its agent's controller lease runs out
       (elastic.policy.fencing).
+    fence_host: that host, when `members` does not say (a fence carried
+      from the journal; "" if unknown).
     restart_began: when the latest restart's stop began (None once the
       next generation made its first step).
     restart_costs_s: what the latest restarts cost (stop began -> first
@@ -155,6 +157,7 @@ class SliceState:
     exit_code: int | None = None
     inherited: Inherited | None = None
     fenced_until: float = 0.0
+    fence_host: str = ""
     restart_began: float | None = None
     restart_costs_s: tuple[float, ...] = ()
     grow_declined: int = 0
