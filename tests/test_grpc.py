@@ -176,6 +176,74 @@ def test_a_start_lost_with_a_broken_stream_comes_again_on_the_next(tmp_path, pki
     run(main())
 
 
+def test_a_stop_decided_while_a_stream_was_broken_comes_on_the_next(tmp_path, pki):
+    """h1's stream breaks while generation 1 runs on h0 and h1; h2 comes, and
+    the stop to grow is decided while h1 has no stream. The same agent
+    process (same incarnation) registers again within the reconnect grace:
+    its new stream gets the stop at once. Before, only the last command
+    sent (the start, no longer due) was sent again, and the stop waited out
+    stop_timeout_s (3 s here) for h1 (an audit of the controller found it)."""
+    spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=3, extra=(
+        'reconnect_grace_s = 5.0\n[restart]\ngrow = "immediately"')))
+    running = {h: pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1) for h in ("h0", "h1", "h2")}
+
+    async def main():
+        server = ControllerServer(spec, "127.0.0.1:0", tmp_path / "state", pki.controller)
+        address = await server.start()
+        loop_task = asyncio.create_task(server.run())
+        c = server.controller
+        async with transport.aio_channel(address, pki.host("h0")) as ch0, \
+                transport.aio_channel(address, pki.host("h1")) as ch1, \
+                transport.aio_channel(address, pki.host("h2")) as ch2:
+            streams, beats = {}, []
+
+            async def heartbeat(host, call):
+                for seq in range(1, 10_000):
+                    await call.write(pb.AgentMessage(header=header(host=host), heartbeat=(
+                        pb.Heartbeat(seq=seq, worker=running[host]))))
+                    await asyncio.sleep(0.25)
+
+            async def connect(host, ch):
+                request = register_request(host=host)
+                request.free_port = 7000 + int(host[1])
+                request.worker.CopyFrom(running[host])
+                await pb_grpc.ControllerStub(ch).Register(request, timeout=5)
+                streams[host] = pb_grpc.ControllerStub(ch).Connect()
+                beats.append(asyncio.create_task(heartbeat(host, streams[host])))
+
+            async def next_command(call, body):
+                while True:
+                    message = await call.read()
+                    if message.WhichOneof("body") == body:
+                        return message
+
+            for host, ch in (("h0", ch0), ("h1", ch1)):
+                await connect(host, ch)
+            for host in ("h0", "h1"):
+                await asyncio.wait_for(next_command(streams[host], "start"), 20)
+                running[host] = pb.WorkerStatus(state=pb.WORKER_RUNNING, generation=1,
+                                                pid=100 + int(host[1]), step=-1,
+                                                committed_step=-1)
+            beats[1].cancel()
+            streams["h1"].cancel()
+            while "h1" in c.executor.sessions:  # (its stream's end read)
+                await asyncio.sleep(0.01)
+            await connect("h2", ch2)
+            await asyncio.wait_for(next_command(streams["h0"], "stop"), 10)
+            assert c.state.phase.name == "STOPPING" and "h1" not in c.executor.sessions
+            await connect("h1", ch1)
+            stop = await asyncio.wait_for(next_command(streams["h1"], "stop"), 1.5)
+            assert stop.stop.generation == 1 and c.state.phase.name == "STOPPING"
+            for task in beats:
+                task.cancel()
+            for call in streams.values():
+                call.cancel()
+        loop_task.cancel()
+        await server.stop("test over")
+
+    run(main())
+
+
 @pytest.mark.parametrize("body,phase,members,lost,due", [
     ("start", "starting", ("h0", "h1"), (), True),
     ("start", "running", ("h0", "h1"), (), True),

@@ -149,6 +149,10 @@ class Executor:
         self.journal = journal
         self.clock = clock
         self.sessions: dict[str, Session] = {}
+        #: host -> the latest start or stop that found it without a session
+        #: (its stream broke): sent when the same agent registers again, if
+        #: still due (elastic.controller.servicer)
+        self.undelivered: dict[str, pb.ControllerMessage] = {}
         self.view = view
         #: whether `controller_stopped` was journaled: nothing is journaled after it
         self.stopped = False
@@ -208,10 +212,15 @@ class Executor:
         if payload is not None and message.term != self.term:
             raise ValueError(f"a payload serialized with term {message.term}, not {self.term}")
         message.term = self.term
+        command = message.WhichOneof("body") in COMMANDS
         if session is None:
             log.warning("no stream to host %s; %s not sent (its heartbeats will tell)",
                         host, message.WhichOneof("body"))
+            if command:
+                self.undelivered[host] = message
             return None
+        if command:
+            self.undelivered.pop(host, None)
         # A host heard by datagram lately: the way back is likely open too,
         # and its stream copy is held back. One heard by datagram before but
         # not lately heartbeats on its stream: its datagrams went unacked,

@@ -349,18 +349,22 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         # decided before the agent opens its stream wait for it there.
         previous = c.sessions.get(h.host_id) or self.ended.get(h.host_id)
         self.ended.pop(h.host_id, None)
+        undelivered = c.executor.undelivered.pop(h.host_id, None)
         if previous is not None:
             previous.close(grpc.StatusCode.FAILED_PRECONDITION,
                            f"host {h.host_id} registered again (incarnation {h.incarnation})")
         session = c.sessions[h.host_id] = Session(h.host_id, h.incarnation, fingerprint,
                                                   registered_at=c.clock.monotonic())
-        if previous is not None and previous.incarnation == h.incarnation and \
-                _still_due(previous.last_command, c.state, h.host_id):
+        if previous is not None and previous.incarnation == h.incarnation and (due := next(
+                (m for m in (undelivered, previous.last_command) if _still_due(m, c.state,
+                                                                              h.host_id)),
+                None)):
             # The same agent process registering again: its stream broke, and a
-            # start or stop of this generation may have gone down with it,
-            # which nothing would send again (the slice would wait out the
-            # startup-hang timeout). The agent takes each command once.
-            session.send(previous.last_command)
+            # start or stop of this generation may have gone down with it, or
+            # been decided while it had none, which nothing would send again
+            # (the slice would wait out the startup-hang timeout, or a stop its
+            # stop timeout). The agent takes each command once.
+            session.send(due)
         self.intake.registered(session, session.registered_at)
         c.submit(v.Registered(
             host_id=h.host_id, incarnation=h.incarnation, devices=request.devices,
