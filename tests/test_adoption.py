@@ -368,3 +368,24 @@ def test_an_adopted_slice_counts_the_crash_loop_as_its_journal_does(tmp_path, cr
     for entry in read_journal(tmp_path):
         replayed = failure_history.after(replayed, entry)
     assert replayed.without_progress == count
+
+
+def test_a_member_missing_at_adoption_must_still_acknowledge_the_stop():
+    """h0 (process 0) misses the adoption window; the slice restarts. h0
+    comes back during the stop, its worker of generation 4 still running:
+    the stop waits for its acknowledgement. Before, it was a member of
+    incarnation "" and counted as stopped at once, unfenced (an audit)."""
+    view, s = ClusterView(), spec()
+    for host in ("h1", "h2"):
+        come_back(view, host)
+    stopping = decide(adopting(), view, T0 + 5.1, s)
+    assert kinds(stopping)[0] == "slice_stopping" and "h0" in stopping.reason
+    assert stopping.state.incarnations == INHERITED.incarnations
+    come_back(view, "h0", T0 + 5.2)  # the same agent process, its worker running
+    for host in ("h1", "h2"):
+        come_back(view, host, T0 + 5.2, state=WorkerState.EXITED, signal=9)
+    later = decide(stopping.state, view, T0 + 5.3, s)
+    assert later.state.phase is Phase.STOPPING, later.reason  # waiting for h0
+    come_back(view, "h0", T0 + 5.4, state=WorkerState.EXITED, signal=9)
+    done = decide(later.state, view, T0 + 5.5, s)
+    assert "slice_stopped" in kinds(done) and done.state.fenced_until == 0.0

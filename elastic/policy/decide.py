@@ -102,8 +102,11 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         state = dataclasses.replace(state, reason=reason) if reason != state.reason else state
         return state, tuple(actions), state.reason
     what, why, blamed = verdict
-    incarnations = tuple(view.hosts[h].incarnation if h in view.hosts else ""
-                         for h in inherited.hosts)
+    # (a member not back keeps the incarnation the journal names: should it
+    # come back with its worker still running, it is no stopped stranger)
+    journaled = inherited.incarnations or ("",) * len(inherited.hosts)
+    incarnations = tuple(view.hosts[h].incarnation if h in view.hosts else known
+                         for h, known in zip(inherited.hosts, journaled))
     common = dict(members=inherited.hosts, incarnations=incarnations,
                   coordinator=inherited.coordinator, devices_per_host=inherited.devices_per_host,
                   device_kind=inherited.device_kind, restarts=inherited.restarts,
