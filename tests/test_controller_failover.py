@@ -10,9 +10,11 @@ tests/test_isolation.py.)"""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from tests.conftest import tiny_spec
+from tests.conftest import tiny_spec, wait_until
 
 
 def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
@@ -380,3 +382,45 @@ def test_a_worker_crash_while_no_controller_runs_counts_as_a_failure(tmp_path, l
     failed = job.outcome()
     assert "restart budget exhausted: 2 failures" in failed["reason"], failed
     assert [e["generation"] for e in journal if e["kind"] == "generation_started"] == [1, 2]
+
+
+def test_a_leader_puts_its_term_in_the_bucket_before_any_renewal(tmp_path, proc_env, pki,
+                                                                 gcs_emulator, gcs_bucket):
+    """The term a leader gives its agents is in the bucket's journal at once,
+    not at its first renewal (lease_s / 4: 15 s here): a standby that took
+    over from a leader dead before that renewal, on a clock behind the
+    leader's, would lead with a lower term, which every agent refuses (an
+    audit of the controller found it)."""
+    import json
+    import subprocess
+
+    spec = tiny_spec(tmp_path, min_hosts=2, max_hosts=2,
+                     job_extra=f'checkpoint_dir = "{gcs_bucket}/job"',
+                     extra="leader_lease_s = 60.0")
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "elastic.cli", "start", "--config", str(spec), "--state-dir",
+         str(tmp_path / "state"), "--listen", "127.0.0.1:0", "--tls-dir",
+         str(pki.controller.cert.parent)], env=dict(proc_env, **gcs_emulator.env),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        blob = gcs_emulator.client().bucket(gcs_bucket.removeprefix("gs://")).blob(
+            "job.elastic-controller/events.jsonl")
+
+        def term_in_bucket():
+            if not blob.exists():
+                return None
+            entries = [json.loads(line) for line in blob.download_as_bytes().splitlines()]
+            return next((e["term"] for e in entries if e["kind"] == "controller_started"),
+                        None)
+
+        # (4 times a second: read every 20 ms, fake-gcs-server had not
+        # taken the controller's upload 10 s later, which never failed)
+        term = wait_until(lambda: controller.poll() is not None or term_in_bucket(), 10,
+                          "controller_started in the bucket's journal", interval_s=0.25)
+        assert controller.poll() is None, controller.stderr.read().decode()[-3000:]
+        local = [json.loads(line) for line in (tmp_path / "state" / "events.jsonl")
+                 .read_text().splitlines()]
+        assert term == next(e["term"] for e in local if e["kind"] == "controller_started")
+    finally:
+        controller.terminate()
+        controller.wait(30)

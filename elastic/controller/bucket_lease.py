@@ -6,7 +6,7 @@ checkpoint directory (never in it: Orbax removes what it finds there that is
 not a committed step): `gs://bucket/a/b` keeps it in
 `gs://bucket/a/b.elastic-controller/events.jsonl`. The leader uploads its
 journal every `lease_s / 4`, and at once after an entry a standby needs
-(PROMPT_KINDS: a generation started, stopping, ended), with `ifGenerationMatch` = the generation it
+(PROMPT_KINDS: the leader's start and term, a generation started, stopping, ended), with `ifGenerationMatch` = the generation it
 wrote last: each upload renews the lease and mirrors the journal. A standby
 polls the object's generation; when it has not changed for `lease_s` by the
 standby's own monotonic clock (so no clock skew between hosts matters), it
@@ -53,9 +53,13 @@ SUFFIX = ".elastic-controller/" + JOURNAL_NAME
 #: The file in a controller's state directory that names it as a lease holder.
 ID_NAME = "controller-id"
 #: Entries uploaded at once, not at the next renewal: what a standby needs
-#: to adopt the slice (the generation running, whether it is stopping).
-PROMPT_KINDS = frozenset({"generation_started", "first_progress", "slice_adopted",
-                          "slice_stopping", "slice_stopped", "job_succeeded", "job_failed"})
+#: to adopt the slice (the generation running, whether it is stopping), and
+#: the leader's term (`controller_started`), which its agents learn as they
+#: register: a standby taking over must lead with a higher one, and its own
+#: clock, which floors its term, may be behind this leader's.
+PROMPT_KINDS = frozenset({"controller_started", "generation_started", "first_progress",
+                          "slice_adopted", "slice_stopping", "slice_stopped", "job_succeeded",
+                          "job_failed"})
 
 
 def holder_id(state_dir: pathlib.Path) -> str:
