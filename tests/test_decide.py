@@ -511,6 +511,29 @@ def test_an_older_emergency_save_does_not_end_the_drain():
     assert decision.state.phase is Phase.RUNNING and "draining" in decision.reason
 
 
+def test_an_emergency_save_below_the_newest_step_ever_committed_is_waited_for():
+    """After a restore fell back past committed step 20 (it would not read),
+    the slice trains at step 9 when h2 is preempted. Before, its emergency
+    save of step 9 was never seen to commit (step 20 was newer), and the
+    drain stopped the slice while the save was still being written, as if
+    step 9 were committed already (an audit of the checkpoint code)."""
+    s = spec()
+    state, view = preempted_slice()
+    view.committed_step, view.committed_at = 20, T0 - 100  # the step that would not read
+    draining = decide(state, view, T0 + 1, s)
+    observe(view, d_event_saved(), T0 + 1.5)  # the emergency save of step 9 starts
+    observe(view, ProgressReported("h0", "inc-h0", 1, 9, -1), T0 + 1.5)
+    saving = decide(draining.state, view, T0 + 1.5 + 3 * s.health.heartbeat_interval_s, s)
+    assert saving.state.phase is Phase.RUNNING and "draining" in saving.reason, saving.reason
+    heartbeat_all(view, T0 + 5)
+    relevant, facts = observe(view, ProgressReported("h0", "inc-h0", 1, 9, 9), T0 + 6)
+    assert [(f.kind, f.fields["step"]) for f in facts] == [("checkpoint_committed", 9)]
+    assert view.committed_step == 20  # still the newest
+    stopping = decide(saving.state, view, T0 + 6, s)
+    assert stopping.state.phase is Phase.STOPPING and stopping.state.stop_kind == "preemption"
+    assert "emergency checkpoint step 9 committed" in stopping.reason
+
+
 def test_a_drain_ends_once_the_step_the_slice_stands_at_is_committed():
     """As after an adoption: the emergency save ran while no controller did.
     A report of the committed step alone is not enough while the slice may

@@ -549,15 +549,15 @@ def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     if _emergency_committed(view, since):
         why = (f"preemption of {hosts}: emergency checkpoint step "
                f"{view.emergency_save_step} committed")
-    elif rank0 is not None and 0 <= rank0.worker.step <= view.committed_step and \
+    elif rank0 is not None and 0 <= rank0.worker.step <= rank0.worker.committed_step and \
             now - max(rank0.step_at, rank0.registered_at) >= 2 * spec.health.heartbeat_interval_s:
         # the step the slice stands at is committed: an emergency save this
         # controller did not see start (it was saved while no controller
         # ran, before an adoption), or a periodic one; nothing is lost. (Not
         # while the slice may still step: a commit is reported at once, the
         # steps after it only with the next heartbeat.)
-        why = (f"preemption of {hosts}: checkpoint step {view.committed_step}, the step "
-               f"the slice reached, committed")
+        why = (f"preemption of {hosts}: checkpoint step {rank0.worker.committed_step}, the "
+               f"step the slice reached, committed")
     elif view.emergency_failed_at >= since:
         why = (f"preemption of {hosts}: the emergency checkpoint failed "
                f"({view.emergency_failure}); resuming from checkpoint step {view.committed_step}")

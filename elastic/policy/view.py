@@ -369,7 +369,16 @@ def _note_commit(view: ClusterView, record: HostRecord, generation: int,
     report a step is the one journaled."""
     record.worker.committed_step = max(record.worker.committed_step, committed_step)
     if committed_step <= view.committed_step:
-        return []
+        # (an emergency save of a step below the newest ever committed: after
+        # a restore fell back past a step that would not read. It commits
+        # now, which the drain waits for; the newest step stays the newest)
+        if committed_step != view.emergency_save_step or \
+                view.committed_at >= view.emergency_save_at:
+            return []
+        view.committed_at = now
+        return [Fact("checkpoint_committed", record.host_id, generation,
+                     f"checkpoint step {committed_step} committed (emergency; step "
+                     f"{view.committed_step} is newer)", {"step": committed_step})]
     view.committed_step, view.committed_at = committed_step, now
     return [Fact("checkpoint_committed", record.host_id, generation,
                  f"checkpoint step {committed_step} committed", {"step": committed_step})]
