@@ -27,10 +27,14 @@ def free_port() -> int:
 
 def run_processes(n: int, args: list[str], env: dict, ckpt_dir, expect_kill: bool = False,
                   timeout_s: float = 120, snapshots=None, run_id: str = "run-1",
-                  helper: pathlib.Path = HELPER) -> None:
+                  helper: pathlib.Path = HELPER, own_disks: bool = False) -> list[str]:
     """Run `helper` as an n-process JAX slice (2 CPU devices each); with
     `snapshots` (a directory), process i keeps local snapshots in
-    snapshots/h{i} for controller run `run_id`."""
+    snapshots/h{i} for controller run `run_id`; with `own_disks`, process i
+    is given ckpt_dir/p{i} as the job's checkpoint directory (hosts that
+    share no disk, each with its own directory under the same path), and
+    the processes may fail. Returns each process's output (its last 3,000
+    characters)."""
     port = free_port()
     procs = []
     for i in range(n):
@@ -39,7 +43,8 @@ def run_processes(n: int, args: list[str], env: dict, ckpt_dir, expect_kill: boo
         proc_env = dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", ELASTIC_PROCESS_ID=str(i),
                         ELASTIC_NUM_PROCESSES=str(n), ELASTIC_GENERATION="1",
                         ELASTIC_JOB_ID="test", ELASTIC_HOST_ID=f"h{i}",
-                        ELASTIC_MESH="data=-1,model=2", ELASTIC_CHECKPOINT_DIR=str(ckpt_dir),
+                        ELASTIC_MESH="data=-1,model=2",
+                        ELASTIC_CHECKPOINT_DIR=str(ckpt_dir / f"p{i}" if own_disks else ckpt_dir),
                         ELASTIC_DEVICES_PER_HOST="2")
         procs.append(subprocess.Popen([sys.executable, str(helper), *args], env=proc_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -57,8 +62,9 @@ def run_processes(n: int, args: list[str], env: dict, ckpt_dir, expect_kill: boo
     if expect_kill:  # each kills itself after its save started; one still inside the
         # save's last barrier when a peer dies may fail there first
         assert -9 in codes and 0 not in codes, (codes, outputs)
-    else:
+    elif not own_disks:
         assert codes == [0] * n, "\n".join(outputs)
+    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +132,46 @@ def test_a_step_some_process_cannot_read_or_list_is_passed_over_by_all(tmp_path,
             path.write_bytes(b"garbage")
     assert restore() == (1, failed_then_restored)
     assert (ckpt / "2").exists(), "a committed step is never deleted by a failed restore"
+
+
+def test_a_checkpoint_directory_the_hosts_do_not_share_is_refused(tmp_path, proc_env):
+    """Two hosts with a local directory each under the same path: before,
+    step 10 "committed" holding process 0's shards only, and no process
+    could restore it (a checkpoint audit); now every process refuses the
+    directory before anything is saved, saying why."""
+    ckpt = tmp_path / "ckpt"
+    outputs = run_processes(2, ["save", str(ckpt), "10", str(tmp_path / "a.json")], proc_env,
+                            ckpt, own_disks=True, timeout_s=90)
+    for out in outputs:
+        assert "is not one directory shared by every process: process(es) 1 cannot read" \
+            in out, out
+    assert not (tmp_path / "a.json").exists()
+    assert not [p for p in ckpt.rglob("*") if p.name == "10" or p.name.startswith("10.")]
+    assert not list(ckpt.rglob(".elastic-shared-*"))  # (the probe is removed)
+
+
+def test_a_step_one_process_does_not_list_is_skipped_by_all_not_saved_by_one(tmp_path,
+                                                                            proc_env):
+    """Steps 0, 10 and 20 committed; process 1's listing lacks step 20 (a
+    stale listing). Both restore step 10 and train on, saving every 10
+    steps: at step 20 process 0 (which lists it) skipped the save while
+    process 1 went to agree on it alone, and timed out after 60 s (a
+    checkpoint audit). Now both skip step 20, saying who lists it, and
+    both save step 30."""
+    ckpt = tmp_path / "ckpt"
+    run_processes(2, ["train", str(ckpt), "21", "10", str(tmp_path / "a.json"),
+                      "--wait-each"], proc_env, ckpt)
+    assert json.loads((tmp_path / "a.json").read_text())["committed"] == [0, 10, 20]
+    out = tmp_path / "b.json"
+    run_processes(2, ["train", str(ckpt), "35", "10", str(out), "--wait-each",
+                      "--resume", "--unlisted-on", "1:20"], proc_env, ckpt, timeout_s=90)
+    result = json.loads(out.read_text())
+    assert result["restored"] == 10, result
+    skipped = [e for e in result["events"] if e["kind"] == "checkpoint_save_skipped"]
+    assert [e["step"] for e in skipped] == [20], result["events"]
+    assert "listed by process(es) 0" in skipped[0]["reason"]
+    assert [e["step"] for e in result["events"] if e["kind"] == "checkpoint_saved"] == [30]
+    assert result["committed"] == [0, 10, 20, 30]
 
 
 @pytest.mark.parametrize("outcome", ["removed", "timed out"])

@@ -10,8 +10,12 @@ the *current* mesh), so a checkpoint written by 4 hosts restores on 3 or 5.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +34,50 @@ log = logging.getLogger("elastic.checkpoint")
 #: long as Orbax's own restore barrier (its default), which absorbed how much
 #: longer one process takes to read a large step than another.
 RESTORE_AGREEMENT_S = 300.0
+
+
+#: Names the shared-directory checks of one distributed runtime apart.
+_directory_checks = itertools.count()
+
+
+def check_shared_directory(directory: str) -> None:
+    """Raise RuntimeError unless every process sees the same local
+    `directory` (one path on a file system they share): process 0 writes a
+    file of random bytes there, every process reads it back, and the
+    processes compare (two gathers through the coordination service). Hosts
+    that share no disk each get a directory of their own under the same
+    path, and a checkpoint "committed" there holds only process 0's shards:
+    it restores nowhere. No-op for one process and for gs:// (a bucket is
+    one place for everyone)."""
+    if jax.process_count() == 1 or storage.scheme(directory) != "":
+        return
+    check, own = next(_directory_checks), None
+    if jax.process_index() == 0:
+        own = secrets.token_hex(16)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f".elastic-shared-{own}"), "w") as f:
+            f.write(own)
+    token = all_gather(f"checkpoint-directory-{check}-written", own)[0]
+    # (each by its own path: the same text, but on another host another directory)
+    path = os.path.join(directory, f".elastic-shared-{token}")
+    try:
+        with open(path) as f:
+            seen = f.read() == token
+    except OSError:
+        seen = False
+    verdicts = all_gather(f"checkpoint-directory-{check}-seen", seen)
+    if jax.process_index() == 0:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    blind = [i for i, ok in enumerate(verdicts) if not ok]
+    if blind:
+        raise RuntimeError(
+            f"checkpoint directory {directory} is not one directory shared by every process: "
+            f"process(es) {', '.join(map(str, blind))} cannot read the file process 0 wrote "
+            f"there. Hosts that share no file system each write their own, and a checkpoint "
+            f"there would hold one host's shards; give the job a bucket "
+            f"(checkpoint_dir = \"gs://...\") or a directory on a file system every host "
+            f"mounts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +154,8 @@ def _release_directory_waiters(operation: str | None) -> None:
 class Checkpoints:
     """Checkpoints of one job in `directory`.
 
-    interval_steps: `save` writes only every this many steps (unless forced).
+    interval_steps: `save` writes only at steps that are multiples of this
+      (unless forced or preempted), step 0 included.
     max_to_keep: committed steps kept; older ones are deleted after a newer
       one commits (never before), in a background thread.
     on_commit(step): called on every process once a step is committed (its
@@ -173,6 +222,7 @@ class Checkpoints:
         self._barrier_uses: dict[str, int] = {}
         self._operation: str | None = None  # Orbax's id of the save in flight
         self._barrier_lock = threading.Lock()
+        check_shared_directory(directory)
         use_coordination_service_barriers()
         _register_array_handler(replica_parallel)
         options = ocp.CheckpointManagerOptions(
@@ -283,15 +333,17 @@ class Checkpoints:
         self.manager._cleanup_tmp_directory_future = None
         return False
 
-    def _agree(self, busy: int | None, cleaning: bool = False) -> list[dict]:
+    def _agree(self, busy: int | None, cleaning: bool = False, listed: bool = False
+               ) -> list[dict]:
         """Share with every process the step of its save still being
         written (`busy`, None if none), whether it is still removing the
-        leftovers of saves cut short (`cleaning`), and which of its saves
+        leftovers of saves cut short (`cleaning`), whether it lists the step
+        about to be saved as committed (`listed`), and which of its saves
         failed; journal the failures (every process learns them; process
         0's on_event writes them). Returns each process's report, in process
         order."""
         self._agreements += 1
-        own = {"busy": busy, "cleaning": cleaning, "failed": self._failed}
+        own = {"busy": busy, "cleaning": cleaning, "listed": listed, "failed": self._failed}
         self._failed = []
         reports = all_gather(f"checkpoint-save-{self._agreements}", own)
         failed: dict[int, dict[int, str]] = {}
@@ -337,7 +389,10 @@ class Checkpoints:
             return False
         preempted = self.manager.reached_preemption(step)
         urgent = force or preempted
-        if not (urgent or self.manager.should_save(step)):
+        # (from the step alone, the same on every process: Orbax's own
+        # should_save reads this process's listing of storage, and processes
+        # whose listings differ would not all come to the agreement below)
+        if not (urgent or step % self.interval_steps == 0):
             return False
         t0 = time.perf_counter()
         if urgent and self._pending is not None:  # this one must not be skipped
@@ -346,9 +401,11 @@ class Checkpoints:
                           f"in flight", {"step": step, "waiting_for": self._pending,
                                          "preemption": preempted})
             self._settle()
-        reports = self._agree(self._pending, self._removing_leftovers(wait=urgent))
+        reports = self._agree(self._pending, self._removing_leftovers(wait=urgent),
+                              step in self.manager.all_steps())
         busy = [i for i, r in enumerate(reports) if r["busy"] is not None]
         cleaning = [i for i, r in enumerate(reports) if r["cleaning"]]
+        listed = [i for i, r in enumerate(reports) if r.get("listed")]
         skip = ""
         if busy:
             skip = (f"step {reports[busy[0]]['busy']} is still being written on process(es) "
@@ -356,8 +413,10 @@ class Checkpoints:
         elif cleaning:
             skip = (f"process(es) {', '.join(map(str, cleaning))} still remove the leftovers "
                     f"of saves cut short")
-        elif step in self.manager.all_steps():
-            skip = "the step already has a committed checkpoint, which is never overwritten"
+        elif listed:  # (on any process: a listing may lag, and a bucket's save of
+            # a step that exists would remove it first)
+            skip = (f"the step already has a committed checkpoint (listed by process(es) "
+                    f"{', '.join(map(str, listed))}), which is never overwritten")
         if skip:
             if not (busy and self._skipped):  # once per save in flight, not every interval
                 self.on_event("checkpoint_save_skipped", f"save of step {step} skipped: {skip}"
@@ -370,7 +429,7 @@ class Checkpoints:
         self._writing = step
         started = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})),
-            force=urgent)
+            force=True)  # (decided above, together)
         if started:
             self._operation = _current_operation()
             self._pending = self._last_started = step

@@ -2,9 +2,11 @@
 
     ckpt_worker.py save DIR STEP OUT.json [--kill-after-save]
     ckpt_worker.py train DIR STEPS INTERVAL OUT.json [--wait-each] [--leftovers-stay]
+                   [--resume [--unlisted-on PROCESS:STEP]]
         (steps 0..STEPS-1, a save call each; --wait-each: and a wait for it;
         --leftovers-stay: removing the leftovers of saves cut short fails, as
-        a storage outage would make it)
+        a storage outage would make it; --resume: from the step after the
+        one restore_latest restores)
     ckpt_worker.py restore DIR OUT.json [--unreadable-on PROCESS:STEP] [--unlisted-on PROCESS:STEP]
         (--unreadable-on: that process alone fails to read that step, as a
         storage fault on one host would make it; --unlisted-on: that process
@@ -54,6 +56,20 @@ def checksums(state: dict) -> dict:
     return out
 
 
+def unlist(ctx, ckpt) -> None:
+    """--unlisted-on PROCESS:STEP: that process alone does not list that
+    step, as a stale listing would make it (ours and Orbax's own)."""
+    if "--unlisted-on" not in sys.argv:
+        return
+    process, step = sys.argv[sys.argv.index("--unlisted-on") + 1].split(":")
+    if int(process) != ctx.process_index:
+        return
+    listed, orbax_listed = ckpt.committed_steps, ckpt.manager.all_steps
+    ckpt.committed_steps = lambda: [s for s in listed() if s != int(step)]
+    ckpt.manager.all_steps = lambda *a, **k: [s for s in orbax_listed(*a, **k) if s != int(step)]
+    ckpt.manager.latest_step = lambda: max(ckpt.manager.all_steps(), default=None)
+
+
 def main() -> int:
     mode = sys.argv[1]  # argv[2], the directory, is also in ELASTIC_CHECKPOINT_DIR
     if "--leftovers-stay" in sys.argv:
@@ -72,7 +88,8 @@ def main() -> int:
     interval = int(sys.argv[4]) if mode == "train" else 1
     ckpt = elastic.worker.runtime.WorkerContext.checkpoints(ctx, interval_steps=interval,
                                                             max_to_keep=5, snapshot_every=1)
-    ckpt.on_event = lambda kind, reason, fields: events.append({"kind": kind, **fields})
+    ckpt.on_event = lambda kind, reason, fields: events.append({"kind": kind, "reason": reason,
+                                                                **fields})
     shardings = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
     if mode == "save":
         step, out = int(sys.argv[3]), sys.argv[4]
@@ -88,14 +105,20 @@ def main() -> int:
         result = {"checksums": checksums(state), "committed": ckpt.committed_steps()}
     elif mode == "train":
         steps, out = int(sys.argv[3]), sys.argv[5]
-        for step in range(steps):
+        first = 0
+        if "--resume" in sys.argv:
+            unlist(ctx, ckpt)
+            abstract = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
+                        for k, (shape, dtype) in SHAPES.items()}
+            first = ckpt.restore_latest(abstract).step + 1
+        for step in range(first, steps):
             state = jax.jit(lambda step=step: make_state(step, False), out_shardings=shardings)()
             ckpt.save(step, state, {"data_position": step + 1})
             if "--wait-each" in sys.argv:  # every save ends before the next step
                 ckpt.wait()
         ckpt.close()
         result = {"checksums": checksums(state), "committed": ckpt.committed_steps(),
-                  "events": events}
+                  "events": events, "restored": first - 1}
     else:
         out = sys.argv[3]
         if "--unreadable-on" in sys.argv:
@@ -110,11 +133,7 @@ def main() -> int:
                         raise OSError(f"step {step} unreadable on process {process}")
                     return read(self, directory, *args, **kwargs)
                 ocp.StandardCheckpointHandler.restore = unreadable
-        if "--unlisted-on" in sys.argv:
-            process, step = sys.argv[sys.argv.index("--unlisted-on") + 1].split(":")
-            if int(process) == ctx.process_index:
-                listed = ckpt.committed_steps
-                ckpt.committed_steps = lambda: [s for s in listed() if s != int(step)]
+        unlist(ctx, ckpt)
         abstract = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
                     for k, (shape, dtype) in SHAPES.items()}
         restored = ckpt.restore_latest(abstract)
