@@ -260,3 +260,18 @@ def test_hosts_that_share_only_a_bucket_compile_once_per_slice(tmp_path, gcs_emu
     again = _slice_compiles(tmp_path, tmp_path / "disks2", "again", "--own-dir")
     assert [r["hit"] for r in again] == [True, True]
     assert _bucket_entries(gcs_emulator, gcs_bucket, "cache/") == [entry]
+
+
+def test_a_planted_fifo_or_symlink_reads_as_absent_and_at_once(tmp_path):
+    """Whoever can write a shared cache directory but holds no key could
+    plant a FIFO (the reader waited for a writer forever) or a symlink to
+    /dev/zero (it read until memory ran out), before any signature was
+    checked (a security audit). Neither is read now; a regular file is."""
+    from elastic.worker.compile_cache import DirectoryTier
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "zeros").symlink_to("/dev/zero")
+    (tmp_path / "entry").write_bytes(b"bytes")
+    directory = DirectoryTier(str(tmp_path))
+    assert directory.read("fifo") is None and directory.read("zeros") is None
+    assert directory.read("entry") == b"bytes" and directory.read("absent") is None

@@ -54,12 +54,14 @@ skipped, never an error.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
 import os
 import pathlib
 import re
+import stat
 import tempfile
 import time
 import uuid
@@ -137,11 +139,25 @@ class DirectoryTier:
         return str(self.path)
 
     def read(self, name: str) -> bytes | None:
-        """The object `name`'s bytes, None if absent. Raises OSError."""
+        """The object `name`'s bytes, None if absent or not a regular file
+        (a symlink, which is not followed, a FIFO, a device: what someone
+        who can write a shared directory may plant to hang or flood the
+        reader before any signature is checked). Raises OSError."""
         try:
-            return (self.path / name).read_bytes()
+            fd = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # (a symlink)
+                log.warning("executable cache %s: %s is a symlink; ignored", self, name)
+                return None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                log.warning("executable cache %s: %s is not a regular file; ignored",
+                            self, name)
+                return None
+            return f.read()
 
     def write(self, name: str, data: bytes) -> None:
         """Write `name` atomically. Raises OSError."""
