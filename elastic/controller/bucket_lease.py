@@ -6,24 +6,25 @@ checkpoint directory (never in it: Orbax removes what it finds there that is
 not a committed step): `gs://bucket/a/b` keeps it in
 `gs://bucket/a/b.elastic-controller/events.jsonl`. The leader uploads its
 journal every `lease_s / 4`, and at once after an entry a standby needs
-(PROMPT_KINDS: the leader's start and term, a generation started, stopping, ended), with `ifGenerationMatch` = the generation it
-wrote last: each upload renews the lease and mirrors the journal. A standby
-polls the object's generation; when it has not changed for `lease_s` by the
-standby's own monotonic clock (so no clock skew between hosts matters), it
-downloads the journal at that generation into its state directory and
-claims the object by uploading it back with `ifGenerationMatch` = that
-generation: of two standbys only one succeeds. A leader whose upload fails
-its precondition has been deposed and stops at once; a failed upload (a 429,
-a 503, a timeout) is tried again with jittered backoff (tenacity), and one
-that could not upload for `lease_s / 2`, counted from when its last
-successful upload was sent (a partition from the bucket), stops too, before
-any standby can have taken over. The object names its holder in its
-metadata: the random id of the holder's state directory (`controller-id`,
-made once) and of the controller process. A controller restarted on the
-holder's own state directory (which it locks,
-elastic.controller.leadership) takes the lease back at once instead of
-waiting it out; an upload whose answer was lost and whose retry then finds
-the object written by the same process goes on from that generation.
+(PROMPT_KINDS: the leader's start and term, a generation started, stopping,
+ended), with `ifGenerationMatch` = the generation it wrote last: each upload
+renews the lease and mirrors the journal. A standby polls the object's
+generation; when it has not changed for `lease_s` by the standby's own
+monotonic clock (so no clock skew between hosts matters), it downloads the
+journal at that generation into its state directory and claims the object by
+uploading it back with `ifGenerationMatch` = that generation: of two
+standbys only one succeeds. A leader whose upload fails its precondition has
+been deposed and stops at once; a failed upload (a 429, a 503, a timeout) is
+tried again with jittered backoff (tenacity), and one that could not upload
+for `lease_s / 2`, counted from when its last successful upload was sent (a
+partition from the bucket), stops too, before any standby can have taken
+over. The object names its holder in its metadata: the random id of the
+holder's state directory (`controller-id`, made once) and of the controller
+process. A controller restarted on the holder's own state directory (which
+it locks, elastic.controller.leadership) takes the lease back at once
+instead of waiting it out; an upload whose answer was lost and whose retry
+then finds the object written by the same process goes on from that
+generation.
 
 This is the lease-with-fencing-token pattern (Kleppmann, "How to do
 distributed locking", 2016) with the object generation as the token, as
