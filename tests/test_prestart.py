@@ -111,6 +111,21 @@ def test_jax_runtime_preloaded_only_for_programs_that_import_jax(tmp_path):
     assert preload_names(str(plain), bucket) == ["json", "elastic.worker"]
 
 
+def cold_and_warm(script: str, workdir, env) -> tuple[str, str]:
+    """The output of `python script` started in `workdir` cold, and in a
+    pre-started process launched so (stdout each; AssertionError with both
+    stderrs if either failed)."""
+    argv = [sys.executable, script]
+    cold = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=60)
+    launch = json.dumps({"argv": argv, "env": env, "cwd": str(workdir)})
+    warm = subprocess.run([sys.executable, "-P", "-m", "elastic.worker.prestart",
+                           os.path.join(workdir, script)], cwd=workdir, env=env,
+                          input=launch + "\n", capture_output=True, text=True, timeout=60)
+    assert cold.returncode == warm.returncode == 0, (cold.stderr, warm.stderr)
+    return cold.stdout, warm.stdout
+
+
 def test_a_launched_script_imports_beside_its_real_path_as_python_does(tmp_path, proc_env):
     # train.py in jobs/ is allowed by its real path; a symlink to it from
     # another directory must import jobs/helper.py, not the one beside the link
@@ -121,14 +136,7 @@ def test_a_launched_script_imports_beside_its_real_path_as_python_does(tmp_path,
     (jobs / "helper.py").write_text("WHERE = 'jobs'\n")
     (other / "helper.py").write_text("WHERE = 'other'\n")
     (other / "train.py").symlink_to(jobs / "train.py")
-    argv = [sys.executable, "train.py"]
-    cold = subprocess.run(argv, cwd=other, env=proc_env, capture_output=True, text=True,
-                          timeout=60)
-    launch = json.dumps({"argv": argv, "env": proc_env, "cwd": str(other)})
-    warm = subprocess.run([sys.executable, "-P", "-m", "elastic.worker.prestart",
-                           str(other / "train.py")], cwd=other, env=proc_env,
-                          input=launch + "\n", capture_output=True, text=True, timeout=60)
-    assert (cold.stdout, warm.stdout) == ("jobs\n", "jobs\n"), (cold.stderr, warm.stderr)
+    assert cold_and_warm("train.py", other, proc_env) == ("jobs\n", "jobs\n")
 
 
 def test_a_launched_script_is_the_file_the_allow_list_checked(tmp_path, proc_env):
@@ -144,16 +152,9 @@ def test_a_launched_script_is_the_file_the_allow_list_checked(tmp_path, proc_env
     (allowed / "train.py").write_text("print('allowed')\n")
     (work / "train.py").write_text("print('unchecked')\n")
     (work / "x").symlink_to(allowed / "inner")
-    argv = [sys.executable, "x/../train.py"]
-    checked = resolve(argv, str(work), shutil.which)
+    checked = resolve([sys.executable, "x/../train.py"], str(work), shutil.which)
     assert checked[1] == str(allowed / "train.py")
-    cold = subprocess.run(argv, cwd=work, env=proc_env, capture_output=True, text=True,
-                          timeout=60)
-    launch = json.dumps({"argv": argv, "env": proc_env, "cwd": str(work)})
-    warm = subprocess.run([sys.executable, "-P", "-m", "elastic.worker.prestart",
-                           str(work / "x/../train.py")], cwd=work, env=proc_env,
-                          input=launch + "\n", capture_output=True, text=True, timeout=60)
-    assert (cold.stdout, warm.stdout) == ("allowed\n", "allowed\n"), (cold.stderr, warm.stderr)
+    assert cold_and_warm("x/../train.py", work, proc_env) == ("allowed\n", "allowed\n")
 
 
 def test_a_library_changed_after_the_preload_starts_the_program_afresh(tmp_path, proc_env):
