@@ -20,7 +20,8 @@ import dataclasses
 from collections.abc import Set
 
 from elastic.config import JobSpec
-from elastic.policy import adopt, blame, failure_history, fencing, grow, quarantine, silence, strays
+from elastic.policy import (adopt, blame, closed, failure_history, fencing, grow, quarantine,
+                            silence, strays)
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
@@ -637,8 +638,8 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                       f"emergency checkpoint step {view.emergency_save_step} "
                                       f"committed"))
         state = dataclasses.replace(state, stop_hurried=True)
-    if pending and (ended := _closed_after_a_peer_ended(state, view, now, pending)):
-        state, pending = _lose_closed(state, view, now, actions, pending, ended), []
+    if pending and (ended := closed.after_a_peer_ended(state, view, now, pending)):
+        state, pending = closed.lose(state, view, now, actions, pending, ended), []
     if pending and now < state.stop_deadline:
         return state
     for host in pending:
@@ -662,44 +663,6 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         return _fail(state, now, actions, f"{spent}; last: {state.reason}")
     return _enter(state, Phase.WAITING, now, f"restarting after failure: {state.reason}",
                   failure_restarts=recent, restarts=state.restarts + 1)
-
-
-def _closed_after_a_peer_ended(state: SliceState, view: ClusterView, now: float,
-                               pending: list[str]) -> str | None:
-    """A member whose worker of this generation has ended (its agent said
-    so), when every member the stop still waits for is a host whose
-    agent's connection closed at least the controller's lag ago (a closed
-    connection an agent reopens at once is read by then); else None."""
-    if not all(h in view.disconnected and now - view.disconnected[h] >= view.lag_s
-               for h in pending):
-        return None
-    return next((h for h, inc in zip(state.members, state.incarnations)
-                 if h not in pending and h not in state.lost and (r := view.get(h)) is not None
-                 and r.incarnation == inc and r.worker.generation == state.generation
-                 and not r.worker.running), None)
-
-
-def _lose_closed(state: SliceState, view: ClusterView, now: float, actions: list[Action],
-                 closed: list[str], ended: str) -> SliceState:
-    """The members a stop still waits for are hosts whose agents'
-    connections closed, and the worker of another member (`ended`) has
-    ended: they are lost now, not after reconnect_grace_s. With one process
-    of the generation gone, the others cannot step, whatever they do; a
-    closed connection is most often the agent ended, and its worker with it
-    (so elastic.policy.fencing takes a process 0 among them as stopped, and
-    commits nothing late); the stop could not reach
-    them before they reconnect, and the grace would only delay the next
-    generation, which starts without them (one that reconnects returns as
-    any lost host does, its old worker stopped as a stray, and a grow may
-    take it back)."""
-    for host in closed:
-        closed_s = now - view.disconnected[host]
-        actions.append(Journal(
-            "host_lost", state.generation,
-            f"connection closed {closed_s:.1f} s ago, and host {ended}'s worker of this "
-            f"generation has ended, so the slice cannot step on: not waiting out "
-            f"reconnect_grace_s", host, {"disconnected_s": round(closed_s, 3)}))
-    return dataclasses.replace(state, lost=state.lost | frozenset(closed))
 
 
 def _fail(state: SliceState, now: float, actions: list[Action], reason: str) -> SliceState:
