@@ -124,16 +124,21 @@ def test_a_path_through_proc_is_refused(tmp_path):
     for script in ("/proc/self/cwd/train.py", "cwd/train.py", "fd/../lm/train.py",
                    "/dev/stdin"):
         verdict = check_launch(allow, ["python", script], {}, str(jobs), PATH.get)
-        assert isinstance(verdict, str) and "passes through /proc" in verdict, (script, verdict)
+        assert isinstance(verdict, str) and f"{script!r} passes through /proc" in verdict, \
+            (script, verdict)
     verdict = check_launch(allow, ["/proc/self/cwd/python", "/srv/jobs/lm/train.py"], {},
                            "/srv/jobs/lm", PATH.get)
-    assert isinstance(verdict, str) and "is under /proc" in verdict
-    # the same file by a path that does not: allowed
-    assert check_launch(allow, ["python", "train.py"], {}, str(jobs), PATH.get) == \
-        ["/opt/venv/bin/python", "train.py"]
+    assert isinstance(verdict, str) and "'/proc/self/cwd/python' passes through /proc" in verdict
+    # the same file by a path that does not: allowed, with the program's own
+    # arguments free, /dev/stdout among them (past the patterns: not judged)
+    assert check_launch(allow, ["python", "train.py", "--log", "/dev/stdout"], {}, str(jobs),
+                        PATH.get) == ["/opt/venv/bin/python", "train.py", "--log", "/dev/stdout"]
+    # and an agent that allows anything runs anything
+    assert check_launch(AllowList(any_worker=True), ["python", "/proc/self/cwd/train.py"], {},
+                        str(jobs), PATH.get) == ["/opt/venv/bin/python", "/proc/self/cwd/train.py"]
 
 
-def test_real_path_resolves_as_os_path_realpath(tmp_path):
+def test_real_path_resolves_as_os_path_realpath(tmp_path, monkeypatch):
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "l").symlink_to(tmp_path / "a" / "b")
     (tmp_path / "rel").symlink_to("a")
@@ -143,6 +148,8 @@ def test_real_path_resolves_as_os_path_realpath(tmp_path):
         full = os.path.join(str(tmp_path), path)
         assert real_path(full) == os.path.realpath(full), path
     assert real_path(str(tmp_path / "loop" / "x")) is None
+    monkeypatch.chdir(tmp_path)  # (a relative path: against the current directory)
+    assert real_path("l/../x.py") == os.path.realpath("l/../x.py")
 
 
 def test_parse_refuses_relative_programs_and_warns_on_bare_interpreters():

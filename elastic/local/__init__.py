@@ -79,6 +79,8 @@ def allow_args(spec: JobSpec, path: str) -> list[str]:
     resolved = allow.resolve(argv, workdir, lambda name: shutil.which(name, path=path))
     if isinstance(resolved, str):  # not on the PATH: the agent will say so at the start
         resolved = argv
+    # (a path through /proc as given: the agent refuses it at the start, saying why)
+    resolved = [t if t is not None else a for t, a in zip(resolved, argv)]
     if resolved[1:2] == ["-m"]:
         head = resolved[:3]  # program -m module
     elif len(resolved) > 1 and not resolved[1].startswith("-"):

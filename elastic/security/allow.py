@@ -17,9 +17,10 @@ within one path component, `**` across components, `[...]` a character.
   too (`-cimport os;#/train.py` is python's -c, whatever `**/train.py` says);
 - any other later token is a path (the script), compared by its real path
   (symlinks and `..` resolved as the kernel will when it opens it). A path
-  that passes through /proc is refused: /proc/self and the links to it
-  (/dev/fd, /dev/stdin) name the agent when it checks, the worker when it
-  runs.
+  that passes through /proc matches no pattern: /proc/self and the links
+  to it (/dev/fd, /dev/stdin) name the agent when it checks, the worker
+  when it runs. (The program's own arguments, past the patterns, are free,
+  /dev/stdout as well.)
 
 So `/opt/venv/bin/python /srv/jobs/*/train.py` allows `python train.py
 --steps 10` started in /srv/jobs/lm, and nothing else: not `python -c ...`,
@@ -152,9 +153,11 @@ def matches(text: str, pattern: str) -> bool:
     return _regex(pattern).match(text) is not None
 
 
-def _token_matches(token: str, pattern: str) -> bool:
-    """`matches`, but an option (`-...`) only ever matches an option's pattern."""
-    return (not token.startswith("-") or pattern.startswith("-")) and matches(token, pattern)
+def _token_matches(token: str | None, pattern: str) -> bool:
+    """`matches`, but an option (`-...`) only ever matches an option's
+    pattern, and a path that could not be judged (None) nothing."""
+    return token is not None and (not token.startswith("-") or pattern.startswith("-")) \
+        and matches(token, pattern)
 
 
 #: How many symlinks a path may pass through (Linux's own limit, MAXSYMLINKS).
@@ -166,7 +169,9 @@ def real_path(path: str) -> str | None:
     the kernel resolves them, a missing part kept as it is (as
     os.path.realpath) — or None if the way passes through /proc (where
     /proc/self names the process that looks, and /dev/fd, /dev/stdin lead)
-    or through more than 40 symlinks."""
+    or through more than 40 symlinks. A relative `path` is taken against
+    the current directory (joined, not normalised)."""
+    path = os.path.join(os.getcwd(), path)
     parts, done, links = [p for p in path.split("/") if p], "/", 0
     while parts:
         part = parts.pop(0)
@@ -192,34 +197,38 @@ def real_path(path: str) -> str | None:
     return done
 
 
-def resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
-            ) -> list[str] | str:
-    """argv as the allow-list sees it — the program resolved (see the
-    module doc), later path tokens by their real path against `workdir`,
-    options and their values as they are — or why it cannot be (the
-    program is not on the PATH `which` searches; a path passes through
-    /proc: `real_path`)."""
+def _program(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
+             ) -> str | None:
+    """The absolute path of argv[0] as the agent will run it (see the
+    module doc); None if it is not on the PATH `which` searches."""
     program = argv[0]
     if "/" in program:
-        path = os.path.normpath(os.path.join(workdir, program))
-    else:
-        path = which(program)
-        if path is None:
-            return f"program {program!r} is not on this agent's PATH"
-        path = os.path.abspath(path)
-    if path == "/proc" or path.startswith("/proc/"):
-        return f"program {path!r} is under /proc, whose links name the worker when it runs"
-    resolved = [path]
+        return os.path.normpath(os.path.join(workdir, program))
+    path = which(program)
+    return None if path is None else os.path.abspath(path)
+
+
+def _under_proc(path: str) -> bool:
+    return path == "/proc" or path.startswith("/proc/")
+
+
+def resolve(argv: Sequence[str], workdir: str, which: Callable[[str], str | None]
+            ) -> list[str | None] | str:
+    """argv as the allow-list sees it — the program resolved (see the
+    module doc), later path tokens by their real path against `workdir`,
+    options and their values as they are, None for a path that passes
+    through /proc (no pattern matches it: `real_path`) — or why it cannot
+    be (the program is not on the PATH `which` searches)."""
+    path = _program(argv, workdir, which)
+    if path is None:
+        return f"program {argv[0]!r} is not on this agent's PATH"
+    resolved: list[str | None] = [None if _under_proc(path) else path]
     takes_value = False
     for token in argv[1:]:
         if token.startswith("-") or takes_value:
             resolved.append(token)
-        elif (real := real_path(os.path.join(workdir, token))) is None:
-            return (f"{token!r} in {workdir} passes through /proc, whose links name the agent "
-                    f"when it checks and the worker when it runs (or through over "
-                    f"{_MAX_LINKS} symlinks)")
         else:
-            resolved.append(real)
+            resolved.append(real_path(os.path.join(workdir, token)))
         takes_value = token in _OPTIONS_WITH_VALUE
     return resolved
 
@@ -239,7 +248,7 @@ def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], 
     resolved = resolve(argv, workdir, which)
     if isinstance(resolved, str):
         return resolved
-    run = [resolved[0], *argv[1:]]
+    run = [_program(argv, workdir, which), *argv[1:]]
     if allow.any_worker:
         return run
     for name in sorted(env):
@@ -248,17 +257,26 @@ def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], 
             return (f"the job's environment sets {name}, which this host does not allow (a "
                     f"variable can make the worker run other code); allow it with "
                     f"--allow-env {name}")
-    shown = " ".join(shlex.quote(t) for t in resolved[:4])
+    shown = " ".join(shlex.quote(t if t is not None else a)
+                     for t, a in zip(resolved[:4], [run[0], *argv[1:4]]))
     for head in allow.workers:
         if len(head) <= len(resolved) and all(_token_matches(token, pattern)
                                               for token, pattern in zip(resolved, head)):
             first_option_or_script = next(
-                (t for t in resolved[1:] if t == "-m" or not t.startswith("-")), None)
+                (t for t in resolved[1:] if t is None or t == "-m" or not t.startswith("-")),
+                None)
             real_workdir = real_path(workdir)
             if first_option_or_script == "-m" and (real_workdir is None or not any(
                     matches(real_workdir, p) for p in allow.workdirs)):
                 return (f"`{shown}` runs a module with {workdir} first on its import path; "
                         f"allow the directory with --allow-workdir")
             return run
+    compared = max((len(head) for head in allow.workers), default=0)
+    through_proc = [a for t, a in zip(resolved[:compared], [run[0], *argv[1:]]) if t is None]
+    if through_proc:
+        return (f"`{shown}` is not in this host's allow-list: "
+                f"{', '.join(map(repr, through_proc))} passes through /proc, whose links name "
+                f"the agent when it checks and the worker when it runs (or through over "
+                f"{_MAX_LINKS} symlinks)")
     return (f"`{shown}` is not in this host's allow-list; allow it with --allow-worker "
-            f"(e.g. --allow-worker {shlex.quote(' '.join(resolved[:2]))})")
+            f"(e.g. --allow-worker {shlex.quote(' '.join(t or '' for t in resolved[:2]))})")
