@@ -148,6 +148,14 @@ def test_a_checkpoint_directory_the_hosts_do_not_share_is_refused(tmp_path, proc
     assert not (tmp_path / "a.json").exists()
     assert not [p for p in ckpt.rglob("*") if p.name == "10" or p.name.startswith("10.")]
     assert not list(ckpt.rglob(".elastic-shared-*"))  # (the probe is removed)
+    # process 0 cannot write its directory at all (here a file is in its way):
+    # every process says so, rather than the others timing out on it
+    (ckpt / "p0").rename(tmp_path / "gone")
+    (ckpt / "p0").write_text("not a directory")
+    outputs = run_processes(2, ["save", str(ckpt), "10", str(tmp_path / "a.json")], proc_env,
+                            ckpt, own_disks=True, timeout_s=90)
+    for out in outputs:
+        assert "process 0 cannot write there: FileExistsError" in out, out
 
 
 def test_a_step_one_process_does_not_list_is_skipped_by_all_not_saved_by_one(tmp_path,

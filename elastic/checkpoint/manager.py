@@ -44,31 +44,44 @@ def check_shared_directory(directory: str) -> None:
     """Raise RuntimeError unless every process sees the same local
     `directory` (one path on a file system they share): process 0 writes a
     file of random bytes there, every process reads it back, and the
-    processes compare (two gathers through the coordination service). Hosts
-    that share no disk each get a directory of their own under the same
-    path, and a checkpoint "committed" there holds only process 0's shards:
-    it restores nowhere. No-op for one process and for gs:// (a bucket is
-    one place for everyone)."""
+    processes compare (two gathers through the coordination service, each
+    waiting up to RESTORE_AGREEMENT_S for every process). Hosts that share no
+    disk each get a directory of their own under the same path, and a
+    checkpoint "committed" there holds only process 0's shards: it restores
+    nowhere. Also raised, on every process, when process 0 cannot write
+    there. No-op for one process and for gs:// (a bucket is one place for
+    everyone)."""
     if jax.process_count() == 1 or storage.scheme(directory) != "":
         return
-    check, own = next(_directory_checks), None
+    check, own = next(_directory_checks), {"token": None, "error": None}
     if jax.process_index() == 0:
-        own = secrets.token_hex(16)
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, f".elastic-shared-{own}"), "w") as f:
-            f.write(own)
-    token = all_gather(f"checkpoint-directory-{check}-written", own)[0]
+        try:
+            token = secrets.token_hex(16)
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, f".elastic-shared-{token}"), "w") as f:
+                f.write(token)
+            own["token"] = token
+        except OSError as e:  # (the others hear why, rather than wait for a token)
+            own["error"] = f"{type(e).__name__}: {e}"
+    # (as long as a restore's agreements: a host that compiled while the
+    # others loaded comes here minutes later)
+    first = all_gather(f"checkpoint-directory-{check}-written", own, RESTORE_AGREEMENT_S)[0]
+    if first["error"]:
+        raise RuntimeError(f"checkpoint directory {directory}: process 0 cannot write there: "
+                           f"{first['error']}")
     # (each by its own path: the same text, but on another host another directory)
-    path = os.path.join(directory, f".elastic-shared-{token}")
+    path = os.path.join(directory, f".elastic-shared-{first['token']}")
     try:
-        with open(path) as f:
-            seen = f.read() == token
-    except OSError:
-        seen = False
-    verdicts = all_gather(f"checkpoint-directory-{check}-seen", seen)
-    if jax.process_index() == 0:
-        with contextlib.suppress(OSError):
-            os.remove(path)
+        try:
+            with open(path) as f:
+                seen = f.read() == first["token"]
+        except OSError:
+            seen = False
+        verdicts = all_gather(f"checkpoint-directory-{check}-seen", seen, RESTORE_AGREEMENT_S)
+    finally:
+        if jax.process_index() == 0:
+            with contextlib.suppress(OSError):
+                os.remove(path)
     blind = [i for i, ok in enumerate(verdicts) if not ok]
     if blind:
         raise RuntimeError(
@@ -180,6 +193,15 @@ class Checkpoints:
     save_timeout_s: seconds a save may take from its start to its commit on
       every process (Orbax's `AsyncOptions.timeout_secs`); a process whose
       peers do not finish their part within it gives the save up.
+
+    Making one is collective (every process, in the same order): with a
+    local directory it checks that every process sees the same one, and
+    raises RuntimeError when they do not (`check_shared_directory`). Saves
+    are due at steps that are multiples of `interval_steps`, decided from
+    the step alone; a step any process lists as committed is skipped, so a
+    step below the newest listed one may be saved (after a restore fell
+    back past it), and Orbax's own latest step then reads as the newest
+    saved, not the highest.
 
     A save that fails (storage errors past the storage clients' own
     retries, a peer that never finished) is abandoned, never committed, and

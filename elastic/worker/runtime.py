@@ -114,7 +114,9 @@ class WorkerContext:
 
     def checkpoints(self, interval_steps: int = 100, max_to_keep: int = 3,
                     snapshot_every: int = 10, save_timeout_s: float = 600.0):
-        """The job's `Checkpoints` (one per process; create it once).
+        """The job's `Checkpoints` (one per process; create it once, on
+        every process: it is collective). Raises RuntimeError when a local
+        checkpoint directory is not one every process shares.
 
         Commits are reported to the controller (journal `checkpoint_committed`)
         and restores or restore failures journaled. snapshot_every: steps
