@@ -295,10 +295,13 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
             signs = [s for s in gen.signs if s[0] <= stop + 1e-6] or \
                 [(stop, cause, gen.stop_entry.get("host"), gen.stop_entry["reason"], False)]
             # an injected fault is the known cause: the latest one on the host
-            # the stop names, else the latest one (those before it the slice
+            # the stop names (a hang blamed on nobody names none: then its
+            # first suspect), else the latest one (those before it the slice
             # rode out); without one, the earliest sign of trouble
             injected = [s for s in signs if s[4]]
-            named = [s for s in injected if s[2] == gen.stop_entry.get("host")]
+            suspect = gen.stop_entry.get("host") or next(
+                (s[2] for s in reversed(signs) if s[1] == "hang_detected"), None)
+            named = [s for s in injected if s[2] == suspect]
             blamed = max(named or injected) if injected else min(signs)
             at, kind, host, reason, _ = blamed
             if cause == "failure":

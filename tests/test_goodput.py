@@ -228,3 +228,18 @@ def test_faults_the_slice_rode_out_are_not_blamed_for_a_later_stop():
     assert killed.detected_after_s == pytest.approx(0.1)
     assert g.productive_s == pytest.approx(account(JOURNAL).productive_s)
     assert "(nothing noticed)" in format_report(g)
+
+
+def test_a_hang_blamed_on_nobody_is_still_put_down_to_the_fault_on_its_suspect():
+    """A lockstep hang names no host in slice_stopping (blamed on none), but
+    hang_detected names its first suspect: the fault injected there is the
+    cause, not a later one elsewhere the slice rode out."""
+    journal = JOURNAL[:5] + [
+        e(8, "fault_injected", 1, "b", fault="stop-worker", step=30),
+        e(9, "fault_injected", 1, "a", fault="throttle", step=40),
+        e(19, "hang_detected", 1, "b", silent_s=11.0, suspects=["b", "a"], blamed=[]),
+        e(19.1, "slice_stopping", 1, None, cause="failure", blamed=[]),
+        e(19.3, "slice_stopped", 1),
+    ] + JOURNAL[11:]
+    stopped = [i for i in account(journal).incidents if i.restarted]
+    assert [(i.kind, i.host) for i in stopped] == [("stop-worker", "b")]
