@@ -86,6 +86,11 @@ class _HTTPSServer(ThreadingWSGIServer):
 
     tls_context: ssl.SSLContext
 
+    def handle_error(self, request, client_address) -> None:
+        """A connection that failed (stalled past the timeout, reset): a
+        line at debug level, not socketserver's traceback on stderr."""
+        log.debug("metrics: connection from %s failed", client_address, exc_info=True)
+
     def finish_request(self, request: socket.socket, client_address) -> None:
         request.settimeout(CONNECTION_TIMEOUT_S)
         try:
@@ -118,7 +123,9 @@ def serve(registry: CollectorRegistry, host: str, port: int, tls: TLSFiles | Non
         server, _ = start_http_server(port, host, registry)
     else:
         context = _tls_context(tls)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # (as prometheus-client picks it: a name may resolve to IPv6 only)
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
         server_class = type("_Server", (_HTTPSServer,), {"address_family": family,
                                                           "tls_context": context})
         server = make_server(host, port, make_wsgi_app(registry), server_class,

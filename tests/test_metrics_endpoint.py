@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from elastic import metrics
+from tests.conftest import wait_until
 
 
 def _scrape(port: int, bundle) -> bytes:
@@ -60,3 +61,19 @@ def test_an_idle_connection_holds_neither_scrapes_nor_shutdown(endpoint, pki):
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_connection_that_stalls_after_its_handshake_is_cut_without_a_traceback(
+        endpoint, pki, monkeypatch, capfd):
+    monkeypatch.setattr(metrics, "CONNECTION_TIMEOUT_S", 0.5)
+    context = ssl.create_default_context(cafile=str(pki.operator.ca))
+    context.load_cert_chain(str(pki.operator.cert), str(pki.operator.key))
+    with socket.create_connection(("127.0.0.1", endpoint.server_port), timeout=5) as raw, \
+            context.wrap_socket(raw, server_hostname="elastic-controller") as conn:
+        conn.sendall(b"GET /metr")  # ... and nothing more
+        assert conn.recv(1) == b""  # closed by the server once the timeout passed
+    # (the handler thread's last words, if any, come as it ends)
+    wait_until(lambda: not [t for t in threading.enumerate()
+                            if "process_request" in t.name], 5, "the handler thread to end")
+    assert "Traceback" not in capfd.readouterr().err
+    assert b"elastic_test_scrapes_total" in _scrape(endpoint.server_port, pki.operator)
