@@ -397,12 +397,21 @@ def test_a_leader_puts_its_term_in_the_bucket_before_any_renewal(tmp_path, proc_
     spec = tiny_spec(tmp_path, min_hosts=2, max_hosts=2,
                      job_extra=f'checkpoint_dir = "{gcs_bucket}/job"',
                      extra="leader_lease_s = 60.0")
+    log = (tmp_path / "controller.log").open("wb")
     controller = subprocess.Popen(
         [sys.executable, "-m", "elastic.cli", "start", "--config", str(spec), "--state-dir",
          str(tmp_path / "state"), "--listen", "127.0.0.1:0", "--tls-dir",
          str(pki.controller.cert.parent)], env=dict(proc_env, **gcs_emulator.env),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=log)
     try:
+        journal = tmp_path / "state" / "events.jsonl"
+
+        def started_here():  # (the process's start and the lease's claim take their time)
+            if controller.poll() is not None:
+                raise AssertionError((tmp_path / "controller.log").read_text()[-3000:])
+            return journal.exists() and b'"controller_started"' in journal.read_bytes()
+
+        wait_until(started_here, 60, "controller_started in the local journal")
         blob = gcs_emulator.client().bucket(gcs_bucket.removeprefix("gs://")).blob(
             "job.elastic-controller/events.jsonl")
 
@@ -415,12 +424,12 @@ def test_a_leader_puts_its_term_in_the_bucket_before_any_renewal(tmp_path, proc_
 
         # (4 times a second: read every 20 ms, fake-gcs-server had not
         # taken the controller's upload 10 s later, which never failed)
-        term = wait_until(lambda: controller.poll() is not None or term_in_bucket(), 10,
-                          "controller_started in the bucket's journal", interval_s=0.25)
-        assert controller.poll() is None, controller.stderr.read().decode()[-3000:]
-        local = [json.loads(line) for line in (tmp_path / "state" / "events.jsonl")
-                 .read_text().splitlines()]
+        # (well before the first renewal, at 15 s)
+        term = wait_until(term_in_bucket, 5, "controller_started in the bucket's journal",
+                          interval_s=0.25)
+        local = [json.loads(line) for line in journal.read_text().splitlines()]
         assert term == next(e["term"] for e in local if e["kind"] == "controller_started")
     finally:
         controller.terminate()
         controller.wait(30)
+        log.close()

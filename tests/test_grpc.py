@@ -180,9 +180,10 @@ def test_a_stop_decided_while_a_stream_was_broken_comes_on_the_next(tmp_path, pk
     """h1's stream breaks while generation 1 runs on h0 and h1; h2 comes, and
     the stop to grow is decided while h1 has no stream. The same agent
     process (same incarnation) registers again within the reconnect grace:
-    its new stream gets the stop at once. Before, only the last command
-    sent (the start, no longer due) was sent again, and the stop waited out
-    stop_timeout_s (3 s here) for h1 (an audit of the controller found it)."""
+    its new stream gets the stop at once, and its acknowledgement ends the
+    stop. Before, only the last command sent (the start, no longer due) was
+    sent again, and the stop waited out stop_timeout_s (3 s here) to drop h1
+    (an audit of the controller found it)."""
     spec = load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=3, extra=(
         'reconnect_grace_s = 5.0\n[restart]\ngrow = "immediately"')))
     running = {h: pb.WorkerStatus(state=pb.WORKER_IDLE, step=-1) for h in ("h0", "h1", "h2")}
@@ -232,8 +233,18 @@ def test_a_stop_decided_while_a_stream_was_broken_comes_on_the_next(tmp_path, pk
             await asyncio.wait_for(next_command(streams["h0"], "stop"), 10)
             assert c.state.phase.name == "STOPPING" and "h1" not in c.executor.sessions
             await connect("h1", ch1)
-            stop = await asyncio.wait_for(next_command(streams["h1"], "stop"), 1.5)
-            assert stop.stop.generation == 1 and c.state.phase.name == "STOPPING"
+            stop = await asyncio.wait_for(next_command(streams["h1"], "stop"), 10)
+            assert stop.stop.generation == 1
+            for host in ("h0", "h1"):  # both stop their workers, as agents do
+                running[host] = pb.WorkerStatus(
+                    state=pb.WORKER_EXITED, generation=1, pid=100 + int(host[1]), signal=15,
+                    stopped_on_request=True, step=-1, committed_step=-1)
+            while not (ended := [e for e in read_journal(tmp_path / "state")
+                                 if e["kind"] == "slice_stopped"]):
+                await asyncio.sleep(0.05)
+            # acknowledged in time: not dropped at stop_timeout_s, as it was
+            # when the stop reached h1 only as a stray's, after the slice stopped
+            assert ended[0]["dropped"] == [], ended
             for task in beats:
                 task.cancel()
             for call in streams.values():
