@@ -313,6 +313,13 @@ def test_a_successor_fences_a_stop_its_predecessor_did_not_see_end(tmp_path):
     register(fresh, "h0", SUCCESSOR_T0 + 14)
     lifted = start_generation(fresh, waiting.state, SUCCESSOR_T0 + 14, s, 2)
     assert "fence_lifted" in kinds(lifted) and lifted.state.generation == 2, lifted.reason
+    # a fence lifted (journaled; its controller died before a start) leaves
+    # nothing to fence either
+    only_lifted = d.Decision(lifted.state, tuple(a for a in lifted.actions if isinstance(
+        a, d.Journal) and a.kind == "fence_lifted"), "")
+    assert only_lifted.actions
+    journal(tmp_path / "lifted", [started, stopping, only_lifted], [T0, T0 + 9.5, T0 + 14])
+    assert carried(tmp_path / "lifted", T0 + 15, s).fenced_until == 0.0
     # a stop journaled as ended leaves nothing to fence
     stopped = decide(stopping.state, view, T0 + 60, s)
     assert "slice_stopped" in kinds(stopped)

@@ -12,7 +12,7 @@ from elastic.policy.view import ClusterView
 
 
 def after_a_peer_ended(state: SliceState, view: ClusterView, now: float,
-                      pending: list[str]) -> str | None:
+                       pending: list[str]) -> str | None:
     """A member whose worker of this generation has ended (its agent said
     so), when every member the stop still waits for is a host whose
     agent's connection closed at least the controller's lag ago (a closed

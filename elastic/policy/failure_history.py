@@ -171,7 +171,8 @@ def _stop_progress(history: FailureHistory, entry: Mapping) -> FailureHistory:
             else ""
         return dataclasses.replace(history, process0=first or history.process0,
                                    stop_unfinished=False)
-    if kind in ("slice_stopping", "slice_stopped"):
+    if kind in ("slice_stopping", "slice_stopped", "fence_lifted"):
+        # (a lifted fence: process 0 was seen stopped, all the stop was for)
         return dataclasses.replace(history, stop_unfinished=kind == "slice_stopping")
     return history
 
