@@ -33,7 +33,7 @@ def run_processes(n: int, args: list[str], env: dict, ckpt_dir, expect_kill: boo
     snapshots/h{i} for controller run `run_id`; with `own_disks`, process i
     is given ckpt_dir/p{i} as the job's checkpoint directory (hosts that
     share no disk, each with its own directory under the same path), and
-    the processes may fail. Returns each process's output (its last 3,000
+    every process must fail. Returns each process's output (its last 3,000
     characters)."""
     port = free_port()
     procs = []
@@ -62,7 +62,9 @@ def run_processes(n: int, args: list[str], env: dict, ckpt_dir, expect_kill: boo
     if expect_kill:  # each kills itself after its save started; one still inside the
         # save's last barrier when a peer dies may fail there first
         assert -9 in codes and 0 not in codes, (codes, outputs)
-    elif not own_disks:
+    elif own_disks:  # (refused, as the tests of it expect)
+        assert 0 not in codes, (codes, outputs)
+    else:
         assert codes == [0] * n, "\n".join(outputs)
     return outputs
 

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from elastic.checkpoint import storage
 from elastic.checkpoint.snapshot import LocalSnapshots, to_state
-from elastic.worker.coordination import abortable_barrier, all_gather, mark
+from elastic.worker.coordination import abortable_barrier, all_gather, barrier, mark
 
 log = logging.getLogger("elastic.checkpoint")
 
@@ -67,8 +67,8 @@ def check_shared_directory(directory: str) -> None:
     # others loaded comes here minutes later)
     first = all_gather(f"checkpoint-directory-{check}-written", own, RESTORE_AGREEMENT_S)[0]
     if first["error"]:
-        raise RuntimeError(f"checkpoint directory {directory}: process 0 cannot write there: "
-                           f"{first['error']}")
+        _refuse(f"checkpoint directory {directory}: process 0 cannot write there: "
+                f"{first['error']}", f"checkpoint-directory-{check}-failed")
     # (each by its own path: the same text, but on another host another directory)
     path = os.path.join(directory, f".elastic-shared-{first['token']}")
     try:
@@ -84,13 +84,23 @@ def check_shared_directory(directory: str) -> None:
                 os.remove(path)
     blind = [i for i, ok in enumerate(verdicts) if not ok]
     if blind:
-        raise RuntimeError(
-            f"checkpoint directory {directory} is not one directory shared by every process: "
-            f"process(es) {', '.join(map(str, blind))} cannot read the file process 0 wrote "
-            f"there. Hosts that share no file system each write their own, and a checkpoint "
-            f"there would hold one host's shards; give the job a bucket "
-            f"(checkpoint_dir = \"gs://...\") or a directory on a file system every host "
-            f"mounts")
+        _refuse(f"checkpoint directory {directory} is not one directory shared by every "
+                f"process: process(es) {', '.join(map(str, blind))} cannot read the file "
+                f"process 0 wrote there. Hosts that share no file system each write their own, "
+                f"and a checkpoint there would hold one host's shards; give the job a bucket "
+                f"(checkpoint_dir = \"gs://...\") or a directory on a file system every host "
+                f"mounts", f"checkpoint-directory-{check}-refused")
+
+
+def _refuse(message: str, barrier_name: str) -> None:
+    """Raise RuntimeError(message) on every process, each having logged it
+    first, at a barrier (`barrier_name`) all pass after logging. Process 0
+    serves the coordination service: when it raised and exited at once, a
+    peer still reading the gather, or about to print why, was cut off and
+    aborted by JAX ("connection reset by peer") without saying it."""
+    log.error("%s", message)
+    barrier(barrier_name, RESTORE_AGREEMENT_S)
+    raise RuntimeError(message)
 
 
 @dataclasses.dataclass(frozen=True)
