@@ -31,7 +31,7 @@ from elastic.agent.clock_offset import ClockOffset
 from elastic.agent.datagrams import HeartbeatDatagrams
 from elastic.agent.replicas import ReplicaSender, ReplicaStore
 from elastic.agent.host import Devices, PortProber, discover_devices
-from elastic.agent.preemption import watch_metadata
+from elastic.agent.preemption import on_sigterm, watch_metadata
 from elastic.agent.session import ControllerSession
 from elastic.agent.supervisor import WorkerSupervisor, kill_leftovers
 from elastic.security.allow import AllowList, check_launch
@@ -289,10 +289,17 @@ class Agent(ControllerSession):
             self._stopping.set()
 
     def _on_sigterm(self) -> None:
-        if self.preemption:  # the second SIGTERM: stop hard, now
+        action = on_sigterm(self.preemption, self._leave_after_stop)
+        if action == "hard":
             log.warning("second SIGTERM: stopping the worker hard")
             self._hard_stop = True
             self._stopping.set()
+        elif action == "leave":  # (the shutdown a metadata notice announced)
+            log.warning("SIGTERM after the %s: leaving once the worker has saved",
+                        self.preemption)
+            self._leave_after_stop = True
+            if not self.supervisor.running:
+                asyncio.get_running_loop().call_later(0.2, self._stopping.set)
         else:
             self.preempt("SIGTERM to the agent", leave=True)
 

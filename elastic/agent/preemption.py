@@ -13,6 +13,7 @@ run a fake server on loopback.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import urllib.error
 import urllib.request
@@ -25,12 +26,30 @@ GCE_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance"
 
 def notice(preempted: str | None, maintenance: str | None) -> str | None:
     """Why this VM is going away, from the two metadata values (None when a
-    value could not be read), or None if it is not."""
+    value could not be read), or None if it is not. A maintenance event
+    that is a live migration (`MIGRATE_ON_HOST_MAINTENANCE`) is not: the VM
+    pauses briefly and stays (a worker that misses heartbeats meanwhile is
+    the hang and silence detectors' business); any other value but NONE
+    (`TERMINATE_ON_HOST_MAINTENANCE`, one not known yet) is."""
     if preempted is not None and preempted.strip().upper() == "TRUE":
         return "GCE preemption notice (instance/preempted = TRUE)"
-    if maintenance is not None and maintenance.strip().upper() not in ("", "NONE"):
+    event = (maintenance or "").strip().upper()
+    if event not in ("", "NONE") and not event.startswith("MIGRATE"):
         return f"GCE maintenance event ({maintenance.strip()})"
     return None
+
+
+def on_sigterm(preemption: str, leaving: bool) -> str:
+    """What a SIGTERM to the agent means, given the preemption it already
+    knows of (`preemption`, "" if none) and whether it is leaving once its
+    worker stopped (`leaving`: that preemption was a SIGTERM too):
+    "preempt" (the first word of it: save, then leave), "leave" (a metadata
+    notice came first, and this is the shutdown it announced — systemd
+    stopping the VM's services — so the worker goes on saving and the
+    agent leaves after it), or "hard" (a second SIGTERM: stop now)."""
+    if not preemption:
+        return "preempt"
+    return "hard" if leaving else "leave"
 
 
 def _get(url: str, timeout_s: float) -> str | None:
@@ -38,7 +57,9 @@ def _get(url: str, timeout_s: float) -> str | None:
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+        # (a truncated body, a bad status line: the next poll asks again;
+        # raised, it ended the watcher for good)
         return None
 
 
