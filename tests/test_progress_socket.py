@@ -129,8 +129,8 @@ reporter = ProgressReporter(sys.argv[1], 3)
 for step in range(600):
     reporter.step(step)
 dropped = reporter.dropped
-reporter.committed(599)  # (the emergency checkpoint: its report finds the socket full)
-assert reporter.dropped == dropped + 1
+reporter.committed(599)  # (the emergency checkpoint: its report finds the socket full,
+assert reporter.dropped == dropped  # and waits in the backlog)
 print("filled", flush=True)  # (the agent may read now)
 ctx = types.SimpleNamespace(progress=reporter, log=logging.getLogger("w"))
 WorkerContext._preempted(ctx, 599, True, wait_s=0.0)  # (exits 75)
@@ -148,7 +148,7 @@ def test_a_preempted_worker_sends_its_emergency_commit_again(proc_env):
         worker = subprocess.Popen([sys.executable, "-c", PREEMPTED_WORKER, address],
                                   env=proc_env, stdout=subprocess.PIPE, text=True)
         try:
-            assert worker.stdout.readline() == "filled\n"  # (its commit report was dropped)
+            assert worker.stdout.readline() == "filled\n"  # (its commit report waits)
             deadline = time.monotonic() + 60
             while worker.poll() is None and time.monotonic() < deadline:
                 receiver.receive()  # (its resend waits for room while this reads)
@@ -182,5 +182,23 @@ def test_an_event_that_finds_the_socket_full_is_sent_later_without_blocking():
         saved = Report(3, event="checkpoint_saved", reason="save of step 599 started",
                        fields={"step": 599})
         assert saved in received and reporter.dropped == dropped + 1
+    finally:
+        receiver.close()
+
+
+def test_a_commit_that_finds_the_socket_full_is_sent_later_without_blocking():
+    """No later report carries a committed step (a step report does not), and
+    the controller's grow and preemption drain wait on it: before, a commit
+    report that found the socket full was dropped until the next commit, a
+    whole interval later (an audit of the agent found it)."""
+    receiver, received, reporter = _slow_agent(f"@elastic-progress-test-{uuid.uuid4().hex[:8]}")
+    try:
+        dropped = reporter.dropped
+        reporter.committed(500)
+        assert reporter.dropped == dropped
+        sender = reporter._backlog_sender
+        assert sender is not None
+        _read_while(sender, receiver)
+        assert Report(3, committed_step=500) in received
     finally:
         receiver.close()

@@ -130,9 +130,12 @@ class ProgressReporter:
         self._send(self._last["step"])
 
     def committed(self, step: int) -> None:
-        """The checkpoint of step `step` is committed (complete on storage)."""
+        """The checkpoint of step `step` is committed (complete on storage).
+        Never blocks, and never dropped: as an event, it waits for room in a
+        thread of its own (no later report carries it, and a grow or a
+        preemption drain waits on it)."""
         self._last["committed"] = Report(self.generation, committed_step=step).encode()
-        self._send(self._last["committed"])
+        self._send_or_queue(self._last["committed"])
 
     def event(self, kind: str, reason: str, **fields) -> None:
         """Something for the job's journal (kind must be one the controller
@@ -142,7 +145,11 @@ class ProgressReporter:
         room: events are few, and each is the only one of its kind (the
         journal's record of a save, the startup phases, the snapshot a
         buddy is to copy)."""
-        payload = Report(self.generation, event=kind, reason=reason, fields=fields).encode()
+        self._send_or_queue(Report(self.generation, event=kind, reason=reason,
+                                   fields=fields).encode())
+
+    def _send_or_queue(self, payload: bytes) -> None:
+        """Send `payload` now, or, the agent's socket full, from the backlog thread."""
         sock = self._sock
         if sock is None:
             return
