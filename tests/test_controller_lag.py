@@ -229,6 +229,25 @@ def test_receipt_delay_is_the_median_of_the_last_second():
     assert delays.recent_s(120.5) == 2.5
 
 
+def test_one_hosts_backlog_after_a_partition_is_not_the_controllers_lag():
+    """A stream cut by a partition delivers the heartbeats it queued all at
+    once when the link heals, each as late as it waited: before, they made
+    the median of the last second (10.8 s), the controller judged itself
+    behind and deferred that very host's registration for 20 s, and lost it
+    (tests/test_isolation.py, 2026-11-29). Only a host's latest counts."""
+    delays = ReceiptDelay()
+    for i in range(4):  # two hosts heartbeat as usual
+        delays.note(0.003, at=200.0 + 0.25 * i, host="host-0")
+        delays.note(0.004, at=200.1 + 0.25 * i, host="host-2")
+    for i in range(40):  # host-1's 10 s of queued heartbeats, the newest last
+        delays.note(10.0 - 0.25 * i, at=200.9 + i * 1e-4, host="host-1")
+    assert delays.recent_s(200.95) == 0.004
+    # thousands of hosts each read late: the controller is behind
+    for i in range(3000):
+        delays.note(2.0, at=300.0 + i * 1e-4, host=f"h{i}")
+    assert delays.recent_s(300.5) == 2.0
+
+
 @pytest.mark.parametrize("sent_at, resumed_at, latency", [
     (99.5, None, 0.5),        # no pause yet
     (0.0, None, None),        # no send time (an agent too old to send one)

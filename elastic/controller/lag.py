@@ -124,22 +124,24 @@ class ReceiptDelay:
     MEDIAN_OF = 512
 
     def __init__(self, keep: int = 4096) -> None:
-        self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)
+        self._recent: collections.deque[tuple[float, float, str | None]] = \
+            collections.deque(maxlen=keep)
         #: when (wall-clock seconds) the controller last resumed from a pause
         self.resumed_at = float("-inf")
 
     def latencies(self) -> list[float]:
         """The delays (seconds) of the last `keep` heartbeats, oldest first
         (for `elasticd status`'s percentiles)."""
-        return [latency for _, latency in self._recent]
+        return [latency for _, latency, _ in self._recent]
 
-    def note(self, latency_s: float, at: float) -> None:
-        """A heartbeat received at `at` (controller-monotonic seconds),
-        `latency_s` after its send time (seconds). O(1): it
-        runs for every heartbeat."""
-        self._recent.append((at, latency_s))
+    def note(self, latency_s: float, at: float, host: str | None = None) -> None:
+        """A heartbeat of `host` received at `at` (controller-monotonic
+        seconds), `latency_s` after its send time (seconds). O(1): it runs
+        for every heartbeat."""
+        self._recent.append((at, latency_s, host))
 
-    def heard(self, sent_at: float, received_at: float, at: float) -> float | None:
+    def heard(self, sent_at: float, received_at: float, at: float, host: str | None = None
+              ) -> float | None:
         """A heartbeat sent at `sent_at` (on this controller's wall clock as
         its agent estimates it, elastic.agent.clock_offset) and received at
         `received_at` (controller's wall clock) and `at` (its monotonic
@@ -149,7 +151,7 @@ class ReceiptDelay:
         and would otherwise read as lag for a second after)."""
         if not sent_at or sent_at < self.resumed_at:
             return None
-        self.note(received_at - sent_at, at)
+        self.note(received_at - sent_at, at, host)
         return received_at - sent_at
 
     def resumed(self, at: float) -> None:
@@ -164,13 +166,29 @@ class ReceiptDelay:
         all of a second's heartbeats took 5.4 % of the controller's samples
         in a 5,000-agent bench/scale.py run under py-spy on 2026-11-26, the
         latest 512 2.1 %; they tell the typical delay as well, at a cost
-        that does not grow with the hosts.)"""
+        that does not grow with the hosts.) Of a host's heartbeats there,
+        only its latest counts: a stream cut by a partition delivers all it
+        queued at once when the link heals, each as late as it waited, and
+        one host's backlog, the network's delay, made the controller judge
+        itself 10 s behind and turn that very host's registration away
+        (tests/test_isolation.py, 2026-11-29); its latest heartbeat is read
+        as soon as it was sent. The count of heartbeats, all of them, must
+        reach MIN_SAMPLES."""
         horizon = now - window_s
-        recent = itertools.islice(
+        recent = list(itertools.islice(
             itertools.takewhile(lambda r: r[0] >= horizon, reversed(self._recent)),
-            self.MEDIAN_OF)
-        delays = sorted(x for _, x in recent)
-        return max(0.0, delays[len(delays) // 2]) if len(delays) >= self.MIN_SAMPLES else 0.0
+            self.MEDIAN_OF))
+        if len(recent) < self.MIN_SAMPLES:
+            return 0.0
+        seen: set[str] = set()
+        delays = []
+        for _, delay, host in recent:  # (newest first)
+            if host is None or host not in seen:
+                delays.append(delay)
+                if host is not None:
+                    seen.add(host)
+        delays.sort()
+        return max(0.0, delays[len(delays) // 2])
 
 
 class LagPromises:

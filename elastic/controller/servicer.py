@@ -565,7 +565,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 # 70 s behind (bench/scale.py, 10,000 agents, 2026-11-26).
                 latency = now_s - hb.sent_at
             else:
-                latency = c.receipts.heard(hb.sent_at, now_s, c.clock.monotonic())
+                latency = c.receipts.heard(hb.sent_at, now_s, c.clock.monotonic(), h.host_id)
             if latency is not None and c.on_heartbeat_latency is not None:
                 c.on_heartbeat_latency(latency)
             c.submit(v.HeartbeatReceived(h.host_id, h.incarnation, worker, hb.free_port,
