@@ -242,6 +242,13 @@ def test_one_hosts_backlog_after_a_partition_is_not_the_controllers_lag():
     for i in range(40):  # host-1's 10 s of queued heartbeats, the newest last
         delays.note(10.0 - 0.25 * i, at=200.9 + i * 1e-4, host="host-1")
     assert delays.recent_s(200.95) == 0.004
+    # two hosts, the backlog read halfway when a pass asks (its newest read
+    # so far still 5 s late): the healthy host's figure, not the late one's
+    two = ReceiptDelay()
+    two.note(0.003, at=400.0, host="host-0")
+    for i in range(20):
+        two.note(10.0 - 0.25 * i, at=400.1 + i * 1e-4, host="host-1")
+    assert two.recent_s(400.2) == 0.003
     # thousands of hosts each read late: the controller is behind
     for i in range(3000):
         delays.note(2.0, at=300.0 + i * 1e-4, host=f"h{i}")

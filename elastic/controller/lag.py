@@ -160,7 +160,7 @@ class ReceiptDelay:
         self.resumed_at = at
 
     def recent_s(self, now: float, window_s: float = 1.0) -> float:
-        """The median delay (seconds, 0.0 if negative) of the heartbeats
+        """The (lower) median delay (seconds, 0.0 if negative) of the heartbeats
         received within `window_s` before `now`, the latest MEDIAN_OF of them
         at most; 0.0 with fewer than MIN_SAMPLES. (Every pass asks: sorting
         all of a second's heartbeats took 5.4 % of the controller's samples
@@ -188,7 +188,8 @@ class ReceiptDelay:
                 if host is not None:
                     seen.add(host)
         delays.sort()
-        return max(0.0, delays[len(delays) // 2])
+        # (the lower median: of two hosts, one late one does not decide)
+        return max(0.0, delays[(len(delays) - 1) // 2])
 
 
 class LagPromises:

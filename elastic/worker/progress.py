@@ -131,9 +131,10 @@ class ProgressReporter:
 
     def committed(self, step: int) -> None:
         """The checkpoint of step `step` is committed (complete on storage).
-        Never blocks, and never dropped: as an event, it waits for room in a
-        thread of its own (no later report carries it, and a grow or a
-        preemption drain waits on it)."""
+        Never blocks, and not dropped for a full socket: as an event, it
+        waits for room in a thread of its own, up to FLUSH_S (no later
+        report carries it, and a grow or a preemption drain waits on it;
+        close() sends the latest again)."""
         self._last["committed"] = Report(self.generation, committed_step=step).encode()
         self._send_or_queue(self._last["committed"])
 
