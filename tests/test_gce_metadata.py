@@ -65,6 +65,7 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
 def test_a_reply_cut_short_does_not_end_the_watch():
     """Before, http.client's IncompleteRead escaped the watcher, which ended
     quietly: every later notice was missed (an audit found it)."""
+    _Flaky.served = 0
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     notices: list[str] = []

@@ -248,7 +248,8 @@ def check_launch(allow: AllowList, argv: Sequence[str], env: Mapping[str, str], 
     resolved = resolve(argv, workdir, which)
     if isinstance(resolved, str):
         return resolved
-    run = [_program(argv, workdir, which), *argv[1:]]
+    # (resolved already; looked up again only when under /proc, which matches nothing)
+    run = [resolved[0] or _program(argv, workdir, which), *argv[1:]]
     if allow.any_worker:
         return run
     for name in sorted(env):
