@@ -12,7 +12,7 @@ import pytest
 
 from elastic import transport
 from elastic.agent import session as agent_session
-from elastic.agent.agent import Agent
+from elastic.agent.agent import UNDELIVERED_MAX, Agent
 from elastic.protocol import PROTOCOL
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
@@ -100,3 +100,66 @@ def test_an_agent_waits_for_its_streams_first_answer_as_long_as_the_controller_w
     since = " since the stream opened" if answers == 0 else ";"
     assert gave_up and f"silent for {waited:.1f} s{since}" in gave_up[0], gave_up
     assert fake.registered_at[1] - fake.registered_at[0] >= waited  # not before
+
+
+class StalledController(pb_grpc.ControllerServicer):
+    """Its first stream answers the first heartbeat, then reads nothing more
+    (a controller cut off or stopped: the agent's writes back up until it
+    gives up on the silence); later streams read everything: the worker
+    events each got are kept in `events[i]`."""
+
+    def __init__(self) -> None:
+        self.connected = asyncio.Event()
+        self.events: list[list[str]] = []
+        self.second = asyncio.Event()  # the second stream read the last event
+
+    async def Register(self, request, context):
+        return pb.RegisterResponse(job_id="test", protocol=PROTOCOL, heartbeat_interval_s=0.1,
+                                   heartbeat_timeout_s=1.0, controller_lease_s=30.0)
+
+    async def Connect(self, request_iterator, context):
+        events: list[str] = []
+        self.events.append(events)
+        if len(self.events) == 1:
+            await context.read()
+            await context.write(pb.ControllerMessage(job_id="test", ack=pb.HeartbeatAck(seq=1)))
+            self.connected.set()
+            await asyncio.Event().wait()  # (until the agent ends the call)
+        while (message := await context.read()) is not grpc.aio.EOF:
+            if message.WhichOneof("body") == "worker_event":
+                events.append(message.worker_event.kind)
+                if message.worker_event.kind == f"e{POSTED - 1}":
+                    self.second.set()
+
+
+POSTED = 200  # 60 MB: far beyond what gRPC takes in on a stream that is not read
+
+
+def test_reports_still_queued_when_a_stream_ends_go_to_the_next_session(tmp_path, pki):
+    """Reports the agent had not yet written when it gave up on a silent
+    controller's stream are sent on its next stream, in order; before, they
+    were dropped with the stream's queue (journal events lost for good).
+    (Those gRPC had taken are lost with the stream: nothing acks a report.)"""
+    fake = StalledController()
+
+    async def main():
+        server = transport.aio_server()
+        pb_grpc.add_ControllerServicer_to_server(fake, server)
+        port = transport.add_listen_port(server, "127.0.0.1:0", pki.controller)
+        await server.start()
+        agent = Agent(agent_settings(tmp_path, pki, f"127.0.0.1:{port}", "h0"))
+        task = asyncio.create_task(agent.run())
+        try:
+            await asyncio.wait_for(fake.connected.wait(), 10)
+            for i in range(POSTED):
+                agent._post(worker_event=pb.WorkerEvent(kind=f"e{i}", reason="x" * 300_000))
+            await asyncio.wait_for(fake.second.wait(), 20)
+        finally:
+            agent.shutdown()
+            await task
+            await server.stop(0)
+
+    run(main())
+    again = fake.events[1]
+    assert again == [f"e{i}" for i in range(POSTED - len(again), POSTED)], again[:3]
+    assert 100 < len(again) <= UNDELIVERED_MAX, len(again)  # (past it the oldest are dropped)

@@ -117,6 +117,22 @@ class ControllerSession:
         # job's first start may carry a lower pair than the last one's
         self._commanded, self._last_stop = (0, 0), None
 
+    def _requeue(self, outbox: asyncio.Queue) -> None:
+        """A session ended with reports still in its `outbox` (its stream
+        was slow or cut): they were never written, so they go to the next
+        controller first, in order, as reports made
+        while none listened do. Heartbeats are dropped: the next session
+        starts with a fresh one."""
+        kept = 0
+        while not outbox.empty():  # (_undelivered is empty: emptied into it at its start)
+            message = outbox.get_nowait()
+            if message.WhichOneof("body") != "heartbeat":
+                self._undelivered.append(message)
+                kept += 1
+        if kept:
+            log.info("%d reports not yet sent when the stream ended: kept for the next "
+                     "controller", kept)
+
     async def _session(self, channel: grpc.aio.Channel, address: str) -> None:
         """Register with the controller at `address` (one attempt) and
         serve its stream until it ends. Raises grpc.RpcError when the
@@ -258,6 +274,7 @@ class ControllerSession:
                 self._command(message)
         finally:
             self._outbox = self._datagrams = None
+            self._requeue(outbox)
             if datagrams is not None:
                 datagrams.transport.close()
             for task in tasks:
