@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -43,7 +44,7 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class Snapshot:
 
     saved_at: Unix seconds when the step's state was written; leaves: by tree
     path (jax.tree_util.keystr), the global shape, dtype name and the shards
-    (region, array) held."""
+    (region, array) held (array None in a header read without its data)."""
 
     step: int
     saved_at: float
@@ -84,10 +85,14 @@ class Snapshot:
     replicas_of: tuple[str, ...] = ()
 
 
+# a snapshot file held open at a restore: its path, the file and its header
+Held = tuple[pathlib.Path, BinaryIO, Snapshot]
+
+
 def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
     """A shard's index (a tuple of slices, as JAX gives it) as (start, stop) pairs."""
-    return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape)) \
-        + tuple((0, dim) for dim in shape[len(index):])
+    return tuple((s.start or 0, dim if s.stop is None else s.stop)
+                 for s, dim in zip(index, shape)) + tuple((0, dim) for dim in shape[len(index):])
 
 
 def inside(inner: Region, outer: Region) -> bool:
@@ -176,36 +181,54 @@ def write(path: pathlib.Path, step: int, saved_at: float, run_id: str, meta: dic
     return len(MAGIC) + 8 + len(head) + offset
 
 
-def read(path: pathlib.Path) -> Snapshot:
-    """Read a snapshot file; raises SnapshotError if it is not a whole one."""
-    import jax.numpy as jnp
-
+def read(path: pathlib.Path, data: bool = True) -> Snapshot:
+    """Read a snapshot file; raises SnapshotError if it is not a whole one.
+    With `data` False only its header is read (the file's size still
+    checked against it): every shard's array is then None."""
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            return read_open(f, str(path), data)
     except OSError as e:
         raise SnapshotError(f"{path}: {e}") from None
-    if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
-        raise SnapshotError(f"{path}: not a snapshot file")
-    (head_len,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])
+
+
+def read_open(f: BinaryIO, name: str, data: bool = True) -> Snapshot:
+    """`read` from `f`, a snapshot file open for reading in binary (from its
+    start, whatever its position; `name` for errors): with `data` False
+    only MAGIC, the header length and the header are read. Raises
+    SnapshotError, OSError."""
+    import jax.numpy as jnp
+
+    f.seek(0)
+    prefix = f.read(len(MAGIC) + 8)
+    if len(prefix) < len(MAGIC) + 8 or not prefix.startswith(MAGIC):
+        raise SnapshotError(f"{name}: not a snapshot file")
+    (head_len,) = struct.unpack("<Q", prefix[len(MAGIC):])
+    size = os.fstat(f.fileno()).st_size
     start = len(MAGIC) + 8 + head_len
+    if start > size:
+        raise SnapshotError(f"{name}: {size} bytes, shorter than its header")
     try:
-        header = json.loads(raw[len(MAGIC) + 8:start])
-        if len(raw) != start + header["data_bytes"]:
-            raise SnapshotError(f"{path}: {len(raw)} bytes, header says "
+        header = json.loads(f.read(head_len))
+        if size != start + header["data_bytes"]:
+            raise SnapshotError(f"{name}: {size} bytes, header says "
                                 f"{start + header['data_bytes']}")
-        leaves = {}
+        raw = f.read(header["data_bytes"]) if data else None
+        if raw is not None and len(raw) != header["data_bytes"]:
+            raise SnapshotError(f"{name}: cut short while read")
+        leaves: Leaves = {}
         for entry in header["leaves"]:
             dtype = jnp.dtype(entry["dtype"])
-            shards = []
-            for s in entry["shards"]:
-                buf = raw[start + s["offset"]:start + s["offset"] + s["nbytes"]]
-                data = np.frombuffer(buf, dtype=dtype).reshape(s["shape"])
-                shards.append((tuple(tuple(r) for r in s["region"]), data))
-            leaves[entry["path"]] = (tuple(entry["shape"]), entry["dtype"], shards)
+            leaves[entry["path"]] = (tuple(entry["shape"]), entry["dtype"], [
+                (tuple(tuple(r) for r in s["region"]),
+                 None if raw is None else np.frombuffer(
+                     raw, dtype, s["nbytes"] // max(dtype.itemsize, 1),
+                     s["offset"]).reshape(s["shape"]))
+                for s in entry["shards"]])
         return Snapshot(int(header["step"]), float(header["saved_at"]), header["run_id"],
                         header.get("meta") or {}, leaves)
     except (ValueError, KeyError, TypeError) as e:
-        raise SnapshotError(f"{path}: malformed header: {e}") from None
+        raise SnapshotError(f"{name}: malformed header: {e}") from None
 
 
 def needed_regions(abstract_state: Any) -> dict[str, tuple[tuple[int, ...], str, list[Region]]]:
@@ -487,17 +510,20 @@ class LocalSnapshots:
                 out.setdefault(parsed[1], []).append(path)
         return out
 
-    def _read(self, path: pathlib.Path, step: int, needed: dict) -> Snapshot | None:
-        """The snapshot at `path` if it is a whole one of `step`, this run
-        and this state; else None (a torn or foreign file is logged)."""
+    def _open(self, path: pathlib.Path, step: int, needed: dict,
+              files: contextlib.ExitStack) -> Held | None:
+        """The file at `path`, open (until `files` closes), with its header
+        (`read_open` without data), if it is a whole snapshot of `step`, this
+        run and this state; else None (a torn or unreadable file is logged)."""
         try:
-            snap = read(path)
-        except SnapshotError as e:
+            f = files.enter_context(open(path, "rb"))
+            head = read_open(f, str(path), data=False)
+        except (OSError, SnapshotError) as e:
             log.warning("local snapshot ignored: %s", e)
             return None
-        if snap.run_id != self.run_id or snap.step != step or not same_state(snap, needed):
+        if head.run_id != self.run_id or head.step != step or not same_state(head, needed):
             return None
-        return snap
+        return path, f, head
 
     def restore(self, abstract_state: Any, committed_step: int | None) -> Snapshot | None:
         """Agree with every other process on a step the slice can restore from
@@ -507,49 +533,86 @@ class LocalSnapshots:
         the processes hold (their own and replicas: see `plan_assembly` and
         elastic.checkpoint.snapshot_transfer), leaves still host arrays (see
         `to_state`); or None (then restore the persistent checkpoint).
+        The vote reads only the files' headers; then only the chosen step's
+        files this process restores from or sends parts of are read whole
+        (one step's state in memory, not every step's own and replicas).
         Snapshots and replicas of other steps are deleted either way: they
-        belong to a line of training that the slice is not resuming. Raises
-        what the transfer's collective raises."""
+        belong to a line of training that the slice is not resuming. Raises what the
+        transfer's collective raises, OSError when a chosen file cannot be
+        read (it is held open from the vote on: a file replaced or removed
+        meanwhile is still the one voted with)."""
         self.flush()  # (a snapshot this process is still writing)
-        own: dict[int, Snapshot] = {}
-        held: dict[int, list[Snapshot]] = {}  # own and replicas, by step
         needed = needed_regions(abstract_state)
-        if self.directory is not None:
-            for partial in self.directory.glob(f".step-*{SUFFIX}.tmp"):  # a killed writer's
-                partial.unlink(missing_ok=True)
-            for step in self.steps():
-                snap = self._read(self._path(step), step, needed)
-                if snap is not None:
-                    held.setdefault(step, []).append(snap)
-                    if covers(snap, needed):
-                        own[step] = snap
-            for step, paths in self.replicas().items():
-                for path in paths:
-                    snap = self._read(path, step, needed)
-                    if snap is not None:
-                        held.setdefault(step, []).append(dataclasses.replace(
-                            snap, replicas_of=(parse_replica_name(path.name)[0],)))
-        vote = {"own": sorted(own), "held": {
-            str(step): {name: sorted({r for snap in snaps for r, _ in snap.leaves[name][2]})
-                        for name in needed} for step, snaps in held.items()}}
-        shapes = {name: shape for name, (shape, _, _) in needed.items()}
-        chosen = choose_restore(self.agree(vote), committed_step, shapes)
-        step, plan = chosen if chosen else (None, None)
+        with contextlib.ExitStack() as files:
+            own: dict[int, Held] = {}
+            held: dict[int, list[Held]] = {}  # own and replicas, by step (headers)
+            if self.directory is not None:
+                for partial in self.directory.glob(f".step-*{SUFFIX}.tmp"):  # a killed writer's
+                    partial.unlink(missing_ok=True)
+                for step in self.steps():
+                    found = self._open(self._path(step), step, needed, files)
+                    if found is not None:
+                        held.setdefault(step, []).append(found)
+                        if covers(found[2], needed):
+                            own[step] = found
+                for step, paths in self.replicas().items():
+                    for path in paths:
+                        found = self._open(path, step, needed, files)
+                        if found is not None:
+                            held.setdefault(step, []).append(found[:2] + (dataclasses.replace(
+                                found[2], replicas_of=(parse_replica_name(path.name)[0],)),))
+            vote = {"own": sorted(own), "held": {
+                str(step): {name: sorted({r for _, _, head in heads
+                                          for r, _ in head.leaves[name][2]})
+                            for name in needed} for step, heads in held.items()}}
+            shapes = {name: shape for name, (shape, _, _) in needed.items()}
+            chosen = choose_restore(self.agree(vote), committed_step, shapes)
+            if chosen is None:
+                self._remove_other_steps(None)
+                return None
+            step, plan = chosen
+            self._remove_other_steps(step)
+            restored = self._restore_step(plan, held.get(step, []), own.get(step),
+                                          abstract_state)
+        self._last_saved = step
+        return restored
+
+    def _restore_step(self, plan: dict[str, list[tuple[Region, int]]] | None,
+                      held: list[Held], own: Held | None, abstract_state: Any) -> Snapshot:
+        """The chosen step, from `own` when `plan` is None; else assembled
+        (snapshot_transfer.assemble) with, read whole, `own` and the files
+        of `held` holding the regions `plan` gives this process to send."""
+        def whole(found: Held) -> Snapshot:
+            path, f, head = found
+            return dataclasses.replace(read_open(f, str(path)), replicas_of=head.replicas_of)
+
+        if plan is None:
+            return whole(own)
+        import jax
+
+        from elastic.checkpoint.snapshot_transfer import assemble
+
+        me = jax.process_index()
+        sending = {next((i for i, (_, _, head) in enumerate(held)
+                         if any(inside(region, r) for r, _ in head.leaves[name][2])), None)
+                   for name, regions in plan.items() for region, process in regions
+                   if process == me} - {None}
+        loaded = {i: whole(held[i]) for i in sorted(sending)}
+        mine = None
+        if own is not None:
+            mine = next((loaded[i] for i in loaded if held[i] is own), None) or whole(own)
+        return assemble(plan, [loaded[i] for i in sorted(loaded)], abstract_state, mine)
+
+    def _remove_other_steps(self, step: int | None) -> None:
+        """Delete the snapshots and replicas here of every step but `step`
+        (the chosen step's replicas stay until the agent replaces them)."""
         for old in self.steps():
             if old != step:
                 self._path(old).unlink(missing_ok=True)
         for old, paths in self.replicas().items():
-            if old != step:  # (the chosen step's stay until the agent replaces them)
+            if old != step:
                 for path in paths:
                     path.unlink(missing_ok=True)
-        if step is None:
-            return None
-        self._last_saved = step
-        if plan is None:
-            return own[step]
-        from elastic.checkpoint.snapshot_transfer import assemble
-
-        return assemble(plan, held.get(step, []), abstract_state, own.get(step))
 
 
 def replica_name(host_id: str, step: int) -> str:
