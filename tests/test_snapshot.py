@@ -333,3 +333,26 @@ def test_a_restore_votes_from_headers_and_reads_only_the_files_of_the_step_it_ta
     assert sorted(p.name for p in tmp_path.iterdir()) == [replica_name("hX", 9),
                                                          "step-0000000009.snap"]
 
+
+def test_snapshots_of_other_steps_stay_until_the_chosen_step_is_restored(tmp_path, monkeypatch):
+    """restore() deleted the snapshots and replicas of every other step as
+    soon as the processes agreed on one, before the transfer that makes it
+    up ran: when the transfer failed (a peer died in the collective), the
+    older complete steps were gone too, and the next attempt went back to
+    the committed checkpoint."""
+    from elastic.checkpoint import snapshot_transfer
+    from elastic.checkpoint.snapshot import LocalSnapshots
+
+    sizes = lay_out_steps(tmp_path)
+    snaps = LocalSnapshots(str(tmp_path), "run-1", every_steps=1, agree=lambda own: [own])
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("a process of the collective is gone")
+
+    monkeypatch.setattr(snapshot_transfer, "assemble", peer_gone)
+    with pytest.raises(RuntimeError, match="is gone"):
+        snaps.restore(abstract_w(), committed_step=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(sizes)
+    monkeypatch.undo()  # the next attempt: step 9 again, and then the others go
+    assert snaps.restore(abstract_w(), committed_step=None).step == 9
+    assert snaps.steps() == [9]

@@ -536,8 +536,10 @@ class LocalSnapshots:
         The vote reads only the files' headers; then only the chosen step's
         files this process restores from or sends parts of are read whole
         (one step's state in memory, not every step's own and replicas).
-        Snapshots and replicas of other steps are deleted either way: they
-        belong to a line of training that the slice is not resuming. Raises what the
+        Snapshots and replicas of other steps are deleted once the chosen
+        step is restored (a line of training that the slice is not
+        resuming), all of them when none is chosen; none when the transfer
+        fails, so that the next attempt may still use them. Raises what the
         transfer's collective raises, OSError when a chosen file cannot be
         read (it is held open from the vote on: a file replaced or removed
         meanwhile is still the one voted with)."""
@@ -571,9 +573,9 @@ class LocalSnapshots:
                 self._remove_other_steps(None)
                 return None
             step, plan = chosen
-            self._remove_other_steps(step)
             restored = self._restore_step(plan, held.get(step, []), own.get(step),
                                           abstract_state)
+        self._remove_other_steps(step)
         self._last_saved = step
         return restored
 
