@@ -81,11 +81,11 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
         try:
             sender.target("h1", f"127.0.0.1:{port}", "run-1", 2)
             sent = {step: snapshot_file(mine, step) for step in (10, 20, 30)}
-            sender.offer(10)
+            sender.offer(10, 2)
             await until(lambda: sender.sent == 1)
             assert (theirs / replica_name("h0", 10)).read_bytes() == sent[10]
-            sender.offer(20)
-            sender.offer(30)  # 20 may be replaced by 30 while 10... is done: newest wins
+            sender.offer(20, 2)
+            sender.offer(30, 2)  # 20 may be replaced by 30 while 10... is done: newest wins
             await until(lambda: sender.last_sent_step == 30)
             names = sorted(p.name for p in theirs.iterdir())
             assert names[-1] == replica_name("h0", 30) and len(names) <= store.keep, names
@@ -98,7 +98,7 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
             snapshot_file(mine, 40)
             for run, generation in (("run-0", 2), ("run-1", 1)):
                 sender.target("h1", f"127.0.0.1:{port}", run, generation)
-                sender.offer(40)
+                sender.offer(40, generation)
                 await until(lambda: sender.failures_total == (1 if run == "run-0" else 2))
                 assert not (theirs / replica_name("h0", 40)).exists()
 
@@ -110,18 +110,18 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
             try:
                 failed = sender.failures_total
                 sender.target("h1", f"127.0.0.1:{impostor_port}", "run-1", 2)
-                sender.offer(40)
+                sender.offer(40, 2)
                 await until(lambda: sender.failures_total == failed + 1)
                 assert not (theirs / replica_name("h0", 40)).exists()
                 # ... also when the buddy becomes h3 at the address h1 had: the
                 # channel that checked h1's name is not used for h3
                 sent = sender.sent
                 sender.target("h1", f"127.0.0.1:{port}", "run-1", 2)
-                sender.offer(40)
+                sender.offer(40, 2)
                 await until(lambda: sender.sent == sent + 1)
                 (theirs / replica_name("h0", 40)).unlink()
                 sender.target("h3", f"127.0.0.1:{port}", "run-1", 2)
-                sender.offer(40)
+                sender.offer(40, 2)
                 await until(lambda: sender.failures_total == failed + 2)
                 assert not (theirs / replica_name("h0", 40)).exists()
             finally:
@@ -183,6 +183,41 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
             assert (theirs / replica_name("h2", 50)).read_bytes() == b"abcdef"
             assert not (theirs / replica_name("h2", 60)).exists()
             assert not list(theirs.glob(".*.tmp")) and not store.receiving
+        finally:
+            await sender.close()
+            await service.stop()
+
+    asyncio.run(main())
+
+
+def test_a_late_report_of_the_generation_before_is_not_sent_as_the_new_ones(tmp_path, pki):
+    """The agent names the next generation to its sender (target) before
+    its worker's status moves to it, and a late `snapshot_written` of the
+    worker before could come in between: the sender took the step and
+    tagged it with the new generation, which the buddy (already in it)
+    accepted, so a step of a line of training the new generation may have
+    given up was offered at its next restore. offer() now carries the
+    report's generation and drops a step of another one."""
+    mine, theirs = tmp_path / "h0", tmp_path / "h1"
+    mine.mkdir(mode=0o700)
+    theirs.mkdir(mode=0o700)
+
+    async def main():
+        store = ReplicaStore(theirs, lambda: "run-1", lambda: 3, lambda: frozenset({"h0"}))
+        service = AgentService("127.0.0.1:0", pki.host("h1"), str(tmp_path / "state"),
+                               replicas=lambda: store)
+        port = await service.start()
+        sender = ReplicaSender(mine, pki.host("h0"))
+        try:
+            sender.target("h1", f"127.0.0.1:{port}", "run-1", 3)
+            snapshot_file(mine, 40)  # written by the worker of generation 2
+            snapshot_file(mine, 50)
+            sender.offer(40, 2)  # its report, late
+            await asyncio.sleep(0)  # (a send started would be under way now)
+            sender.offer(50, 3)
+            await until(lambda: sender.last_sent_step == 50)
+            assert sender.sent == 1 and sender.failures_total == 0
+            assert sorted(p.name for p in theirs.iterdir()) == [replica_name("h0", 50)]
         finally:
             await sender.close()
             await service.stop()

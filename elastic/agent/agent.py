@@ -310,9 +310,11 @@ class Agent(ControllerSession):
             log.warning("%s", e)
             return
         if report.event == "snapshot_written":  # for the buddy, not the journal
+            # (the sender checks the generation against its own too: target()
+            # names the next one before the supervisor's status moves to it)
             if report.generation == self.supervisor.status.generation and \
                     isinstance(report.fields.get("step"), int):
-                self.replica_sender.offer(report.fields["step"])
+                self.replica_sender.offer(report.fields["step"], report.generation)
             return
         if report.failure:  # (the controller hears of it now, while the worker may wait)
             if self.supervisor.note_failure(report.generation, report.failure):

@@ -28,7 +28,8 @@ outlived its generation may carry a step of a line of training given up
 since: checked again before the replica is put in place), one stream per
 sender at a time, refuses what does not fit its directory, writes it
 atomically (a temporary name, then rename) and keeps the newest KEEP per
-host. A sender abandons a send in flight when its own generation changes.
+host. A sender abandons a send in flight when its own generation changes,
+and drops a snapshot reported late by the worker of the generation before.
 
 Cost: a host holds its buddy's snapshots besides its own (twice the
 snapshot memory, in /dev/shm by default) and sends each snapshot's bytes
@@ -258,10 +259,14 @@ class ReplicaSender:
         self.generation = generation
         self._pending = None
 
-    def offer(self, step: int) -> None:
-        """Snapshot `step` is written: send it when the one in flight is done
-        (replacing any older one still waiting)."""
-        if not self.address or self.tls is None:
+    def offer(self, step: int, generation: int) -> None:
+        """Snapshot `step` is written by the worker of `generation`: send it
+        when the one in flight is done (replacing any older one still
+        waiting); dropped when `generation` is not the one `target()` last
+        named (a late report of the worker before: its step belongs to a
+        line of training the next generation may have given up, and would
+        be tagged with the new generation, which its buddy accepts)."""
+        if not self.address or self.tls is None or generation != self.generation:
             return
         self._pending = step
         if self._task is None or self._task.done():
