@@ -8,6 +8,7 @@ import pathlib
 import random
 
 import grpc
+import numpy as np
 import pytest
 
 from elastic import transport
@@ -274,3 +275,72 @@ RING = {"h0": "h1", "h1": "h2", "h2": "h3", "h3": "h0"}
 ])
 def test_keep_replicas_within(pool, size, gone, expected):
     assert keep_replicas_within(pool, size, gone, RING) == expected
+
+
+def regions_by_host(axes: tuple[tuple[str, int], ...], hosts: list[str]) -> dict:
+    """Per host, the regions of a (4, 8) leaf sharded P(None, "model") that
+    its 2 devices hold, the mesh laid out over the hosts' devices in rank
+    order as jax.make_mesh lays it on CPU."""
+    sizes = [n for _, n in axes]
+    devices = 2 * len(hosts)
+    sizes[sizes.index(-1)] = devices // -np.prod(sizes)
+    model = [name for name, _ in axes].index("model")
+    width = 8 // sizes[model]
+    out: dict[str, set] = {h: set() for h in hosts}
+    for k in range(devices):
+        block = np.unravel_index(k, sizes)[model]
+        out[hosts[k // 2]].add(((0, 4), (block * width, (block + 1) * width)))
+    return out
+
+
+@pytest.mark.parametrize("axes, lost, restarted_on", [
+    # data outermost: h0, h2 hold model blocks 0-1, h1, h3 blocks 2-3; nobody
+    # holds a part alone, yet {h0, h2} (h1's buddy kept) lack blocks 2-3
+    ((("data", -1), ("model", 4)), "h1", ["h0", "h2"]),
+    ((("data", -1), ("model", 4)), "h2", ["h1", "h3"]),  # (h0's buddy and h2's kept)
+    ((("model", 4), ("data", -1)), "h2", ["h1", "h3"]),  # each host its own block
+    ((("data", -1), ("model", 2)), "h1", ["h0", "h2", "h3"]),  # data parallel: no replica
+])
+def test_the_slice_the_planner_keeps_can_make_up_the_last_snapshot(axes, lost, restarted_on):
+    """The worker's choice to ask for a replica (snapshot.replica_adds),
+    the controller's choice of the next slice (decide, keeping a lost
+    host's buddy) and the restore's vote (snapshot.choose_restore),
+    composed: 4 hosts of 2 devices on a ring of buddies, one lost, 3
+    survivors. The worker used to ask only for a part no other process
+    held, while the planner trusts every host's snapshot to live on its
+    buddy: with data outermost no worker asked, and the slice of h0 and h1's
+    buddy h2 went back to the checkpoint."""
+    from elastic.checkpoint.snapshot import choose_restore, replica_adds
+    from elastic.config import MeshSpec
+    from elastic.policy import decide as d
+    from elastic.policy.slice_plan import buddy_map
+    from elastic.policy.view import ClusterView, HeartbeatReceived, observe
+    from tests.policy_tables import T0, register, running_slice, spec, stop_and_settle
+
+    hosts = ["h0", "h1", "h2", "h3"]
+    view = ClusterView()
+    for h in hosts:
+        register(view, h)
+        view.hosts[h].service_port = 7000 + int(h[-1])
+    s = spec(max_hosts=4, mesh=MeshSpec(axes), restart={"replicate_snapshots": True})
+    state = running_slice(view, hosts)
+    buddy_of = buddy_map(view, tuple(hosts))
+    alive = [h for h in hosts if h != lost]
+    for h in alive:
+        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + 5.1)
+    settled = stop_and_settle(state, view, T0 + 5.1, s)
+    assert settled.state.lost == {lost}
+    for h in alive:
+        observe(view, HeartbeatReceived(h, f"inc-{h}", view.hosts[h].worker, 0), T0 + 7)
+    restart = d.decide(settled.state, view, T0 + 7, s)
+    started = [a.host for a in restart.actions if isinstance(a, d.StartWorker)]
+    assert started == restarted_on
+
+    own = regions_by_host(axes, hosts)
+    by_process = {p: {"w": own[h]} for p, h in enumerate(hosts)}
+    asked = {h for p, h in enumerate(hosts) if replica_adds(by_process, p)}
+    held = {h: own[h] | {r for g in asked if buddy_of[g] == h for r in own[g]} for h in started}
+    votes = [{"own": [], "held": {"9": {"w": sorted(held[h])}}} for h in started]
+    assert choose_restore(votes, 8, {"w": (4, 8)}) is not None, (asked, held)
+    if axes[-1] == ("model", 2):
+        assert not asked  # every host holds the whole leaf: replicas would add nothing

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from elastic.checkpoint.snapshot import (SnapshotError, Snapshot, choose_restore, covers,
-                                         held_only_here,
                                          parse_replica_name, plan_assembly, read, region_of,
-                                         replica_name, write)
+                                         replica_adds, replica_name, write)
 
 
 FULL = ((0, 4), (0, 4))
@@ -181,14 +180,23 @@ def test_snapshots_outlive_donated_buffers_and_keep_the_last_two(tmp_path):
 @pytest.mark.parametrize("regions, expected", [
     ({0: {"w": {FULL}}, 1: {"w": {FULL}}}, False),              # data parallel: both whole
     ({0: {"w": {TOP, BOTTOM}}, 1: {"w": {FULL}}}, False),        # tiles of what 1 holds whole
+    ({0: {"w": {TOP}}, 1: {"w": {FULL}}, 2: {"w": {FULL}}}, False),  # everyone holds 0's rows
     ({0: {"w": {TOP}}, 1: {"w": {BOTTOM}}}, True),               # sharded across the two
-    ({0: {"w": {TOP}}, 1: {"w": {BOTTOM}}, 2: {"w": {TOP}}}, False),  # 2 holds 0's rows too
     ({0: {"w": {FULL}}, 1: {"w": {TOP}}}, True),                 # 1 lacks the bottom rows
     ({0: {"w": {FULL}, "b": {((0, 3),)}}, 1: {"w": {FULL}}}, True),  # a leaf only 0 holds
     ({0: {"w": {FULL}}}, True),                                  # a slice of one
+    # 2 holds 0's rows too, but the next slice may be 0's buddy and 1 alone
+    ({0: {"w": {TOP}}, 1: {"w": {BOTTOM}}, 2: {"w": {TOP}}}, True),
+    # mesh data=2 x model=4 on 4 hosts: 0 and 2 hold blocks 0-1, 1 and 3 blocks 2-3
+    ({0: {"w": {TOP}}, 1: {"w": {BOTTOM}}, 2: {"w": {TOP}}, 3: {"w": {BOTTOM}}}, True),
 ])
-def test_held_only_here_decides_whether_a_replica_adds_anything(regions, expected):
-    assert held_only_here(regions, 0) is expected
+def test_replica_adds_unless_every_other_process_holds_all_this_one_holds(regions, expected):
+    """It used to ask only when this process held a region no other one
+    held: a state sharded across hosts and replicated across others
+    (the last two rows) sent no replica, though the slice the controller
+    restarts, keeping a lost host's buddy, may lack the other holders
+    (tests/test_replicas.py: the slice the planner keeps)."""
+    assert replica_adds(regions, 0) is expected
 
 
 def test_a_snapshot_written_after_the_next_steps_holds_its_own_step(tmp_path, monkeypatch):

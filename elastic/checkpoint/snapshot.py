@@ -126,16 +126,24 @@ def host_shards(state: Any, copy: bool = False) -> Leaves:
     return leaves
 
 
-def held_only_here(regions: dict[int, dict[str, set[Region]]], me: int) -> bool:
-    """Whether process `me` holds a region of some leaf that no other process
-    holds (inside one of theirs). Pure. regions: per process, per leaf, the
-    regions its devices hold. False under pure data parallelism across
-    hosts (every process holds every leaf whole); True when a mesh axis
-    spanning hosts shards the state."""
+def replica_adds(regions: dict[int, dict[str, set[Region]]], me: int) -> bool:
+    """Whether a replica of process `me`'s snapshot on a buddy host can add
+    anything: True unless every other process holds every region of every
+    leaf that `me` holds (inside one of its own), as under pure data
+    parallelism across hosts; True for a slice of one. Pure. regions: per
+    process, per leaf, the regions its devices hold (`state_regions`).
+
+    A region that some other process also holds is not enough: the
+    controller keeps a lost host's buddy in the next slice trusting that it
+    holds the lost host's snapshot (elastic.policy.buddies.
+    keep_replicas_within), and the other holders may be left out. With mesh
+    data=-1 x model=4 on 4 hosts of 2 devices, h0 and h2 hold model blocks
+    0-1, h1 and h3 blocks 2-3: when h1 is lost and 2 hosts fit, the planner
+    keeps h1's buddy h2, and {h0, h2} lack blocks 2-3 without h1's replica."""
     others = [leaves for process, leaves in regions.items() if process != me]
-    return any(not any(inside(region, held) for leaves in others
-                       for held in leaves.get(name, ()))
-               for name, mine in regions.get(me, {}).items() for region in mine)
+    return not others or any(
+        not all(any(inside(region, held) for held in leaves.get(name, ())) for leaves in others)
+        for name, mine in regions.get(me, {}).items() for region in mine)
 
 
 def state_regions(state: Any) -> dict[int, dict[str, set[Region]]]:
@@ -377,10 +385,9 @@ class LocalSnapshots:
     agree(own_vote) -> every process's vote (see `choose_restore`): defaults
       to the coordination service; tests pass their own.
     on_written(step): called (on the writer's thread) after each snapshot
-      file is in place when
-      this process holds a part of the state that no other process holds
-      (`held_only_here`: a state sharded across hosts; a replica of a part
-      other hosts hold anyway would cost and add nothing); the worker
+      file is in place unless every other process holds every part of the
+      state this one holds (`replica_adds`: pure data parallelism across
+      hosts, where a replica would cost and add nothing); the worker
       runtime then tells its agent, which sends a replica to the host's
       buddy (elastic.agent.replicas). Replicas that peers' agents sent to
       this host's agent lie in the same directory (`replica_name`) and are
@@ -398,7 +405,7 @@ class LocalSnapshots:
         self.agree = agree or coordination_service_agree("restore")
         self.clock = clock
         self.on_written = on_written
-        self._only_here: bool | None = None  # (held_only_here, from the first save's state)
+        self._replicate: bool | None = None  # (replica_adds, from the first save's state)
         self._last_saved: int | None = None
         # seconds each of the recent snapshots blocked the training loop, and
         # the sum since the last drain_blocked_s
@@ -442,10 +449,10 @@ class LocalSnapshots:
             log.warning("%s; local snapshots off", e)
             self._disabled = True
             return False
-        if self.on_written is not None and self._only_here is None:
+        if self.on_written is not None and self._replicate is None:
             import jax
 
-            self._only_here = held_only_here(state_regions(state), jax.process_index())
+            self._replicate = replica_adds(state_regions(state), jax.process_index())
         self._last_saved = step
         if self._writer is None:
             self._writer = concurrent.futures.ThreadPoolExecutor(
@@ -487,7 +494,7 @@ class LocalSnapshots:
                 self._path(old).unlink(missing_ok=True)
         except OSError as e:  # (the new one is in place: still announce it)
             log.warning("older local snapshots not removed: %s", e)
-        if self.on_written is not None and self._only_here:
+        if self.on_written is not None and self._replicate:
             try:
                 self.on_written(step)
             except Exception:  # noqa: BLE001 - a reporting hook must not end the writer
