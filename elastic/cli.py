@@ -376,6 +376,8 @@ def _start(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec = _load(args.config)
+    if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
+        raise UsageError("--checkpoint-dir is empty (leave it out for job.checkpoint_dir)")
     if args.checkpoint_dir:
         spec = dataclasses.replace(spec, checkpoint_dir=args.checkpoint_dir if "://" in
                                    args.checkpoint_dir else os.path.abspath(args.checkpoint_dir))

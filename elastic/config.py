@@ -323,6 +323,7 @@ class JobSpec:
 # --- parsing -----------------------------------------------------------------
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_AXIS_NAME = _ENV_NAME  # (mesh axes: names of the same shape)
 #: Upper bounds that keep a typo (max_hosts = 100000000) from exhausting the
 #: controller: hosts per job, devices per host, any duration in seconds.
 MAX_HOSTS = 100_000
@@ -380,6 +381,11 @@ def _checked_mesh(axes: tuple[tuple[str, int], ...], where: str) -> MeshSpec:
             raise SpecError(f"{where}: axis {name} has size {size}; sizes are positive or -1")
     if len({name for name, _ in axes}) != len(axes):
         raise SpecError(f"{where}: axis names repeat")
+    for name, _ in axes:
+        # (the workers read the mesh as NAME=SIZE,...: MeshSpec.to_text)
+        if not _AXIS_NAME.fullmatch(name):
+            raise SpecError(f"{where}: axis name {name[:40]!r} is not a name (letters, digits, "
+                            f"_; not starting with a digit)")
     return MeshSpec(axes)
 
 
@@ -416,6 +422,8 @@ def parse_spec(raw: Mapping[str, Any], source: str = "<memory>",
                             f"characters, got {value!r}")
     base = base_dir or pathlib.Path.cwd()
     for key in ("workdir", "checkpoint_dir"):
+        if key in values and not values[key].strip():
+            raise SpecError(f"{source}: job.{key} is empty (leave it out for the default)")
         if key in values and "://" not in values[key]:
             values[key] = str((base / values[key]).resolve())
     values.setdefault("workdir", str(base.resolve()))

@@ -49,6 +49,8 @@ def test_bad_inputs_to_start(tmp_path, proc_env, spec):
         ((*start, str(tmp_path / "s"), "--config", str(huge)), "above the limit of 100,000"),
         ((*start, str(tmp_path / "s"), "--config", str(spec), "--listen", "127.0.0.1:99999"),
          "port from 0 to 65535"),
+        ((*start, str(tmp_path / "s"), "--config", str(spec), "--checkpoint-dir", ""),
+         "--checkpoint-dir is empty"),
         (("start", "--state-dir", str(tmp_path / "s"), "--config", str(spec),
           "--tls-dir", str(tmp_path / "no-tls")), "pass --insecure to run without TLS"),
         (("local", "--config", str(spec), "--chaos", "mtbf=nan", "--state-dir",

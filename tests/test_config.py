@@ -65,6 +65,14 @@ def test_good_spec(tmp_path):
      "health.heartbeat_interval_s must be a number"),
     (('grow = "never"', 'grow = "never"\n[local]\nisolate = "yes"'),
      "local.isolate must be true or false"),
+    # names the workers could not read back (the mesh goes to them as
+    # NAME=SIZE,...): before, accepted, and every worker failed at its start
+    (("data = -1", '"data,x" = -1'), "axis name 'data,x' is not a name"),
+    (("data = -1", '"a=b" = -1'), "axis name 'a=b' is not a name"),
+    (("data = -1", '"" = -1'), "axis name '' is not a name"),
+    # before, "" was the spec's own folder: checkpoints among the user's code
+    (('checkpoint_dir = "ckpt"', 'checkpoint_dir = ""'), "job.checkpoint_dir is empty"),
+    (('checkpoint_dir = "ckpt"', 'workdir = " "'), "job.workdir is empty"),
 ])
 def test_bad_spec_names_the_key(tmp_path, replace, expected):
     old, new = replace
