@@ -212,6 +212,70 @@ def test_the_bucket_lease_passes_only_after_the_leader_stops_renewing(tmp_path, 
     assert "deposed" in b.renew()  # (the old process of that state dir)
 
 
+def test_a_deleted_lease_object_is_put_back_by_its_leader_not_taken_by_a_standby(
+        tmp_path, gcs_emulator, gcs_bucket):
+    """The journal object is deleted under a leader (a lifecycle rule, a
+    cleanup of the prefix). Before, a standby claimed the missing object at
+    once with its own, empty journal, and the leader's next renewal found
+    itself deposed (an audit found it). Now the leader uploads it again at
+    its next renewal, and a standby takes a missing object only after
+    lease_s, as it would a silent one."""
+    from elastic.controller.bucket_lease import BucketLease
+
+    clock, client = FakeClock(), gcs_emulator.client()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = BucketLease(f"{gcs_bucket}/job", tmp_path / "a", 10.0, client, clock, job_id="j")
+    b = BucketLease(f"{gcs_bucket}/job", tmp_path / "b", 10.0, client, clock, job_id="j",
+                    standby=True)
+    assert a.try_acquire()  # the job's first start: no object, nothing of it journaled
+    started = b'{"ts": 1, "kind": "controller_started", "job_id": "j"}\n'
+    (tmp_path / "a" / "events.jsonl").write_bytes(started)  # (journaled once it leads)
+    blob = client.bucket(gcs_bucket.removeprefix("gs://")).blob(
+        "job.elastic-controller/events.jsonl")
+    blob.delete()
+    clock.now += 0.5
+    assert not b.try_acquire()  # missing: its wait starts
+    assert a.renew() == "" and blob.exists()  # put back, not deposed
+    assert blob.download_as_bytes() == started
+    clock.now += 2.5
+    assert not b.try_acquire() and not (tmp_path / "b" / "events.jsonl").exists()
+    # a leader gone for good: the standby takes a missing object after lease_s
+    blob.delete()
+    assert not b.try_acquire()
+    clock.now += 10
+    assert b.try_acquire()
+    # a controller restarted on a state dir where this job ran waits too
+    blob.delete()
+    again = BucketLease(f"{gcs_bucket}/job", tmp_path / "a", 10.0, client, clock, job_id="j")
+    assert not again.try_acquire()
+
+
+def test_a_controller_restarted_on_its_own_state_dir_keeps_its_unuploaded_lines(
+        tmp_path, gcs_emulator, gcs_bucket):
+    """A leader journals a quarantine and is killed before its next upload;
+    restarted on its own state dir it takes its lease back at once. Before,
+    the bucket's copy replaced its journal and the quarantine was dropped as
+    a deposed controller's line (an audit found it)."""
+    from elastic.controller.bucket_lease import BucketLease
+
+    clock, client = FakeClock(), gcs_emulator.client()
+    (tmp_path / "a").mkdir()
+    a = BucketLease(f"{gcs_bucket}/job", tmp_path / "a", 10.0, client, clock, job_id="j")
+    assert a.try_acquire()
+    (tmp_path / "a" / "events.jsonl").write_text(
+        '{"ts": 1, "kind": "controller_started", "job_id": "j", "term": 5}\n')
+    assert a.renew() == ""
+    with open(tmp_path / "a" / "events.jsonl", "a") as f:  # journaled, then SIGKILL
+        f.write('{"ts": 2, "kind": "host_quarantined", "host": "h1", "until_s": 600}\n')
+    again = BucketLease(f"{gcs_bucket}/job", tmp_path / "a", 10.0, client, clock, job_id="j")
+    assert again.try_acquire()
+    assert b"host_quarantined" in (tmp_path / "a" / "events.jsonl").read_bytes()
+    blob = client.bucket(gcs_bucket.removeprefix("gs://")).get_blob(
+        "job.elastic-controller/events.jsonl")
+    assert b"host_quarantined" in blob.download_as_bytes()  # and the bucket has it
+
+
 def test_a_claim_keeps_the_stretches_of_other_jobs_in_the_state_dir(tmp_path):
     """Job a (checkpoints on a bucket) ran in a state dir, then job b; a
     starts again there and claims its own object, which holds only a's

@@ -71,6 +71,25 @@ def test_start_refuses_a_missing_bucket_before_anything_starts(tmp_path, proc_en
         assert not (tmp_path / "state" / "events.jsonl").exists()
 
 
+def test_a_standby_is_refused_for_checkpoints_at_a_buckets_root(tmp_path, proc_env,
+                                                                gcs_emulator, gcs_bucket):
+    """A bucket's root leaves no place for the lease beside the checkpoints:
+    before, a --standby on a state directory of its own (another host) then
+    led at once beside the leader, two controllers of one job (an audit
+    found it). Now it is a start error that names the fix."""
+    spec = tiny_spec(tmp_path, job_extra=f'checkpoint_dir = "{gcs_bucket}"')
+    out = subprocess.run(
+        [sys.executable, "-m", "elastic.cli", "start", "--insecure", "--standby", "--config",
+         str(spec), "--state-dir", str(tmp_path / "b"), "--listen", "127.0.0.1:0"],
+        env=dict(proc_env, **gcs_emulator.env), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"elasticd: error: --standby with checkpoints at a bucket's root ({gcs_bucket}): a "
+        f"standby leads through a lease beside the checkpoint directory, and a bucket's root "
+        f"has no place beside it; use gs://BUCKET/PREFIX"], out.stderr
+    assert not (tmp_path / "b" / "controller.addr").exists()
+
+
 def test_training_with_checkpoints_in_a_bucket_survives_a_preemption_and_a_lost_host(
         tmp_path, local_job, lm_reference, gcs_emulator, gcs_bucket):
     """Every request to the bucket, the controller's and the workers', goes

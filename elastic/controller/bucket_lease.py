@@ -22,9 +22,12 @@ over. The object names its holder in its metadata: the random id of the
 holder's state directory (`controller-id`, made once) and of the controller
 process. A controller restarted on the holder's own state directory (which
 it locks, elastic.controller.leadership) takes the lease back at once
-instead of waiting it out; an upload whose answer was lost and whose retry
-then finds the object written by the same process goes on from that
-generation.
+instead of waiting it out, keeping the lines it journaled after its last
+upload; an upload whose answer was lost and whose retry then finds the
+object written by the same process goes on from that generation. An object
+deleted under a leader (a lifecycle rule, a cleanup of the prefix) is
+uploaded again at its next renewal; a standby claims a missing object only
+once it has been missing for `lease_s`, as it would a silent one.
 
 This is the lease-with-fencing-token pattern (Kleppmann, "How to do
 distributed locking", 2016) with the object generation as the token, as
@@ -112,6 +115,13 @@ def merge_tools_lines(journal: bytes, local: bytes, job_id: str = "") -> bytes:
     return b"".join(line + b"\n" for _, _, line in sorted(keyed))
 
 
+def ran_here(journal: bytes, job_id: str) -> bool:
+    """Whether a controller of job `job_id` started on the state directory
+    whose journal is `journal` (a `controller_started` naming that job)."""
+    return any((entry := parse_line(line)) is not None and entry_job(entry) == job_id
+               for line in journal.splitlines())
+
+
 class _LostAnswer(Exception):
     """An upload went through but its answer was lost (retried)."""
 
@@ -127,11 +137,12 @@ class BucketLease:
     `gcs`: a google-cloud-storage client (default: elastic.checkpoint.gcs);
     `job_id`: the job whose journal the object holds (a claim keeps the
     local journal's stretches of other jobs: merge_tools_lines).
-    `clock`: monotonic seconds."""
+    `clock`: monotonic seconds. `standby`: a controller started with
+    --standby, which never takes a missing object at once (see try_acquire)."""
 
     def __init__(self, checkpoint_url: str, state_dir: str | os.PathLike[str], lease_s: float,
                  gcs_client=None, clock: Callable[[], float] = time.monotonic,
-                 job_id: str = "") -> None:
+                 job_id: str = "", standby: bool = False) -> None:
         bucket, prefix = gcs.split(checkpoint_url)
         if not prefix:
             raise StorageError(f"checkpoint directory {checkpoint_url} is a bucket's root: the "
@@ -145,6 +156,7 @@ class BucketLease:
         self.lease_s = lease_s
         self.clock = clock
         self.job_id = job_id
+        self.standby = standby
         self._gcs = gcs_client or gcs.client()
         self._bucket = self._gcs.bucket(bucket)
         self.generation = 0  # of our last upload (0: not the leader)
@@ -155,10 +167,14 @@ class BucketLease:
         return self.state_dir / JOURNAL_NAME
 
     def try_acquire(self) -> bool:
-        """Claim the lease if the object is missing, is our own state
-        directory's, or has not changed for `lease_s` since this controller
-        first saw its generation; the journal it holds replaces the local
-        one. False while another controller holds it. Raises StorageError
+        """Claim the lease if the object is our own state directory's, or
+        has not changed for `lease_s` since this controller first saw its
+        generation; the journal it holds replaces the local one (for our own
+        state directory's, the local one is kept when it holds all the
+        object does). A missing object is claimed at once only by a
+        controller that is not a standby and whose journal has no entry of
+        this job (the job's first start); else after `lease_s` missing
+        (deleted, or a leader not yet up: a leader uploads it again). False while another controller holds it. Raises StorageError
         when the bucket cannot be used (`transient` for an outage: a 429, a
         5xx, a dropped connection, a timeout)."""
         try:
@@ -175,22 +191,38 @@ class BucketLease:
 
         blob = self._bucket.get_blob(self._blob_name, retry=None, timeout=self.lease_s / 4)
         now = self.clock()
+        path = self._journal()
         if blob is None:
-            return self._claim(0, self._journal().read_bytes() if self._journal().exists()
-                               else b"")
+            local = path.read_bytes() if path.exists() else b""
+            if not self.standby and not ran_here(local, self.job_id):
+                return self._claim(0, local)  # the job's first controller
+            # Deleted (a lifecycle rule, a cleanup of the prefix), or not
+            # yet made by the leader a standby waits for: a leader makes it
+            # again at its next renewal (renew), so it is claimed only as a
+            # silent one is, after lease_s unseen.
+            return self._silent_for_lease(0, now) and self._claim(0, local)
         ours = (blob.metadata or {}).get("holder") == self.holder  # (our state dir's)
-        if not ours:
-            if self._seen is None or self._seen[0] != blob.generation:
-                self._seen = (blob.generation, now)
-                return False
-            if now - self._seen[1] < self.lease_s:
-                return False
+        if not ours and not self._silent_for_lease(blob.generation, now):
+            return False
         try:
             journal = blob.download_as_bytes(if_generation_match=blob.generation, retry=None,
                                              timeout=self.lease_s / 4)
         except exceptions.PreconditionFailed:
             return False  # it was renewed meanwhile
+        if ours and path.exists() and (local := path.read_bytes()).startswith(journal):
+            # Its own state dir's journal holds all the object does and what
+            # it journaled since its last upload (a crash, a SIGKILL): before,
+            # those lines were dropped as a deposed controller's.
+            journal = local
         return self._claim(blob.generation, journal)
+
+    def _silent_for_lease(self, generation: int, now: float) -> bool:
+        """Whether the object has stayed at `generation` (0: missing) for
+        `lease_s` since this controller first saw it so, by its own clock."""
+        if self._seen is None or self._seen[0] != generation:
+            self._seen = (generation, now)
+            return False
+        return now - self._seen[1] >= self.lease_s
 
     def _claim(self, generation: int, journal: bytes) -> bool:
         from google.api_core import exceptions
@@ -243,15 +275,11 @@ class BucketLease:
                     stop=out_of_time, before_sleep=warn, reraise=True):
                 with attempt:
                     sent_at = self.clock()
+                    data = self._journal().read_bytes()
                     try:
-                        self.generation = self._upload(self._journal().read_bytes(),
-                                                       self.generation)
+                        self.generation = self._upload(data, self.generation)
                     except exceptions.PreconditionFailed:
-                        if attempt.retry_state.attempt_number > 1 and self._wrote_last():
-                            # our earlier try went through, its answer was lost:
-                            # tried again from the generation it wrote
-                            raise _LostAnswer() from None
-                        raise
+                        self._refused(data, attempt.retry_state.attempt_number)
                     self.renewed_at = sent_at
             return ""
         except exceptions.PreconditionFailed:
@@ -263,11 +291,22 @@ class BucketLease:
                     f"(health.leader_lease_s = {self.lease_s:g}): a standby may take over "
                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:500])
 
-    def _wrote_last(self) -> bool:
-        """Whether the object was last written by this controller process
-        (then its generation becomes ours). Raises as the client does."""
+    def _refused(self, data: bytes, attempt: int) -> None:
+        """After an upload refused its precondition: raises _LostAnswer if
+        an earlier try of this renewal (`attempt` > 1) went through, its
+        answer lost (the object's generation becomes ours); uploads `data`
+        anew if the object is gone (deleted: no controller holds it, and
+        a standby waits `lease_s` before it claims a missing one); else
+        raises PreconditionFailed (deposed). Raises as the client does."""
+        from google.api_core import exceptions
+
         blob = self._bucket.get_blob(self._blob_name, retry=None, timeout=self.lease_s / 4)
-        if blob is None or (blob.metadata or {}).get("instance") != self.instance:
-            return False
-        self.generation = blob.generation
-        return True
+        if blob is None:
+            log.warning("the journal object %s is gone (deleted?): uploading it again", self.url)
+            self.generation = self._upload(data, 0)
+            return
+        if attempt > 1 and (blob.metadata or {}).get("instance") == self.instance:
+            self.generation = blob.generation
+            raise _LostAnswer()
+        raise exceptions.PreconditionFailed("the journal object was written by another "
+                                            "controller")

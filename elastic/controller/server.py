@@ -237,6 +237,14 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
         loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stopped.set()))
     try:
         try:
+            if standby and (spec.checkpoint_dir or "").startswith("gs://") and \
+                    not split_gcs(spec.checkpoint_dir)[1]:
+                # (with no lease, a standby on a state directory of its own led
+                # at once beside the leader: two controllers of one job)
+                raise StartError(f"--standby with checkpoints at a bucket's root "
+                                 f"({spec.checkpoint_dir}): a standby leads through a lease "
+                                 f"beside the checkpoint directory, and a bucket's root has no "
+                                 f"place beside it; use gs://BUCKET/PREFIX")
             leadership = Leadership(state_dir)
 
             async def lock() -> bool:
@@ -250,10 +258,11 @@ async def serve(spec: JobSpec, listen: str, state_dir: str, tls: TLSFiles | None
             if (spec.checkpoint_dir or "").startswith("gs://"):
                 if split_gcs(spec.checkpoint_dir)[1]:  # (any failure here: StartError)
                     lease = BucketLease(spec.checkpoint_dir, state_dir,
-                                        spec.health.leader_lease_s, job_id=spec.job_id)
+                                        spec.health.leader_lease_s, job_id=spec.job_id,
+                                        standby=standby)
                 else:
                     log.warning("checkpoints at a bucket's root: no lease beside them; "
-                                "standbys need a shared state directory")
+                                "no standby (--standby) can take over this job")
             if lease is not None:
 
                 async def claim() -> bool:
