@@ -228,12 +228,13 @@ class BucketLease:
         from google.api_core import exceptions
 
         path = self._journal()
-        journal = merge_tools_lines(journal, path.read_bytes() if path.exists() else b"",
-                                    self.job_id)
-        # rewritten in place (the same file: a tool appending to it, such as
-        # elasticd local's fault injector, goes on appending to the journal)
-        with open_private(path, "wb") as f:
-            f.write(journal)
+        local = path.read_bytes() if path.exists() else b""
+        journal = merge_tools_lines(journal, local, self.job_id)
+        if journal != local:  # (a journal of its own left as it is: no window to tear it)
+            # rewritten in place (the same file: a tool appending to it, such as
+            # elasticd local's fault injector, goes on appending to the journal)
+            with open_private(path, "wb") as f:
+                f.write(journal)
         sent_at = self.clock()
         try:
             self.generation = self._upload(journal, generation)
