@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from elastic.config import QuarantineSpec
 from elastic.controller.journal import JournalWriter, recorded
 from elastic.policy import decide as d
@@ -37,12 +39,13 @@ def journal(path, decisions, at):
     writer.close()
 
 
-def carried(path, now, s) -> SliceState:
+def carried(path, now, s, skew_s: float = 0.0) -> SliceState:
     """A successor's state, started on the journal at `path` at monotonic
-    time `now` of the fake clock."""
+    time `now` of the fake clock, its wall clock `skew_s` ahead of the
+    journal's."""
     history = recorded(path).failures
     return failure_history.carried_into(SliceState(), history, SUCCESSOR_T0 + now - T0,
-                                        WALL0 + now - T0, s)
+                                        WALL0 + now - T0 + skew_s, s)
 
 
 def start_generation(view, state, now, s, attempt):
@@ -248,10 +251,14 @@ def test_the_next_job_keeps_the_quarantines_of_the_jobs_before_it(tmp_path):
     assert failure_history.describe(state, 100.0)["quarantined"] == {"h1": 592.0}
 
 
-def test_a_successor_keeps_the_fence_of_a_lost_process_0(tmp_path):
+@pytest.mark.parametrize("skew_s", [0.0, 25.0, -25.0])
+def test_a_successor_keeps_the_fence_of_a_lost_process_0(tmp_path, skew_s):
     """The host of process 0 cut off (its worker may still commit a save)
     and the controller restarted during the fence: its successor, which
-    never saw that host, starts no generation before the fence runs out."""
+    never saw that host, starts no generation before a whole lease from its
+    own start, whatever its wall clock says: it may be a standby on another
+    host. Before, the fence's end was read on the successor's wall clock,
+    and one 25 s ahead dropped the fence (an audit found it)."""
     s, view, state = three_hosts_leased()
     started = d.Decision(state, (d.Journal("generation_started", 1, "", None, {}),), "")
     heartbeat_all(view, T0 + 4)
@@ -263,18 +270,19 @@ def test_a_successor_keeps_the_fence_of_a_lost_process_0(tmp_path):
     stopped = decide(stopping.state, view, T0 + 9.7, s)
     assert "waiting_for_fencing" in kinds(stopped)
     journal(tmp_path, [started, stopping, stopped], [T0, T0 + 9.5, T0 + 9.7])
-    # heard at T0 + 4: fenced until its lease (30 s), the agent's grace after
-    # a held-up check (2 intervals) and two checks (0.25 s each) have passed
-    successor = dataclasses.replace(carried(tmp_path, T0 + 12, s), phase=Phase.WAITING,
+    # heard at T0 + 4 by the journal's clock; the successor counts, from its
+    # start, the lease (30 s), the agent's grace after a held-up check (2
+    # intervals) and two checks (0.25 s each)
+    successor = dataclasses.replace(carried(tmp_path, T0 + 12, s, skew_s), phase=Phase.WAITING,
                                     generation=1)
-    assert successor.fenced_until == SUCCESSOR_T0 + 4 + 32.5
-    assert failure_history.describe(successor, SUCCESSOR_T0 + 12)["fenced_s"] == 24.5
+    assert (successor.fenced_until, successor.fence_host) == (SUCCESSOR_T0 + 12 + 32.5, "h0")
+    assert failure_history.describe(successor, SUCCESSOR_T0 + 12)["fenced_s"] == 32.5
     fresh = ClusterView()
     for h in ("h1", "h2", "h3"):
         register(fresh, h, SUCCESSOR_T0 + 12)
     waiting = decide(successor, fresh, SUCCESSOR_T0 + 12, s)
     assert waiting.state.generation == 1 and "to fence itself" in waiting.reason
-    later = start_generation(fresh, waiting.state, SUCCESSOR_T0 + 36.6, s, 1)
+    later = start_generation(fresh, waiting.state, SUCCESSOR_T0 + 44.6, s, 1)
     assert later.state.generation == 2, later.reason
     # a generation started since, or the fence lifted: nothing carried
     for after in ("generation_started", "fence_lifted"):

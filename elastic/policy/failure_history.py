@@ -64,6 +64,8 @@ class FailureHistory:
     stop_unfinished: that generation's stop began (`slice_stopping`) and was
       not journaled as ended (`slice_stopped`): its controller died during
       the stop, and whether process 0 stopped is not known.
+    journaled_until: the latest entry's time (its controller's wall clock,
+      like every other time here).
     """
 
     restarts_at: tuple[float, ...] = ()
@@ -75,6 +77,7 @@ class FailureHistory:
     fence_host: str = ""
     process0: str = ""
     stop_unfinished: bool = False
+    journaled_until: float = dataclasses.field(default=0.0, compare=False)
 
 
 def _number(entry: Mapping, key: str) -> float | None:
@@ -113,12 +116,21 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
     """`history` with one journal `entry` (as elastic.controller.journal
     parses it: `ts`, `kind`, `generation`, `host` and the kind's fields)
     folded in. Entries of other kinds, or missing the fields a kind needs,
-    leave it as it is."""
+    leave it as it is, but for `journaled_until`."""
+    folded = _folded(history, entry)
+    ts = _number(entry, "ts")
+    if ts is None or ts <= folded.journaled_until:
+        return folded
+    return dataclasses.replace(folded, journaled_until=ts)
+
+
+def _folded(history: FailureHistory, entry: Mapping) -> FailureHistory:
     kind, ts, host = entry["kind"], _number(entry, "ts"), entry.get("host")
     if ts is None:
         return history
-    if kind in ("job_succeeded", "job_failed"):
-        return FailureHistory(quarantined=history.quarantined)  # (see the module docstring)
+    if kind in ("job_succeeded", "job_failed"):  # (see the module docstring)
+        return FailureHistory(quarantined=history.quarantined,
+                              journaled_until=history.journaled_until)
     history = _stop_progress(history, entry)
     adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
     if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
@@ -203,8 +215,11 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
     monotonic clock (a journal time t becomes `monotonic_now - (wall_now -
     t)`), keeping only what the windows still count: failure restarts within
     `restart.window_s`, a host's failures within `quarantine.window_s`, a
-    fence (elastic.policy.fencing) that has not yet run out (no generation
-    starts before it, though this controller never saw the hosts), and every
+    fence (elastic.policy.fencing) neither lifted nor followed by a
+    generation (no generation starts before it, though this controller never
+    saw the hosts: one naming its host that had not run out by the last
+    entry counts a whole lease from `wall_now`, as the journal's clock may
+    be another host's), and every
     quarantine: those that ended while no controller ran are released by
     the first pass, which journals it. A stop its controller did not see
     end fences the next generation as a lost process 0 does, counting its
@@ -220,13 +235,21 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
             failures[host] = kept
     quarantined = {h: (until + offset, reason)
                    for h, (until, reason) in history.quarantined.items()}
+    health = spec.health
+    whole_lease = fenced_by(wall_now, health.controller_lease_s, health.heartbeat_interval_s)
     fenced_until, fence_host = (history.fenced_until, history.fence_host) \
         if history.fenced_until > wall_now else (0.0, "")
-    if history.stop_unfinished and history.process0:
-        health = spec.health
-        until = fenced_by(wall_now, health.controller_lease_s, health.heartbeat_interval_s)
-        if until > fenced_until:
-            fenced_until, fence_host = until, history.process0
+    if history.fence_host:
+        # The fence's end is on its controller's wall clock, perhaps another
+        # host's (a standby through the bucket): read on this one's, a clock
+        # ahead shortened it, by 22 s dropped it (an audit found it). Unless
+        # its controller journaled past its end (one clock), the whole lease
+        # counts from this start (the latest that host's agent can have
+        # heard a controller), unless lifted sooner (fencing.lift_fence).
+        fenced_until, fence_host = (whole_lease, history.fence_host) \
+            if history.fenced_until > history.journaled_until else (0.0, "")
+    if history.stop_unfinished and history.process0 and whole_lease > fenced_until:
+        fenced_until, fence_host = whole_lease, history.process0
     return dataclasses.replace(state, failure_restarts=restarts,
                                failures_without_progress=history.without_progress,
                                host_failures=failures, quarantined=quarantined,
