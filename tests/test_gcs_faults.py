@@ -53,6 +53,19 @@ def test_a_short_outage_is_waited_out_and_a_long_one_is_one_line(gcs_emulator, g
     assert time.monotonic() - t0 < 10.0, "the retries are bounded"
 
 
+def test_a_bucket_that_answers_nothing_is_given_up_on_in_bounded_time(gcs_emulator, gcs_bucket,
+                                                                      proxy):
+    """Each request has a timeout: before, the client's default of 60 s
+    held a restarting controller's first listing (and the start's checks)
+    on a bucket that answers nothing, past the agents' controller lease."""
+    url = put_markers(gcs_emulator, gcs_bucket, (3,))
+    proxy.set(latency_s=30.0)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="checkpoint directory"):
+        gcs.committed_steps(url, gcs=proxy.client(), retry_s=1.5)
+    assert time.monotonic() - t0 < 10.0
+
+
 def _objects(client, url: str) -> list[str]:
     bucket, prefix = gcs.split(url)
     return [b.name[len(prefix):] for b in client.list_blobs(bucket, prefix=prefix)]

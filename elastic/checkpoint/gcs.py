@@ -27,6 +27,9 @@ from elastic.checkpoint.storage import StorageError
 COMMIT_MARKER = "commit_success.txt"
 #: How long one call keeps retrying transient errors (seconds).
 RETRY_S = 30.0
+#: The longest one request may take (seconds; at most the retries' time):
+#: without it the client waits 60 s on a bucket that answers nothing.
+REQUEST_TIMEOUT_S = 10.0
 
 
 def split(url: str) -> tuple[str, str]:
@@ -49,6 +52,10 @@ def transient(error: BaseException) -> bool:
                               exceptions.BadGateway, exceptions.ServiceUnavailable,
                               exceptions.GatewayTimeout, requests.ConnectionError,
                               requests.Timeout))
+
+
+def _request_timeout_s(retry_s: float) -> float:
+    return max(1.0, min(REQUEST_TIMEOUT_S, retry_s))
 
 
 def _retrying(retry_s: float) -> tenacity.Retrying:
@@ -101,7 +108,7 @@ def committed_steps(url: str, retry_s: float = RETRY_S, gcs=None) -> list[int]:
 
     def listing() -> list[int]:
         blobs = gcs.list_blobs(bucket, prefix=prefix, match_glob=f"{prefix}*/{COMMIT_MARKER}",
-                               retry=None)
+                               retry=None, timeout=_request_timeout_s(retry_s))
         steps = []
         for blob in blobs:
             step = blob.name[len(prefix):].split("/", 1)[0]
@@ -129,13 +136,15 @@ def check_writable(url: str, retry_s: float = RETRY_S, gcs=None) -> None:
 
     def write() -> None:
         gcs.bucket(bucket_name).blob(probe).upload_from_string(
-            b"elastic: can this job write here?", retry=None)
+            b"elastic: can this job write here?", retry=None,
+            timeout=_request_timeout_s(retry_s))
 
     def delete() -> None:
         from google.api_core import exceptions
 
         try:
-            gcs.bucket(bucket_name).blob(probe).delete(retry=None)
+            gcs.bucket(bucket_name).blob(probe).delete(retry=None,
+                                                       timeout=_request_timeout_s(retry_s))
         except exceptions.NotFound:  # a retry of a delete whose answer was lost
             pass
 
