@@ -70,6 +70,7 @@ class Controller:
                  term: int = 0, discover: bool = False,
                  failures: FailureHistory = FailureHistory()) -> None:
         self.spec = spec
+        self.announced = False  # controller_started journaled (announce)
         self.known_step = known_step
         self.clock = clock
         self.tick_s = tick_s
@@ -177,10 +178,12 @@ class Controller:
             if self.state.phase is before or self.state.phase.terminal:
                 return
 
-    async def run(self) -> int:
-        """Reconcile until the job ends, then read on for at most HEAR_OUT_S
-        (seconds) what the agents of open sessions queued; returns the exit
-        code (0 or 1)."""
+    def announce(self) -> None:
+        """Journal `controller_started` (once: `run` calls it too), with
+        the term its agents will follow."""
+        if self.announced:
+            return
+        self.announced = True
         inherited = self.state.inherited
         adopting = (f"; adopting generation {inherited.generation} on "
                     f"{', '.join(inherited.hosts)}" if inherited else "")
@@ -195,6 +198,12 @@ class Controller:
                                     "adopting": inherited.describe() if inherited else None,
                                     "carried": failure_history.describe(self.state,
                                                                        self.clock.monotonic())})
+
+    async def run(self) -> int:
+        """Reconcile until the job ends, then read on for at most HEAR_OUT_S
+        (seconds) what the agents of open sessions queued; returns the exit
+        code (0 or 1)."""
+        self.announce()
         pass_s = 0.0
         probe = asyncio.create_task(self.lag.probe(self._paused))
         try:

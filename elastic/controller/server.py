@@ -389,10 +389,29 @@ async def _serve(server: ControllerServer, stopped: asyncio.Event, received: lis
     # and a signal they send must not find the default action, which ends
     # the process without a journal line)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if lease is not None:
+        # Its term (controller_started) in the bucket before any agent learns
+        # it: before, agents could follow a term the bucket never had, and a
+        # standby taking over with its clock behind led with a lower term,
+        # which they refuse, until someone stepped in (an audit found it).
+        server.controller.announce()
+        why = await asyncio.to_thread(lease.renew)
+        if why:
+            log.error("stepping down: %s", why)
+            loop.remove_signal_handler(signal.SIGHUP)
+            server.controller.executor.record("controller_stopped",
+                                              server.controller.state.generation,
+                                              f"controller stepped down: {why}")
+            server.journal.close()
+            return DEPOSED_EXIT
     try:
         await server.start()
     except (RuntimeError, TLSError, OSError) as e:
         loop.remove_signal_handler(signal.SIGHUP)
+        if server.controller.announced:  # (its start is journaled: so is its end)
+            server.controller.executor.record("controller_stopped",
+                                              server.controller.state.generation,
+                                              f"cannot start: {e}")
         raise StartError(str(e)) from None
     if metrics_port is not None:
         try:
