@@ -39,11 +39,17 @@ RESERVED_FIELDS = ("ts", "kind", "generation", "host", "reason")
 
 class JournalWriter:
     """Appends entries and flushes each one (a crash loses at most the line
-    being written). Raises OSError when the state directory is not writable."""
+    being written). A journal whose last line was cut (a power loss, a full
+    disk mid-write) gets that line ended first, so that the fragment stays
+    one line readers skip instead of swallowing the next entry. Raises
+    OSError when the state directory is not writable."""
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.path = private_dir(state_dir) / JOURNAL_NAME
         self._file = open_private(self.path)
+        if _ends_torn(self.path):
+            self._file.write("\n")
+            self._file.flush()
         #: called with each entry once it is written (the bucket lease's
         #: mirror, the metrics); they must not raise
         self.listeners: list[Callable[[dict], None]] = []
@@ -67,6 +73,16 @@ class JournalWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _ends_torn(path: pathlib.Path) -> bool:
+    """Whether the file at `path` is not empty and does not end in a newline."""
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if not size:
+            return False
+        f.seek(size - 1)
+        return f.read(1) != b"\n"
 
 
 def parse_line(line: bytes) -> dict | None:
