@@ -247,6 +247,20 @@ def _unnoticed(gen: _Generation, stop: float, blamed: tuple | None) -> list[Inci
     return out
 
 
+def _end(entries: list[dict], now: float | None) -> float:
+    """When the wall time ends (Unix seconds): at the last end of the job or
+    stop of a controller that no later controller started after; else (a
+    job still running, or whose controller exited and was started again:
+    every exit, SIGTERM, a step-down, a crash systemd restarts, journals
+    `controller_stopped`) at `now` or the last entry, whichever is later."""
+    for e in reversed(entries):
+        if e["kind"] == "controller_started":
+            break
+        if e["kind"] in ("job_succeeded", "job_failed", "controller_stopped"):
+            return e["ts"]
+    return max(now or 0.0, entries[-1]["ts"])
+
+
 def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
     """Goodput of a job from its journal entries (in order). For a job still
     running, `now` (Unix seconds) ends the wall time (default: the last entry)."""
@@ -254,9 +268,7 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
     if not entries:
         return Goodput(0.0, 0.0, dict.fromkeys(CAUSES, 0.0), 0.0, 0, 0, [])
     t0 = entries[0]["ts"]
-    end_entry = next((e for e in reversed(entries)
-                      if e["kind"] in ("job_succeeded", "job_failed", "controller_stopped")), None)
-    t_end = end_entry["ts"] if end_entry else max(now or 0.0, entries[-1]["ts"])
+    t_end = _end(entries, now)
     gens = _generations(entries)
     bad = dict.fromkeys(CAUSES, 0.0)
     productive = 0.0
@@ -265,17 +277,22 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
     full_size_steps, largest = 0.0, max((len(g.hosts) for g in gens), default=0) or 1
     for i, gen in enumerate(gens):
         incidents += _ridden_out(gen)
-        bad["waiting"] += max(0.0, gen.start - covered_until)
-        stop = gen.stop if gen.stop is not None else t_end
-        stopped = gen.stopped if gen.stopped is not None else t_end
-        first = gen.first if gen.first is not None else stop
-        restore = min(gen.restore_s, max(0.0, first - gen.start))
+        nxt = gens[i + 1] if i + 1 < len(gens) else None
+        # A generation ends by the next one's start at the latest: a stop that a
+        # killed controller left unfinished (no slice_stopped) or never began
+        # is over when a later controller starts the next generation.
+        until = min(t_end, nxt.start) if nxt is not None else t_end
+        start = min(gen.start, until)
+        bad["waiting"] += max(0.0, start - covered_until)
+        stop = min(gen.stop, until) if gen.stop is not None else until
+        stopped = min(gen.stopped, until) if gen.stopped is not None else until
+        first = min(gen.first, stop) if gen.first is not None else stop
+        restore = min(gen.restore_s, max(0.0, first - start))
         bad["restore"] += restore
-        bad["startup"] += max(0.0, first - gen.start) - restore
+        bad["startup"] += max(0.0, first - start) - restore
         bad["teardown"] += max(0.0, stopped - stop)
         covered_until = max(stopped, stop)
         training = max(0.0, stop - first)
-        nxt = gens[i + 1] if i + 1 < len(gens) else None
         # lost steps: after the checkpoint the next generation restored (known
         # once the next generation restored a step or made its first step; a
         # job that ended before that lost nothing it would redo)

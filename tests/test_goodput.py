@@ -243,3 +243,57 @@ def test_a_hang_blamed_on_nobody_is_still_put_down_to_the_fault_on_its_suspect()
     ] + JOURNAL[11:]
     stopped = [i for i in account(journal).incidents if i.restarted]
     assert [(i.kind, i.host) for i in stopped] == [("stop-worker", "b")]
+
+
+def total(g) -> float:
+    return g.productive_s + sum(g.badput_s.values())
+
+
+def test_a_stop_a_killed_controller_left_unfinished_ends_at_the_next_start():
+    """`--fault kill-controller:all@after=slice_stopping`: generation 1 has
+    slice_stopping and no slice_stopped. Its teardown ran to the job's end
+    while generation 2 was accounted on top (100 s of wall, 146 s of causes)."""
+    journal = [e(0, "controller_started"), e(1, "generation_started", 1, hosts=["a", "b"]),
+               e(5, "first_progress", 1, step=0),
+               e(50, "worker_exited", 1, "a", exit_code=1, step=400),
+               e(50.1, "slice_stopping", 1, "a", cause="failure"),
+               # the controller is killed here; the next one starts generation 2
+               e(53, "controller_started"), e(54, "generation_started", 2, hosts=["a", "b"]),
+               e(58, "first_progress", 2, step=401), e(100, "job_succeeded", 2, step=900)]
+    g = account(journal)
+    assert g.wall_s == pytest.approx(100.0) and total(g) == pytest.approx(g.wall_s)
+    assert g.badput_s["teardown"] == pytest.approx(54 - 50.1)
+    assert g.productive_s == pytest.approx(50.1 - 5 - 0.1 + 100 - 58)
+
+
+RESTARTED = [e(0, "controller_started"), e(1, "generation_started", 1, hosts=["a", "b"]),
+             e(5, "first_progress", 1, step=0), e(30, "controller_stopped", 1),
+             e(32, "controller_started", 1), e(33, "slice_adopted", 1, hosts=["a", "b"], step=300)]
+FAILED_AFTER = [e(100, "worker_exited", 1, "a", exit_code=1, step=900),
+                e(100.1, "slice_stopping", 1, "a", cause="failure"), e(101, "slice_stopped", 1),
+                e(101, "generation_started", 2, hosts=["a", "b"]),
+                e(104, "checkpoint_restored", 2, step=800, restore_s=1.0),
+                e(106, "first_progress", 2, step=801)]
+
+
+@pytest.mark.parametrize("journal, now, wall_s", [
+    # a controller restarted (SIGTERM, a step-down, a crash systemd restarts)
+    # and adopted the slice, which runs on: until now
+    (RESTARTED, 1200.0, 200.0),
+    (RESTARTED + FAILED_AFTER, 1200.0, 200.0),
+    # ... and the job ended later: at its end, not at the first controller's stop
+    (RESTARTED + [e(150, "job_succeeded", 1, step=1500), e(150.5, "controller_stopped", 1)],
+     1200.0, 150.5),
+    # the last controller stopped and none came after it: at its stop
+    (RESTARTED + [e(90, "controller_stopped", 1)], 1200.0, 90.0),
+    (RESTARTED[:4], 1200.0, 30.0),
+])
+def test_wall_time_ends_at_a_controllers_stop_only_if_none_started_after_it(journal, now,
+                                                                           wall_s):
+    """The wall time ended at the last `controller_stopped` even when a later
+    controller started and adopted the slice: 30 s for a job running for
+    200 s; one journal summed 106 s of causes in that 30 s wall, ETTR 0."""
+    g = account(journal, now=now)
+    assert g.wall_s == pytest.approx(wall_s)
+    assert total(g) == pytest.approx(g.wall_s) and 0.0 <= g.ettr <= 1.0
+
