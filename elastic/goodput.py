@@ -142,14 +142,21 @@ class _Generation:
     last_words: dict[str, str] = dataclasses.field(default_factory=dict)
     # process 0's worker_phases entry (elastic.worker: phase -> seconds, launched_at)
     phases: dict | None = None
+    # rebuilt from the agents' reports (generation_discovered): its start is not
+    # journaled, and `start` is when it was discovered
+    discovered: bool = False
 
 
 def _generations(entries: list[dict]) -> list[_Generation]:
     gens: dict[int, _Generation] = {}
     for e in entries:
         kind, g = e["kind"], e.get("generation") or 0
-        if kind == "generation_started":
-            gens[g] = _Generation(g, e["ts"], list(e.get("hosts", [])))
+        if kind == "generation_started" or kind == "generation_discovered" and g not in gens:
+            hosts = e.get("hosts")
+            hosts = [h for h in hosts if isinstance(h, str)] if isinstance(hosts, list) else []
+            if kind == "generation_started" or hosts:
+                gens[g] = _Generation(g, e["ts"], hosts,
+                                      discovered=kind == "generation_discovered")
             continue
         gen = gens.get(g)
         if gen is None:
@@ -282,7 +289,9 @@ def account(journal: Iterable[dict], now: float | None = None) -> Goodput:
         # killed controller left unfinished (no slice_stopped) or never began
         # is over when a later controller starts the next generation.
         until = min(t_end, nxt.start) if nxt is not None else t_end
-        start = min(gen.start, until)
+        # (a discovered generation started unjournaled after the one before it
+        # ended: its leader died before its start reached this journal)
+        start = min(gen.start, covered_until if gen.discovered else until)
         bad["waiting"] += max(0.0, start - covered_until)
         stop = min(gen.stop, until) if gen.stop is not None else until
         stopped = min(gen.stopped, until) if gen.stopped is not None else until

@@ -297,3 +297,27 @@ def test_wall_time_ends_at_a_controllers_stop_only_if_none_started_after_it(jour
     assert g.wall_s == pytest.approx(wall_s)
     assert total(g) == pytest.approx(g.wall_s) and 0.0 <= g.ettr <= 1.0
 
+
+def test_a_discovered_generation_is_accounted():
+    """A leader died before mirroring generation 2's start to the bucket; the
+    controller after it rebuilt the generation from the agents' reports
+    (`generation_discovered`) and adopted it. That generation was left out:
+    its 74 s of training counted as waiting (ETTR 15 % instead of ~90 %)."""
+    journal = [e(0, "controller_started"), e(1, "generation_started", 1, hosts=["a", "b"]),
+               e(5, "first_progress", 1, step=0),
+               e(20, "worker_exited", 1, "a", exit_code=1, step=100),
+               e(20.1, "slice_stopping", 1, "a", cause="failure"), e(20.5, "slice_stopped", 1),
+               e(25, "controller_started", 1),
+               e(25.5, "generation_discovered", 2, hosts=["a", "b"]),
+               e(25.6, "slice_adopted", 2, hosts=["a", "b"], step=150),
+               e(100, "job_succeeded", 2, step=900)]
+    g = account(journal)
+    assert g.generations == 2 and g.steps == 901
+    # its start is not journaled: from the end of generation 1 to its adoption
+    assert g.badput_s["waiting"] == pytest.approx(1.0)
+    assert g.badput_s["startup"] == pytest.approx(4.0 + 25.6 - 20.5)
+    assert g.productive_s == pytest.approx(20.1 - 5 - 0.1 + 100 - 25.6)
+    assert total(g) == pytest.approx(g.wall_s)
+    [incident] = g.incidents
+    assert incident.recovered_after_s == pytest.approx(25.6 - 20)
+
