@@ -32,7 +32,8 @@ also counts unproductive checkpoint save time as badput).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 
 CAUSES = ("waiting", "detection", "teardown", "startup", "restore", "lost_work",
           "checkpoint_save")
@@ -147,6 +148,31 @@ class _Generation:
     discovered: bool = False
 
 
+def _number(entry: Mapping, key: str) -> float | None:
+    """entry[key] as a finite float, else None: a journal holds what workers
+    sent (null, text) and what a damaged disk left (NaN, a huge integer)."""
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _seconds(entry: Mapping, key: str) -> float:
+    """entry[key] as a duration in seconds: 0.0 unless a finite number > 0."""
+    value = _number(entry, key)
+    return value if value is not None and value > 0 else 0.0
+
+
+def _step(entry: Mapping, default: int | None = -1) -> int | None:
+    """entry["step"] when it is an integer, else `default`."""
+    value = entry.get("step")
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 def _generations(entries: list[dict]) -> list[_Generation]:
     gens: dict[int, _Generation] = {}
     for e in entries:
@@ -162,33 +188,33 @@ def _generations(entries: list[dict]) -> list[_Generation]:
         if gen is None:
             continue
         if kind == "first_progress" and gen.first is None:
-            gen.first, gen.first_step = e["ts"], e.get("step", -1)
+            gen.first, gen.first_step = e["ts"], _step(e)
             gen.last_step = max(gen.last_step, gen.first_step)
-        elif kind == "slice_adopted" and gen.first is None and (e.get("step") or -1) >= 0:
+        elif kind == "slice_adopted" and gen.first is None and _step(e) >= 0:
             # a generation adopted after its first step, which the controller
             # that started it did not live to journal: it stepped by now
-            gen.first, gen.first_step = e["ts"], e["step"]
+            gen.first, gen.first_step = e["ts"], _step(e)
             gen.last_step = max(gen.last_step, gen.first_step)
         elif kind == "worker_phases" and gen.phases is None:
             gen.phases = e
         elif kind == "checkpoint_restored":
-            gen.restore_s, gen.restored_step = e.get("restore_s", 0.0), e.get("step")
-            gen.restored_saved_at = e.get("saved_at")
+            gen.restore_s, gen.restored_step = _seconds(e, "restore_s"), _step(e, None)
+            gen.restored_saved_at = _number(e, "saved_at")
         elif kind in ("slice_stopping", "job_succeeded", "job_failed") and gen.stop is None:
             gen.stop, gen.stop_entry = e["ts"], e
             if kind != "slice_stopping":
                 gen.stopped = e["ts"]
-                gen.last_step = max(gen.last_step, e.get("step", -1))
+                gen.last_step = max(gen.last_step, _step(e))
         elif kind == "slice_stopped" and gen.stopped is None:
             gen.stopped = e["ts"]
         elif kind in ("worker_exited", "checkpoint_committed", "checkpoint_saved"):
             if gen.first is not None or kind == "worker_exited":
-                gen.last_step = max(gen.last_step, e.get("step", -1) or -1)
-            if kind == "checkpoint_saved" and (e.get("blocking_s") or e.get("snapshots_s")):
-                gen.save_blocking.append((e["ts"], e.get("blocking_s", 0.0) +
-                                          e.get("snapshots_s", 0.0)))
-            if kind == "checkpoint_saved" and e.get("step") is not None:
-                gen.saved_at[e["step"]] = e["ts"] - e.get("blocking_s", 0.0)
+                gen.last_step = max(gen.last_step, _step(e))
+            blocking = _seconds(e, "blocking_s")
+            if kind == "checkpoint_saved" and (blocking or _seconds(e, "snapshots_s")):
+                gen.save_blocking.append((e["ts"], blocking + _seconds(e, "snapshots_s")))
+            if kind == "checkpoint_saved" and _step(e, None) is not None:
+                gen.saved_at[_step(e)] = e["ts"] - blocking
         if kind == "agent_silent":
             gen.silences.append(e)
         elif kind in ("agent_heard", "host_lost"):
@@ -200,7 +226,7 @@ def _generations(entries: list[dict]) -> list[_Generation]:
             # (storage faults slow or fail saves; they end no generation)
             gen.signs.append((e["ts"], e.get("fault", "fault"), e.get("host"), e["reason"], True))
         elif kind in ("host_lost", "hang_detected"):
-            gen.signs.append((e["ts"] - e.get("silent_s", 0.0), kind, e.get("host"), e["reason"],
+            gen.signs.append((e["ts"] - _seconds(e, "silent_s"), kind, e.get("host"), e["reason"],
                               False))
         elif kind == "preemption_notice":
             gen.signs.append((e["ts"], "preemption", e.get("host"), e["reason"], False))
@@ -223,7 +249,7 @@ def _ridden_out(gen: _Generation) -> list[Incident]:
         ts, host = e["ts"], e.get("host")
         if any(at >= ts and h == host for at, h in gen.lost):
             continue  # carried, then lost: the generation's end tells it
-        went_silent = ts - e.get("silent_s", 0.0)
+        went_silent = ts - _seconds(e, "silent_s")
         faults = [s for s in gen.signs if s[4] and s[2] == host and went_silent - 2.0 <= s[0] <= ts]
         at, kind = went_silent, "agent_silent"
         if faults:
@@ -382,12 +408,12 @@ def startup_phases(stop: float, nxt: _Generation | None) -> dict:
         return {}
     e = nxt.phases
     out = {"stop": round(nxt.start - stop, 3)}
-    launched = e.get("launched_at")
-    if isinstance(launched, (int, float)) and launched:
+    launched = _number(e, "launched_at")
+    if launched:
         out["launch"] = round(launched - nxt.start, 3)
     for name in WORKER_PHASES:
-        if isinstance(e.get(f"{name}_s"), (int, float)):
-            out[name] = e[f"{name}_s"]
+        if _number(e, f"{name}_s") is not None:
+            out[name] = _number(e, f"{name}_s")
     out["report"] = round(nxt.first - stop - sum(out.values()), 3)
     return out
 

@@ -240,6 +240,17 @@ def test_budget_refills_at_its_rate_and_counts_what_it_refused():
     ({"ts": 0}, "reserved"),
     ({"ettr_s": 7.8e11}, "is not a duration"),
     ({"blocking_s": -1}, "is not a duration"),
+    # null, text or a boolean for a duration or a time: `account()` (report,
+    # status, every metrics scrape, the controller with --metrics-port) raised
+    # TypeError adding them up
+    ({"step": 12, "restore_s": None}, "restore_s = null is not a duration"),
+    ({"step": 12, "blocking_s": "0.5"}, 'blocking_s = "0.5" is not a duration'),
+    ({"total_s": True}, "total_s = true is not a duration"),
+    ({"step": 12, "saved_at": "yesterday"}, 'saved_at = "yesterday" is not a time'),
+    ({"step": 12, "saved_at": None}, "saved_at = null is not a time"),
+    ({"step": 12, "saved_at": -1.0}, "saved_at = -1.0 is not a time"),
+    ({"step": 12, "restore_s": 0, "saved_at": 1.7e9}, {"step": 12, "restore_s": 0,
+                                                        "saved_at": 1.7e9}),
     ({"step": 10**18}, "more than 10,000,000 past"),
     ({"step": "12"}, "must be an integer"),
     ({"nested": {"a": 1}}, "must be a string, number"),

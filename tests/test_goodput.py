@@ -321,3 +321,22 @@ def test_a_discovered_generation_is_accounted():
     [incident] = g.incidents
     assert incident.recovered_after_s == pytest.approx(25.6 - 20)
 
+
+@pytest.mark.parametrize("kind, fields", [
+    ("checkpoint_restored", {"step": 100, "restore_s": None}),
+    ("checkpoint_restored", {"step": 100, "restore_s": "0.5", "saved_at": "yesterday"}),
+    ("checkpoint_restored", {"step": "100", "restore_s": float("nan"), "saved_at": 10**400}),
+    ("checkpoint_saved", {"step": 120, "blocking_s": "0.5"}),
+    ("checkpoint_saved", {"step": 120, "blocking_s": None, "snapshots_s": [1]}),
+    ("checkpoint_saved", {"step": None, "blocking_s": 0.5}),
+    ("worker_phases", {"step": 101, "launched_at": "x", "compile_s": None, "setup_s": "1"}),
+])
+def test_fields_that_are_not_numbers_do_not_break_the_accounting(kind, fields):
+    """A worker event with `"restore_s": null` or `"blocking_s": "0.5"`
+    (admission let them through) made `account()` raise TypeError: `elasticd
+    report`, `status` and every metrics scrape failed, and with
+    --metrics-port the controller itself. Such a field now counts as absent."""
+    journal = JOURNAL[:12] + [e(22, kind, 2, "a", **fields)] + JOURNAL[13:]
+    g = account(journal)
+    assert total(g) == pytest.approx(g.wall_s) and g.steps == 300
+    assert format_report(g).startswith("wall time 40.0 s")

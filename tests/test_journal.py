@@ -42,3 +42,37 @@ def test_a_writer_on_a_whole_journal_adds_no_empty_line(tmp_path):
     writer.close()
     JournalWriter(tmp_path).close()
     assert (tmp_path / JOURNAL_NAME).read_bytes().count(b"\n") == 1
+
+
+class Ticks:
+    """A monotonic clock that moves only when told (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_listener_that_raises_breaks_neither_the_journal_nor_its_caller(tmp_path, caplog):
+    """A listener's exception went out of `write` to whoever journaled: with
+    --metrics-port, the metrics' listener raising on one odd entry made the
+    controller exit 70 at its next journal line. It is now logged (once a
+    minute at most, counting those left out) and the other listeners run."""
+    ticks, seen = Ticks(), []
+
+    def broken(entry: dict) -> None:
+        raise TypeError("unsupported operand type(s) for +=: 'float' and 'NoneType'")
+
+    writer = JournalWriter(tmp_path, monotonic=ticks)
+    writer.listeners += [broken, seen.append]
+    for ts in (1.0, 2.0, 3.0):
+        assert writer.write(ts, "first_progress", 1, "step")["ts"] == ts
+    ticks.now = 60.0
+    writer.write(4.0, "first_progress", 1, "step")
+    writer.close()
+    assert [e["ts"] for e in load_journal(tmp_path)[0]] == [1.0, 2.0, 3.0, 4.0]
+    assert [e["ts"] for e in seen] == [1.0, 2.0, 3.0, 4.0]
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2 and "broken" in errors[0].getMessage()
+    assert errors[0].exc_info and "2 more like it" in errors[1].getMessage()

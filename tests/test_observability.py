@@ -6,6 +6,8 @@ gRPC health and reflection services, and the failing host's traceback in
 
 from __future__ import annotations
 
+import json
+import pathlib
 import socket
 import ssl
 import subprocess
@@ -25,7 +27,7 @@ from elastic.cli import LOCAL_OPERATOR_BUNDLE
 from elastic.security.tls import TLSFiles
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
-from tests.conftest import tiny_spec, wait_until
+from tests.conftest import TINY_WORKER, tiny_spec, wait_until
 
 
 def scrape(port: int, tls: TLSFiles, server_name: str = "elastic-controller"
@@ -161,3 +163,26 @@ def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_
         assert image.format == "PNG" and image.size == (1600, 1100)
         colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 50, "a blank or near-blank picture"
+
+
+def test_a_worker_event_with_a_duration_that_is_no_number_breaks_nothing(tmp_path, local_job,
+                                                                         proc_env):
+    """A worker reported `"restore_s": null` and `"blocking_s": "0.5"`:
+    admission let them into the journal, where `account()` raised TypeError.
+    With --metrics-port the metrics' journal listener raised out of the
+    journal write at the next first_progress and the controller exited 70
+    (and again after each restart); `elasticd report` and `status` failed
+    too. Now the events are refused and the job runs to its end."""
+    helper = pathlib.Path(__file__).parent / "helpers" / "odd_event_worker.py"
+    spec = tiny_spec(tmp_path, "--steps 30", min_hosts=1, max_hosts=1)
+    spec.write_text(spec.read_text().replace(str(TINY_WORKER), str(helper)))
+    job = local_job(spec, hosts=1, extra_args=("--metrics-port", str(free_port())))
+    assert job.wait(60) == 0, job.output()
+    entries = job.journal()
+    assert job.outcome()["kind"] == "job_succeeded"
+    assert [e["kind"] for e in entries].count("controller_started") == 1  # never restarted
+    refused = " ".join(e["reason"] for e in entries if e["kind"] == "message_refused")
+    assert "restore_s = null is not a duration" in refused, refused
+    assert not any(e["kind"] in ("checkpoint_restored", "checkpoint_saved") for e in entries)
+    report = elasticd("report", "--json", "--state-dir", str(job.state_dir), env=proc_env)
+    assert json.loads(report)["steps"] == 30

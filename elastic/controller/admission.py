@@ -266,8 +266,9 @@ def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusa
     MAX_EVENT_FIELDS scalars (text capped and cleaned, numbers finite) or
     lists of at most MAX_EVENT_LIST_ITEMS integers (process ids),
     none of them a reserved journal field; `step` plausible; fields ending
-    in `_s` durations from 0 to MAX_DURATION_S. Returns the fields or a
-    Refusal."""
+    in `_s` numbers of seconds from 0 to MAX_DURATION_S and `saved_at` a
+    number of Unix seconds >= 0 (not null, not text: the goodput
+    accounting adds them up). Returns the fields or a Refusal."""
     if len(fields_json.encode()) > MAX_EVENT_JSON_BYTES:
         return Refusal("invalid", f"event fields exceed {MAX_EVENT_JSON_BYTES} bytes")
     try:
@@ -293,10 +294,13 @@ def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusa
         elif value is not None and not isinstance(value, (bool, int, float)):
             return Refusal("invalid", f"event field {key} must be a string, number, "
                                       f"boolean, null or a list of integers")
-        if key.endswith("_s") and not isinstance(value, bool) and isinstance(value, (int, float)) \
-                and not 0 <= value <= MAX_DURATION_S:
-            return Refusal("invalid", f"event field {key} = {value} is not a duration from 0 "
-                                      f"to {MAX_DURATION_S:g} s")
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if key.endswith("_s") and not (number and 0 <= value <= MAX_DURATION_S):
+            return Refusal("invalid", f"event field {key} = {_shown(value)} is not a duration "
+                                      f"from 0 to {MAX_DURATION_S:g} s")
+        if key == "saved_at" and not (number and value >= 0):
+            return Refusal("invalid", f"event field saved_at = {_shown(value)} is not a time "
+                                      f"(Unix seconds)")
         if key == "step":
             if isinstance(value, bool) or not isinstance(value, int):
                 return Refusal("invalid", "event field step must be an integer")
@@ -305,6 +309,11 @@ def worker_event_fields(fields_json: str, plausible: Plausible) -> dict | Refusa
                 return refusal
         clean[key] = value
     return clean
+
+
+def _shown(value) -> str:
+    """A refused field's value as a refusal quotes it: JSON, at most 40 characters."""
+    return json.dumps(value)[:40]
 
 
 def check_rebind(bound: str | None, fingerprint: str, incarnation: str,

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -32,9 +34,33 @@ from elastic.policy.adopt import Inherited
 from elastic.policy.failure_history import FailureHistory
 from elastic.security.files import open_private, private_dir
 
+log = logging.getLogger("elasticd")
+
 JOURNAL_NAME = "events.jsonl"
 #: The fields every entry has; `fields` passed to `write` cannot replace them.
 RESERVED_FIELDS = ("ts", "kind", "generation", "host", "reason")
+#: Seconds between two log lines about the same trouble of a journal writer
+#: (a listener that raises, a disk that refuses lines): the first is logged
+#: at once, the next ones counted into the line after the interval.
+COMPLAINT_INTERVAL_S = 60.0
+
+
+class _Complaint:
+    """An error logged at most once every COMPLAINT_INTERVAL_S seconds of
+    `monotonic`, each line saying how many were left out since the last."""
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self.monotonic, self.logged_at, self.left_out = monotonic, None, 0
+
+    def __call__(self, message: str, *args, exc_info: bool = False) -> None:
+        now = self.monotonic()
+        if self.logged_at is not None and now - self.logged_at < COMPLAINT_INTERVAL_S:
+            self.left_out += 1
+            return
+        if self.left_out:
+            message += f" ({self.left_out} more like it since the last such line)"
+        log.error(message, *args, exc_info=exc_info)
+        self.logged_at, self.left_out = now, 0
 
 
 class JournalWriter:
@@ -44,15 +70,18 @@ class JournalWriter:
     one line readers skip instead of swallowing the next entry. Raises
     OSError when the state directory is not writable."""
 
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str],
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.path = private_dir(state_dir) / JOURNAL_NAME
         self._file = open_private(self.path)
         if _ends_torn(self.path):
             self._file.write("\n")
             self._file.flush()
         #: called with each entry once it is written (the bucket lease's
-        #: mirror, the metrics); they must not raise
+        #: mirror, the metrics); one that raises is logged and skipped: a
+        #: listener never breaks the journal or its writer's caller
         self.listeners: list[Callable[[dict], None]] = []
+        self._listener_failed = _Complaint(monotonic)
 
     def write(self, ts: float, kind: str, generation: int, reason: str,
               host: str | None = None, fields: Mapping[str, Any] | None = None) -> dict:
@@ -68,7 +97,13 @@ class JournalWriter:
         self._file.write(json.dumps(entry, sort_keys=False) + "\n")
         self._file.flush()
         for listener in self.listeners:
-            listener(entry)
+            try:
+                listener(entry)
+            except Exception:  # noqa: BLE001 - the entry is journaled; the listener missed it
+                self._listener_failed("a journal listener (%s) failed on a %s entry: the entry "
+                                      "is journaled, only that listener missed it",
+                                      getattr(listener, "__qualname__", listener), kind,
+                                      exc_info=True)
         return entry
 
     def close(self) -> None:
