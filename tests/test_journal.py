@@ -3,6 +3,10 @@ a write is cut short, and what the next controller reads back."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import os
+
 from elastic.controller.journal import JOURNAL_NAME, JournalWriter, load_journal, recorded
 
 
@@ -76,3 +80,85 @@ def test_a_listener_that_raises_breaks_neither_the_journal_nor_its_caller(tmp_pa
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 2 and "broken" in errors[0].getMessage()
     assert errors[0].exc_info and "2 more like it" in errors[1].getMessage()
+
+
+class FillingDisk:
+    """The journal's file on a disk with `room` bytes left: a write takes
+    what fits and the next one raises ENOSPC, as a filling disk does."""
+
+    def __init__(self, path, room: int) -> None:
+        self.file, self.room = open(path, "ab", buffering=0), room
+
+    def write(self, data: bytes) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        wrote = self.file.write(data[:self.room])
+        self.room -= wrote
+        return wrote
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def test_a_full_disk_loses_lines_without_raising_or_leaving_a_half_line(tmp_path, caplog):
+    """ENOSPC went out of `write` (and `Executor.record`): the controller
+    exited 70, and systemd's restarts failed at their first line, while the
+    agents fenced their workers. Now the line is lost, counted and logged
+    once a minute at most; the fragment a cut write left is ended before
+    the next line, so that line is whole once the disk has room again."""
+    ticks, disks = Ticks(), []
+
+    def opener(path):
+        disks.append(FillingDisk(path, room=len(first) + 20))
+        return disks[-1]
+
+    first = b'{"ts": 1.0, "kind": "controller_started", "generation": 0, "host": null, ' \
+            b'"reason": "start"}\n'
+    writer = JournalWriter(tmp_path, monotonic=ticks, opener=opener)
+    writer.write(1.0, "controller_started", 0, "start")  # fits
+    writer.write(2.0, "host_registered", 0, "1 device", "h0")  # cut after 20 bytes
+    writer.write(3.0, "host_registered", 0, "1 device", "h1")  # refused
+    assert writer.lost_lines == 2
+    disks[0].room = 10_000  # some room again
+    writer.write(4.0, "generation_started", 1, "go", fields={"hosts": ["h0", "h1"]})
+    writer.close()
+    lines = (tmp_path / JOURNAL_NAME).read_bytes().split(b"\n")
+    assert lines[0] + b"\n" == first and len(lines[1]) == 20 and lines[3] == b""
+    entries, skipped = load_journal(tmp_path)
+    assert [e["ts"] for e in entries] == [1.0, 4.0] and skipped == 1
+    assert recorded(tmp_path).generation == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "No space left on device" in errors[0], errors
+    assert "2 line(s) were lost" in caplog.records[-1].getMessage()
+
+
+def test_a_controller_whose_disk_is_full_keeps_running(tmp_path):
+    """A real controller on a journal that refuses every line (/dev/full,
+    ENOSPC from the kernel) registers a host instead of exiting at its
+    first journal line, counting the lines lost."""
+    from elastic.clock import FakeClock
+    from elastic.config import load_spec
+    from elastic.controller.core import Controller
+    from elastic.policy.view import Registered, WorkerObs
+    from tests.conftest import tiny_spec
+
+    writer = JournalWriter(tmp_path / "state",
+                           opener=lambda path: open("/dev/full", "wb", buffering=0))
+    controller = Controller(load_spec(tiny_spec(tmp_path, min_hosts=2, max_hosts=2)), writer,
+                            FakeClock())
+
+    async def main() -> None:
+        registered = asyncio.Event()
+        writer.listeners.append(lambda e: e["kind"] == "host_registered" and registered.set())
+        running = asyncio.create_task(controller.run())
+        controller.submit(Registered("h0", "inc", 1, "127.0.0.1", "h0", 1, 0, WorkerObs()))
+        waited = asyncio.create_task(registered.wait())
+        await asyncio.wait([running, waited], timeout=10,
+                           return_when=asyncio.FIRST_COMPLETED)
+        assert waited.done() and not running.done(), running.exception() \
+            if running.done() else "no host_registered"
+        running.cancel()
+
+    asyncio.run(main())
+    assert writer.lost_lines >= 2  # controller_started, host_registered
+    assert "h0" in controller.view.hosts

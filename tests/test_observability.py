@@ -100,6 +100,7 @@ def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_
     assert m[("elastic_checkpoint_save_blocking_seconds_count", ())] >= 1
     assert m[("elastic_checkpoint_commit_seconds_count", ())] >= 1
     assert 0.0 < m[("elastic_ettr_ratio", ())] <= 1.0
+    assert m[("elastic_journal_lines_lost_total", ())] == 0.0
     # secure by default: no client certificate, no metrics
     anonymous = ssl.create_default_context(cafile=str(operator.ca))
     with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):

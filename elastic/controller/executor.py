@@ -184,8 +184,9 @@ class Executor:
     def record(self, kind: str, generation: int, reason: str, host: str | None = None,
                fields: dict | None = None) -> dict | None:
         """Journal one entry (timestamped with the injected clock), log it and
-        return it (None when not journaled); raises OSError when the disk
-        refuses it.
+        return it (None when not journaled). A line the disk refuses is lost,
+        logged and counted, not raised (JournalWriter): a full disk on host 0
+        does not stop the job.
         After `controller_stopped` only log it: a controller's journal ends
         with its own stop (a killed host's agent registering again while the
         server shut down was journaled after it, under load)."""

@@ -19,6 +19,7 @@ torn last line, binary garbage, a line that is not an object with a numeric
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ import pathlib
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 from elastic.policy import failure_history
 from elastic.policy.adopt import Inherited
@@ -63,20 +64,43 @@ class _Complaint:
         self.logged_at, self.left_out = now, 0
 
 
+def _open_journal(path: pathlib.Path) -> BinaryIO:
+    """The journal at `path`, unbuffered, for appending (0600, no symlink)."""
+    return open_private(path, "ab", buffering=0)
+
+
 class JournalWriter:
-    """Appends entries and flushes each one (a crash loses at most the line
-    being written). A journal whose last line was cut (a power loss, a full
-    disk mid-write) gets that line ended first, so that the fragment stays
-    one line readers skip instead of swallowing the next entry. Raises
-    OSError when the state directory is not writable."""
+    """Appends entries, each line in one unbuffered write (a crash loses at
+    most the line being written).
+
+    A line the disk refuses (ENOSPC, EIO, a quota) is lost, never raised:
+    the journal is the record of the job, not a condition of it, and a
+    controller that exits on a full disk fails again at each restart while
+    its agents fence their workers. The loss is logged as an error (at most
+    once every COMPLAINT_INTERVAL_S seconds, counting the lines since) and
+    counted in `lost_lines`; when lines go through again a warning says how
+    many were lost. Whatever part of a line reached the file is ended by a
+    newline before the next line, as is a torn last line found at opening
+    (a power loss mid-write): a fragment stays one line readers skip and
+    never swallows the next entry. (Another process appending to the same
+    file, `elasticd local`'s fault injector, ends its own fragments.)
+
+    `opener(path)` opens the journal for appending, unbuffered (a test's
+    stand-in for a full disk); `monotonic` paces the error lines. Raises
+    OSError when the state directory or the journal cannot be opened."""
 
     def __init__(self, state_dir: str | os.PathLike[str],
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 opener: Callable[[pathlib.Path], BinaryIO] = _open_journal) -> None:
         self.path = private_dir(state_dir) / JOURNAL_NAME
-        self._file = open_private(self.path)
-        if _ends_torn(self.path):
-            self._file.write("\n")
-            self._file.flush()
+        self._file = opener(self.path)
+        #: whether the file may end in a fragment of a line (then the next
+        #: line starts with a newline)
+        self._torn = self.path.is_file() and _ends_torn(self.path)
+        #: lines the disk refused since this writer opened the journal
+        self.lost_lines = 0
+        self._lost_since_written = 0
+        self._refused = _Complaint(monotonic)
         #: called with each entry once it is written (the bucket lease's
         #: mirror, the metrics); one that raises is logged and skipped: a
         #: listener never breaks the journal or its writer's caller
@@ -87,15 +111,16 @@ class JournalWriter:
               host: str | None = None, fields: Mapping[str, Any] | None = None) -> dict:
         """Append one entry: `ts` in Unix seconds, `kind`, `generation`,
         `reason`, `host` (None where none applies) and extra `fields` (any
-        of them named like a reserved field is dropped). Returns the entry
-        written. Raises OSError when the disk refuses it."""
+        of them named like a reserved field is dropped). Returns the entry,
+        also when the disk refused it (see the class: counted, logged, not
+        raised); the listeners see it either way. Raises TypeError or
+        ValueError for fields that are not JSON."""
         entry = {"ts": round(ts, 6), "kind": kind, "generation": generation,
                  "host": host, "reason": reason}
         for key, value in (fields or {}).items():
             if key not in RESERVED_FIELDS:
                 entry[key] = value
-        self._file.write(json.dumps(entry, sort_keys=False) + "\n")
-        self._file.flush()
+        self._append((json.dumps(entry, sort_keys=False) + "\n").encode(), kind)
         for listener in self.listeners:
             try:
                 listener(entry)
@@ -105,6 +130,32 @@ class JournalWriter:
                                       getattr(listener, "__qualname__", listener), kind,
                                       exc_info=True)
         return entry
+
+    def _append(self, line: bytes, kind: str) -> None:
+        """Write `line` (after a newline ending a fragment, if one may be
+        there), all of it or as much as the disk takes."""
+        data = (b"\n" if self._torn else b"") + line
+        done = 0
+        try:
+            while done < len(data):
+                wrote = self._file.write(data[done:])
+                if not wrote:  # (a file that takes nothing and says nothing)
+                    raise OSError(errno.EIO, "the journal took no bytes")
+                done += wrote
+        except OSError as e:
+            if done:  # the file ends in a fragment now, unless it was just the newline
+                self._torn = not data[:done].endswith(b"\n")
+            self.lost_lines += 1
+            self._lost_since_written += 1
+            self._refused("journal %s refused a %s entry, which is lost (%s); the "
+                          "controller goes on without it (%d line(s) lost so far)",
+                          self.path, kind, e.strerror or e, self.lost_lines)
+            return
+        self._torn = False
+        if self._lost_since_written:
+            log.warning("journal %s takes lines again; %d line(s) were lost before this %s "
+                        "entry", self.path, self._lost_since_written, kind)
+            self._lost_since_written = 0
 
     def close(self) -> None:
         self._file.close()

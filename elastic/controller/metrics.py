@@ -20,6 +20,8 @@ State (read at each scrape from a snapshot the event loop takes, the same
                                         superseded / overflowed (dropped by the kernel)
   elastic_hosts_heartbeating{path}      hosts whose latest heartbeat came as a
                                         datagram / on the stream
+  elastic_journal_lines_lost_total      journal lines the disk refused (full, failing):
+                                        lost, and the controller went on
 Events (fed by the journal as it is written):
   elastic_incidents_total{kind}         host_lost, hang_detected, worker_failed,
                                         preemption_notice, agent_silent, ...
@@ -185,6 +187,9 @@ class ControllerMetrics:
         copies.add_metric(["sent"], float(self.controller.executor.copies_sent))
         copies.add_metric(["skipped"], float(self.controller.executor.copies_skipped))
         yield copies
+        yield CounterMetricFamily("elastic_journal_lines_lost", "Journal lines the disk "
+                                  "refused (full or failing): lost, the controller went on",
+                                  value=float(self.controller.executor.journal.lost_lines))
         paths = GaugeMetricFamily("elastic_hosts_heartbeating", "Hosts by how their latest "
                                   "heartbeat came", labels=["path"])
         for path in ("datagram", "stream"):

@@ -65,14 +65,15 @@ def fresh_private_dir(path: str | os.PathLike[str]) -> pathlib.Path:
     return path
 
 
-def open_private(path: str | os.PathLike[str], mode: str = "a"):
+def open_private(path: str | os.PathLike[str], mode: str = "a", buffering: int = -1):
     """Open `path` for appending ("a", "ab") or writing ("w", "wb"),
     readable by its owner only (created 0600; an existing file is set to
-    0600; a symlink is refused). Raises OSError."""
+    0600; a symlink is refused); `buffering` as for `open` (0: unbuffered,
+    binary modes only). Raises OSError."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)
-    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+    return os.fdopen(fd, mode, buffering, **({} if "b" in mode else {"encoding": "utf-8"}))
 
 
 def write_private(path: str | os.PathLike[str], data: bytes) -> None:
