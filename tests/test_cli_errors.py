@@ -77,6 +77,18 @@ def test_status_and_report_on_bad_state(tmp_path, proc_env):
     assert "4 line(s)" in out.stderr and "ETTR" in out.stdout
 
 
+def test_report_without_a_journal_or_on_one_it_cannot_read(tmp_path, proc_env):
+    """README's exit codes: `report` found no journal: 1; a journal it cannot
+    read is a bad state directory: 2, one line naming the file (README said
+    only the first, and the audit took the second for a mismatch)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    one_line_error(elasticd(proc_env, "report", "--state-dir", str(state)), 1, "no journal at")
+    (state / "events.jsonl").symlink_to("/proc/self/mem")  # (reading it fails: EIO, even as root)
+    one_line_error(elasticd(proc_env, "report", "--state-dir", str(state)), 2,
+                   f"cannot read {state / 'events.jsonl'}: Input/output error")
+
+
 def test_report_into_a_closed_pipe_ends_quietly(tmp_path, proc_env):
     state = tmp_path / "state"
     state.mkdir()
