@@ -417,7 +417,7 @@ def _cleanup(state_dir: str) -> int:
 
 
 def _local(args) -> int:
-    from elastic.chaos import NETWORK_KINDS, STORAGE_KINDS, parse_chaos
+    from elastic.chaos import JOB_KINDS, NETWORK_KINDS, STORAGE_KINDS, parse_chaos
     from elastic.faults import parse_fault
     from elastic.local import host_devices, network, run_local
 
@@ -455,6 +455,11 @@ def _local(args) -> int:
         chaos = parse_chaos(args.chaos) if args.chaos else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    unknown = sorted({f.host for f in faults if f.kind not in JOB_KINDS} -
+                     {f"host-{i}" for i in range(args.hosts)})
+    if unknown:  # (it would never fire, nor would any `after` fault behind it)
+        raise UsageError(f"--fault names no host of this slice: {', '.join(unknown)} (the hosts "
+                         f"are host-0 to host-{args.hosts - 1})")
     storage = sorted({f.kind for f in faults if f.kind in STORAGE_KINDS})
     if storage and not args.gcs_emulator:
         raise UsageError(f"--fault {'/'.join(storage)} needs --gcs-emulator (the fault acts on "

@@ -55,6 +55,9 @@ def test_bad_inputs_to_start(tmp_path, proc_env, spec):
           "--tls-dir", str(tmp_path / "no-tls")), "pass --insecure to run without TLS"),
         (("local", "--config", str(spec), "--chaos", "mtbf=nan", "--state-dir",
           str(tmp_path / "s")), "mtbf must be a finite number > 0"),
+        # (before, accepted: it never fired, nor did any `after` fault behind it)
+        (("local", "--config", str(spec), "--hosts", "2", "--fault", "kill-worker:host-9@step=5",
+          "--state-dir", str(tmp_path / "s")), "--fault names no host of this slice: host-9"),
         (("chaos", "--chaos", "mtbf=5", "--state-dir", str(tmp_path / "missing")),
          "no running `elasticd local` slice"),
     ]
