@@ -169,6 +169,31 @@ def test_the_controller_journals_how_it_ends_and_ignores_sighup(tmp_path, proc_e
     assert stat.S_IMODE(os.stat(state / "events.jsonl").st_mode) == 0o600
 
 
+def test_a_controller_that_cannot_write_its_address_file_serves_all_the_same(
+        tmp_path, proc_env, pki):
+    """The address file only helps tools find the controller: one that
+    cannot be written (a full disk; here a directory in its place) is an
+    error in the log, not a start error. Before, the controller exited 2,
+    which systemd does not restart: a full disk on host 0 ended the job at
+    the controller's next restart (an audit found it)."""
+    state = tmp_path / "state"
+    (state / "controller.addr" / "x").mkdir(parents=True)
+    log = tmp_path / "controller.log"
+    with reaped(subprocess.Popen(
+            [sys.executable, "-m", "elastic.cli", "start", "--config", str(tiny_spec(tmp_path)),
+             "--listen", "127.0.0.1:0", "--state-dir", str(state),
+             "--tls-dir", str(pki.controller.cert.parent)],
+            env=proc_env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))) as proc:
+        def started():
+            assert proc.poll() is None, log.read_text()[-2000:]
+            journal = state / "events.jsonl"
+            return journal.exists() and "controller_started" in journal.read_text()
+        wait_until(started, 30, "controller_started")
+        wait_until(lambda: "cannot write" in log.read_text(), 10, "the error line")
+        assert stop(proc, signal.SIGTERM) == 143
+    assert "will not find this controller" in log.read_text()
+
+
 def test_insecure_mode_is_journaled(tmp_path, proc_env):
     state = tmp_path / "state"
     def journal():

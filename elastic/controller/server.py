@@ -124,9 +124,7 @@ class ControllerServer:
             await self._take_datagrams(port)
         for name in ("", CONTROLLER_SERVICE):
             await self.health.set(name, SERVING)
-        tmp = self.state_dir / (ADDRESS_FILE + ".tmp")
-        tmp.write_text(self.address + "\n")
-        tmp.replace(self.state_dir / ADDRESS_FILE)
+        self._write_address()
         if self.tls is None:
             self.controller.executor.record(
                 "insecure_mode", self.controller.state.generation,
@@ -137,6 +135,24 @@ class ControllerServer:
         log.info("controller of job %s listening on %s (%s), journal %s", self.spec.job_id,
                  self.address, "mutual TLS" if self.tls else "PLAINTEXT", self.journal.path)
         return self.address
+
+    def _write_address(self) -> None:
+        """Write the address file tools read (elasticd status, logs, chaos).
+        One that cannot be written (a full disk) is logged, not raised: the
+        agents have the address already, and a controller that exits 2 here
+        is not started again by systemd, stopping the job."""
+        path, tmp = self.state_dir / ADDRESS_FILE, self.state_dir / (ADDRESS_FILE + ".tmp")
+        try:
+            tmp.write_text(self.address + "\n")
+            tmp.replace(path)
+        except OSError as e:
+            for stale in (tmp, path):  # (an older controller's address would mislead)
+                try:
+                    stale.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            log.error("cannot write %s (%s): elasticd status, logs and chaos will not find "
+                      "this controller; it serves the agents all the same", path, e)
 
     async def _take_datagrams(self, port: int) -> None:
         """Take heartbeat datagrams on UDP `port` of the listen address
