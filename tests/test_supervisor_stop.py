@@ -108,3 +108,31 @@ def test_ended_tells_a_child_that_exited_before_it_is_reaped(proc_env):
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # (waits; reaps nothing)
         assert _ended(child.pid)  # a zombie
     assert _ended(child.pid)  # reaped
+
+
+def test_a_start_whose_stop_came_while_it_waited_for_the_start_before_starts_nothing(
+        tmp_path, proc_env):
+    """The start of generation 1 is under way; the start of 2 waits for it,
+    and the stop of 2 comes meanwhile. The stop waits for the start under
+    way and finds only 1's worker; before, the start of 2 then ran a worker
+    of a generation already stopped, which nothing stopped (found by reading
+    the agent)."""
+    exits = []
+
+    async def scenario():
+        sup, _ = _supervisor(tmp_path, exits)
+        stopped_through = [0]
+        argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+        try:
+            first = asyncio.create_task(sup.start(1, argv, dict(proc_env), str(tmp_path)))
+            second = asyncio.create_task(sup.start(2, argv, dict(proc_env), str(tmp_path),
+                                                   overtaken=lambda: stopped_through[0] >= 2))
+            await asyncio.sleep(0)  # (both under way: the second waits for the first)
+            stopped_through[0] = 2  # the agent took the stop of 2
+            await asyncio.gather(first, second, sup.stop(2, 0.0))
+            return sup.running, sup.status.generation
+        finally:
+            await sup.stop(1 << 30, 0.0)
+
+    running, generation = asyncio.run(scenario())
+    assert not running, f"a worker of generation {generation} runs after its stop"

@@ -126,6 +126,9 @@ class Agent(ControllerSession):
         # the highest (term, generation) a start was taken for or a stop came
         # for: a start at or below it is a copy, or was overtaken by its stop
         self._commanded = (0, 0)
+        # the highest (term, generation) a stop came for: a start at or below
+        # it that still waits for the start before it is not made
+        self._stopped_through = (0, 0)
         # reports made while no controller was connected (a worker's events,
         # a commit, an exit), sent to the next one: its journal stays whole
         self._undelivered: collections.deque[pb.AgentMessage] = collections.deque(
@@ -370,7 +373,9 @@ class Agent(ControllerSession):
                                launch.workdir, shutil.which)
         return clean_text(verdict, 2000) if isinstance(verdict, str) else verdict
 
-    async def _start(self, start: pb.StartWorker) -> None:
+    async def _start(self, start: pb.StartWorker, taken: tuple[int, int]) -> None:
+        """Start the worker `start` describes, `taken` its (term,
+        generation): not if a stop of it came first (see _command)."""
         argv = self._vet(start)
         if isinstance(argv, str):
             log.error("refusing to start the worker of generation %d: %s", start.generation,
@@ -409,7 +414,8 @@ class Agent(ControllerSession):
         self._prestart_next = start.prestart_next
         if not start.prestart_next:
             self.supervisor.discard_prestarted()
-        await self.supervisor.start(start.generation, argv, env, start.workdir)
+        await self.supervisor.start(start.generation, argv, env, start.workdir,
+                                    overtaken=lambda: self._stopped_through >= taken)
         self._heartbeat()  # the controller learns of the new worker before its first step
 
     def _command_problem(self, message: pb.ControllerMessage) -> str | None:
@@ -460,10 +466,11 @@ class Agent(ControllerSession):
                 return
             self._commanded = taken
             self._last_stop = None  # (a new generation: stops are told apart afresh)
-            self._spawn(self._start(message.start))
+            self._spawn(self._start(message.start, taken))
         elif kind == "stop":
             stop = message.stop
             self._commanded = max(self._commanded, (message.term, stop.generation))
+            self._stopped_through = max(self._stopped_through, (message.term, stop.generation))
             raw = message.SerializeToString()
             if raw == self._last_stop:  # its other copy (datagram and stream): one SIGTERM
                 return

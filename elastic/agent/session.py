@@ -115,7 +115,7 @@ class ControllerSession:
         self._snapshot_run = ""
         # commands are ordered by (term, generation) within a job: the new
         # job's first start may carry a lower pair than the last one's
-        self._commanded, self._last_stop = (0, 0), None
+        self._commanded, self._last_stop, self._stopped_through = (0, 0), None, (0, 0)
 
     def _requeue(self, outbox: asyncio.Queue) -> None:
         """A session ended with reports still in its `outbox` (its stream

@@ -152,14 +152,21 @@ class WorkerSupervisor:
                 worker_env.ENV_INCARNATION: self.incarnation}
 
     async def start(self, generation: int, argv: list[str], env: Mapping[str, str],
-                    workdir: str) -> None:
+                    workdir: str, overtaken: Callable[[], bool] | None = None) -> None:
         """Start the worker of `generation` (ending any worker still running),
         in the pre-started process if one is ready for this very command and
         environment, else in a new process. A command that cannot be
         executed is reported as an exit with code 127 and the OS error in the
         stderr tail. Starts and stops are serialised: a stop that arrives
-        while a start is under way applies to the worker it starts."""
+        while a start is under way applies to the worker it starts; a start
+        that waited for another (a stop of its generation may have come
+        meanwhile, and found only the older worker) starts nothing when
+        `overtaken()` says that stop came."""
         async with self._start_lock:
+            if overtaken is not None and overtaken():
+                log.info("start of generation %d not made: its stop came while it waited "
+                         "for the start before it", generation)
+                return
             self._start_done.clear()
             try:
                 await self._start(generation, argv, env, workdir)
