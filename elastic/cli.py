@@ -498,8 +498,8 @@ def _chaos(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"status": _status, "logs": _logs, "report": _report, "chaos": _chaos, "certs": _certs,
-                "start": _start, "local": _local}
+    commands = {"status": _status, "logs": _logs, "report": _report, "chaos": _chaos,
+                "certs": _certs, "start": _start, "local": _local}
     try:
         return commands[args.command](args)
     except UsageError as e:

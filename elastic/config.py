@@ -521,7 +521,8 @@ def validate(spec: JobSpec) -> None:
     for ok, message in checks:
         if not ok:
             raise SpecError(f"{src}: {message}")
-    from elastic.policy.mesh import check_satisfiable  # policy imports config, not the reverse at import time
+    # (policy imports config, not the reverse at import time)
+    from elastic.policy.mesh import check_satisfiable
 
     problem = check_satisfiable(spec)
     if problem:

@@ -174,9 +174,10 @@ class BucketLease:
         object does). A missing object is claimed at once only by a
         controller that is not a standby and whose journal has no entry of
         this job (the job's first start); else after `lease_s` missing
-        (deleted, or a leader not yet up: a leader uploads it again). False while another controller holds it. Raises StorageError
-        when the bucket cannot be used (`transient` for an outage: a 429, a
-        5xx, a dropped connection, a timeout)."""
+        (deleted, or a leader not yet up: a leader uploads it again). False
+        while another controller holds it. Raises StorageError when the
+        bucket cannot be used (`transient` for an outage: a 429, a 5xx, a
+        dropped connection, a timeout)."""
         try:
             return self._try_acquire()
         except StorageError:
