@@ -4,6 +4,7 @@ controller stand-in over mutual TLS on loopback (its timings shortened)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -17,6 +18,24 @@ from elastic.protocol import PROTOCOL
 from elastic.v1 import control_pb2 as pb
 from elastic.v1 import control_pb2_grpc as pb_grpc
 from tests.test_grpc import agent_settings, run
+
+
+@contextlib.asynccontextmanager
+async def agent_of(fake: pb_grpc.ControllerServicer, tmp_path, pki):
+    """A real agent (host h0) running against `fake`, served over mutual
+    TLS on loopback; both stopped on exit."""
+    server = transport.aio_server()
+    pb_grpc.add_ControllerServicer_to_server(fake, server)
+    port = transport.add_listen_port(server, "127.0.0.1:0", pki.controller)
+    await server.start()
+    agent = Agent(agent_settings(tmp_path, pki, f"127.0.0.1:{port}", "h0"))
+    task = asyncio.create_task(agent.run())
+    try:
+        yield agent
+    finally:
+        agent.shutdown()
+        await task
+        await server.stop(0)
 
 
 class QuietController(pb_grpc.ControllerServicer):
@@ -77,20 +96,11 @@ def test_an_agent_waits_for_its_streams_first_answer_as_long_as_the_controller_w
     fake = QuietController(answers, lease_s=3.0, stream_wait_s=stream_wait_s)
 
     async def main():
-        server = transport.aio_server()
-        pb_grpc.add_ControllerServicer_to_server(fake, server)
-        port = transport.add_listen_port(server, "127.0.0.1:0", pki.controller)
-        await server.start()
-        agent = Agent(agent_settings(tmp_path, pki, f"127.0.0.1:{port}", "h0"))
-        task = asyncio.create_task(agent.run())
-        try:
-            await asyncio.wait_for(fake.again.wait(), 10)
-        except TimeoutError:
-            pass  # (asserted below)
-        finally:
-            agent.shutdown()
-            await task
-            await server.stop(0)
+        async with agent_of(fake, tmp_path, pki):
+            try:
+                await asyncio.wait_for(fake.again.wait(), 10)
+            except TimeoutError:
+                pass  # (asserted below)
 
     with caplog.at_level(logging.WARNING, logger="elastic-agent"):
         run(main())
@@ -143,21 +153,11 @@ def test_reports_still_queued_when_a_stream_ends_go_to_the_next_session(tmp_path
     fake = StalledController()
 
     async def main():
-        server = transport.aio_server()
-        pb_grpc.add_ControllerServicer_to_server(fake, server)
-        port = transport.add_listen_port(server, "127.0.0.1:0", pki.controller)
-        await server.start()
-        agent = Agent(agent_settings(tmp_path, pki, f"127.0.0.1:{port}", "h0"))
-        task = asyncio.create_task(agent.run())
-        try:
+        async with agent_of(fake, tmp_path, pki) as agent:
             await asyncio.wait_for(fake.connected.wait(), 10)
             for i in range(POSTED):
                 agent._post(worker_event=pb.WorkerEvent(kind=f"e{i}", reason="x" * 300_000))
             await asyncio.wait_for(fake.second.wait(), 20)
-        finally:
-            agent.shutdown()
-            await task
-            await server.stop(0)
 
     run(main())
     again = fake.events[1]
