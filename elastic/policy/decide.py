@@ -20,8 +20,8 @@ import dataclasses
 from collections.abc import Set
 
 from elastic.config import JobSpec
-from elastic.policy import (adopt, blame, closed, failure_history, fencing, grow, quarantine,
-                            silence, strays)
+from elastic.policy import (adopt, blame, closed, drain, failure_history, fencing, grow,
+                            quarantine, silence, strays)
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
@@ -456,8 +456,11 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                       state.phase_since, state.progressed, now, spec)
     leaving = [r for r in members if r.preemption]
     if leaving and (not hang or state.draining_since is not None
-                    and _emergency_committed(view, state.draining_since)):
-        return _drain(state, view, now, spec, actions, leaving)
+                    and drain.emergency_committed(view, state.draining_since)):
+        # (wait for the emergency checkpoint, then stop: elastic.policy.drain)
+        state, why = drain.verdict(state, view, now, spec, leaving)
+        return state if why is None else _begin_stop(state, now, spec, actions, "preemption",
+                                                     why, ())
     if hang:
         actions.append(Journal("hang_detected", state.generation, hang.reason,
                                hang.suspects[0] if hang.suspects else None,
@@ -534,52 +537,6 @@ def _no_grow(state: SliceState) -> SliceState:
         if state.grow_ready_since is not None else state
 
 
-def _drain(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
-           actions: list[Action], leaving: list[HostRecord]) -> SliceState:
-    """A member is being taken away: wait for the emergency checkpoint (saved
-    by every worker at the next common step) to commit, then stop the slice;
-    the next generation starts without the leaving hosts and resumes at the
-    saved step + 1. Bounded by preemption.drain_timeout_s."""
-    hosts = ", ".join(f"{r.host_id} ({r.preemption})" for r in leaving)
-    since = state.draining_since if state.draining_since is not None else now
-    if state.draining_since is None:
-        state = dataclasses.replace(state, draining_since=since,
-                                    reason=f"draining: {hosts} leaving; waiting for the "
-                                           f"emergency checkpoint")
-    rank0 = view.get(state.members[0]) if state.members else None
-    if _emergency_committed(view, since):
-        why = (f"preemption of {hosts}: emergency checkpoint step "
-               f"{view.emergency_save_step} committed")
-    elif rank0 is not None and 0 <= rank0.worker.step <= rank0.worker.committed_step and \
-            now - max(rank0.step_at, rank0.registered_at) >= 2 * spec.health.heartbeat_interval_s:
-        # the step the slice stands at is committed: an emergency save this
-        # controller did not see start (it was saved while no controller
-        # ran, before an adoption), or a periodic one; nothing is lost. (Not
-        # while the slice may still step: a commit is reported at once, the
-        # steps after it only with the next heartbeat.)
-        why = (f"preemption of {hosts}: checkpoint step {rank0.worker.committed_step}, the "
-               f"step the slice reached, committed")
-    elif view.emergency_failed_at >= since:
-        why = (f"preemption of {hosts}: the emergency checkpoint failed "
-               f"({view.emergency_failure}); resuming from checkpoint step {view.committed_step}")
-    elif not state.progressed:
-        why = f"preemption of {hosts} before the first step"
-    elif now - since > spec.preemption.drain_timeout_s:
-        why = (f"preemption of {hosts}: no emergency checkpoint within "
-               f"{spec.preemption.drain_timeout_s:g} s (preemption.drain_timeout_s); "
-               f"resuming from checkpoint step {view.committed_step}")
-    else:
-        return state
-    return _begin_stop(state, now, spec, actions, "preemption", why, ())
-
-
-def _emergency_committed(view: ClusterView, since: float) -> bool:
-    """Whether an emergency (preemption) save started at or after `since`
-    and has committed."""
-    return (view.emergency_save_at >= since and view.committed_step >= view.emergency_save_step
-            and view.committed_at >= view.emergency_save_at)
-
-
 def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
                 kind: str, why: str, blamed: tuple[str, ...], usable: Set[str] = frozenset(),
                 dump_stacks: bool = False) -> SliceState:
@@ -631,7 +588,7 @@ def _stopping(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     pending = [h for h, inc in zip(state.members, state.incarnations)
                if not _stopped(view.get(h), state, inc)]
     if pending and state.stop_kind == "grow" and not state.stop_hurried \
-            and _emergency_committed(view, state.phase_since):
+            and drain.emergency_committed(view, state.phase_since):
         # The workers saved at JAX's preemption sync point and now only wait.
         for host in pending:
             actions.append(StopWorker(host, state.generation, 0.0,
