@@ -3,7 +3,8 @@ from a fake metadata server on loopback) -> every worker saves at the next
 common step, the slice restarts without the host and resumes at the saved
 step + 1: no step is computed twice. (SIGTERM to an agent, the other way a
 host hears of its preemption, is tested in test_gcs.py, with the emergency
-checkpoint in a bucket.)"""
+checkpoint in a bucket.) The drain's decisions by table, with a fake clock,
+at the end (more in test_decide.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import threading
 
 import pytest
 
+from elastic.policy.decide import Phase, decide
+from elastic.policy.view import ProgressReported, observe
 from tests.conftest import lm_spec, wait_until
+from tests.policy_tables import T0, heartbeat_all
+from tests.policy_tables import spec as table_spec
+from tests.test_decide import preempted_slice
 
 def spec(tmp_path):
     return lm_spec(tmp_path / "job.toml", "preempt-test",
@@ -94,3 +100,37 @@ def test_gce_preemption_notice(tmp_path, lm_job):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("step_time_s, quiet_for_s, ends", [
+    (None, 2.0, True),   # no step time reported yet: two heartbeat intervals, as before
+    (0.1, 2.0, True),    # steps shorter than a heartbeat interval: the same
+    (5.0, 3.6, False),   # 5 s steps: the sync step is still being computed
+    (5.0, 9.9, False),
+    (5.0, 10.0, True),   # two steps' time without one: the slice stands at the commit
+])
+def test_a_drain_waits_two_steps_before_taking_the_committed_step_for_the_last(
+        step_time_s, quiet_for_s, ends):
+    """Steps of `step_time_s`; the slice made step 5, a save step, at T0,
+    and h2's notice at T0 + 1 makes JAX's sync point step 6; the save of
+    step 5 commits at T0 + 1.5, and no emergency save is seen. Before, the
+    drain ended two heartbeat intervals after step 5 whatever the step
+    time, "checkpoint step 5, the step the slice reached, committed", and
+    SIGKILLed step 6 while it was computing, with its emergency save: one
+    step computed twice. The quiet it needs is now also two of rank 0's
+    steps (its step_time_s metric)."""
+    s = table_spec()
+    state, view = preempted_slice()
+    if step_time_s is not None:
+        for h in ("h0", "h1", "h2"):
+            view.hosts[h].worker.metrics["step_time_s"] = step_time_s
+    draining = decide(state, view, T0 + 1, s)
+    assert "draining" in draining.reason
+    observe(view, ProgressReported("h0", "inc-h0", 1, 5, 5), T0 + 1.5)
+    heartbeat_all(view, T0 + quiet_for_s)
+    after = decide(draining.state, view, T0 + quiet_for_s, s)
+    if ends:
+        assert after.state.phase is Phase.STOPPING and after.state.stop_kind == "preemption"
+        assert "checkpoint step 5, the step the slice reached, committed" in after.reason
+    else:
+        assert after.state.phase is Phase.RUNNING and "draining" in after.reason, after.reason
