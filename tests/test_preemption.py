@@ -8,16 +8,18 @@ at the end (more in test_decide.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import threading
 
 import pytest
 
+from elastic.policy import decide as d
 from elastic.policy.decide import Phase, decide
-from elastic.policy.view import ProgressReported, observe
+from elastic.policy.view import HeartbeatReceived, ProgressReported, WorkerState, observe
 from tests.conftest import lm_spec, wait_until
-from tests.policy_tables import T0, heartbeat_all
+from tests.policy_tables import T0, heartbeat_all, running_slice, worker
 from tests.policy_tables import spec as table_spec
 from tests.test_decide import preempted_slice
 
@@ -134,3 +136,65 @@ def test_a_drain_waits_two_steps_before_taking_the_committed_step_for_the_last(
         assert "checkpoint step 5, the step the slice reached, committed" in after.reason
     else:
         assert after.state.phase is Phase.RUNNING and "draining" in after.reason, after.reason
+
+
+@pytest.mark.parametrize("how", ["sigterm_before_init", "grace_over", "host_lost"])
+def test_a_preempted_members_exit_is_a_preemption_not_a_failure(how):
+    """h2's host is being taken away and its worker ends before the drain
+    does: a SIGTERM that came before the worker installed its handler (exit
+    by signal 15, before the first step), the agent's --preemption-grace-s
+    running out (SIGKILL), or the leaving host's agent going silent. Before,
+    the stop had cause "failure": it counted towards the restart budget and
+    the crash loop, and towards h2's quarantine, although h2 was leaving
+    anyway. Now it is a preemption, and the next generation starts without
+    h2."""
+    s = table_spec()
+    if how == "sigterm_before_init":
+        from elastic.policy.view import ClusterView
+        from tests.policy_tables import register
+        view = ClusterView()
+        for h in ("h0", "h1", "h2"):
+            register(view, h)
+        state = running_slice(view, ["h0", "h1", "h2"], progressed=False,
+                              failures_without_progress=1)
+        observe(view, HeartbeatReceived("h2", "inc-h2", view.hosts["h2"].worker, 0,
+                                        "SIGTERM to the agent"), T0 + 1)
+        worker(view, "h2", T0 + 1.1, 1, WorkerState.EXITED, sig=15)
+        at = T0 + 1.1
+    else:
+        state, view = preempted_slice()
+        state = dataclasses.replace(state, failures_without_progress=1)
+        state = decide(state, view, T0 + 1, s).state  # draining
+        if how == "grace_over":
+            heartbeat_all(view, T0 + 5)
+            worker(view, "h2", T0 + 5.1, 1, WorkerState.EXITED, sig=9)
+            at = T0 + 5.1
+        else:
+            for h in ("h0", "h1"):
+                observe(view, ProgressReported(h, f"inc-{h}", 1, 6, -1), T0 + 6.2)
+            at = T0 + 6.2  # h2 silent since T0 + 1: lost after heartbeat_timeout_s (5 s)
+    stopping = decide(state, view, at, s)
+    entry = next(a for a in stopping.actions if getattr(a, "kind", "") == "slice_stopping")
+    assert (entry.fields["cause"], entry.fields["blamed"]) == ("preemption", []), entry
+    assert entry.reason.startswith("preemption of h2 (SIGTERM to the agent): "), entry.reason
+    assert stopping.state.host_failures == {} and stopping.state.failures_without_progress == 1
+    for h in ("h0", "h1"):
+        worker(view, h, at + 0.1, 1, WorkerState.EXITED, sig=9)
+    end = decide(stopping.state, view, at + 0.2, s)
+    assert end.state.phase is Phase.WAITING and end.state.failure_restarts == (), end.reason
+    for r in view.hosts.values():
+        r.free_port += 100
+    heartbeat_all(view, at + 1)
+    restart = decide(end.state, view, at + 1, s)
+    assert [a.host for a in restart.actions if isinstance(a, d.StartWorker)] == ["h0", "h1"]
+
+
+def test_a_crash_of_a_member_not_leaving_is_still_a_failure():
+    """(The other side of the test above: h2 is leaving, h1 crashes by
+    itself, and h1 is blamed.)"""
+    s = table_spec()
+    state, view = preempted_slice()
+    state = decide(state, view, T0 + 1, s).state
+    worker(view, "h1", T0 + 2, 1, WorkerState.EXITED, exit_code=3)
+    stopping = decide(state, view, T0 + 2, s)
+    assert stopping.state.stop_kind == "failure" and "h1" in stopping.state.host_failures

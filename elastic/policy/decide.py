@@ -428,6 +428,9 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         if found.waiting:
             return state if state.reason == found.why else dataclasses.replace(state,
                                                                                 reason=found.why)
+        if (why := drain.member_left(view, found.hosts, found.why)) is not None:
+            # leaving anyway: no failure (budget, crash loop) and no quarantine
+            return _begin_stop(state, now, spec, actions, "preemption", why, ())
         return _begin_stop(state, now, spec, actions, "failure", found.why, found.hosts,
                            view.hosts.keys() - state.lost)
     carried = sum(h in state.carried for h in state.members) if state.carried else 0

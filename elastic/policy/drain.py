@@ -71,3 +71,16 @@ def verdict(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     else:
         return state, None
     return state, why
+
+
+def member_left(view: ClusterView, blamed: tuple[str, ...], why: str) -> str | None:
+    """Why a failure of the `blamed` members (`why`: the failure) is a
+    preemption, not a failure: a blamed member's host has a preemption
+    notice, so its worker ended because its host is leaving (the agent's
+    preemption grace ran out, or a SIGTERM came before the worker could
+    handle it). None when no blamed host is being taken away."""
+    leaving = [r for h in blamed if (r := view.get(h)) is not None and r.preemption]
+    if not leaving:
+        return None
+    hosts = ", ".join(f"{r.host_id} ({r.preemption})" for r in leaving)
+    return f"preemption of {hosts}: {why}"
