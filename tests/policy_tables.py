@@ -87,3 +87,49 @@ def stop_and_settle(state, view, now, s):
         if view.hosts[h].worker.running and h not in decision.state.lost:
             worker(view, h, now + 0.1, decision.state.generation, WorkerState.EXITED, sig=9)
     return decide(decision.state, view, now + 0.2, s)
+
+
+def restart_cycles(steps, s, period_s: float = 200.0, kinds_of_stop=None):
+    """One host; each generation starts, makes its first step 100 s later
+    (restore, compile) and reaches `steps[i]` (None: no step at all), then
+    its worker exits with code 1 5 s later, or, where `kinds_of_stop[i]`
+    is "preemption", its host gets a notice and the drain ends it (the
+    emergency save fails); generations start `period_s` apart. Returns the
+    last state and every decision with its time (for a journal)."""
+    view = ClusterView()
+    register(view, "h0")
+    state, decisions, t = SliceState(phase_since=T0), [], T0 + 2
+    for i, step in enumerate(steps):
+        heartbeat_all(view, t)
+        view.hosts["h0"].free_port = 6000 + i
+        started = decide(state, view, t, s)
+        decisions.append((started, t))
+        state = started.state
+        assert state.phase is Phase.STARTING, state.reason
+        worker(view, "h0", t + 100, state.generation, WorkerState.RUNNING,
+               step=-1 if step is None else step)
+        running = decide(state, view, t + 100, s)
+        decisions.append((running, t + 100))
+        state = running.state
+        end = t + 105  # (the stop: within the hang timeout of the first step)
+        if (kinds_of_stop or {}).get(i) == "preemption":
+            observe(view, HeartbeatReceived("h0", "inc-h0", view.hosts["h0"].worker, 0,
+                                            "SIGTERM to the agent"), end)
+            view.emergency_failed_at = end
+        else:
+            worker(view, "h0", end, state.generation, WorkerState.EXITED, exit_code=1,
+                   step=-1 if step is None else step)
+        stopping = decide(state, view, end, s)
+        decisions.append((stopping, end))
+        assert stopping.state.stop_kind == (kinds_of_stop or {}).get(i, "failure")
+        if view.hosts["h0"].worker.running:
+            worker(view, "h0", end + 0.1, state.generation, WorkerState.EXITED, sig=9,
+                   step=-1 if step is None else step)
+        stopped = decide(stopping.state, view, end + 0.2, s)
+        decisions.append((stopped, end + 0.2))
+        state = stopped.state
+        view.hosts["h0"].preemption = ""  # (a notice that came to nothing: the host stays)
+        if state.phase is Phase.FAILED:
+            break
+        t += period_s
+    return state, decisions

@@ -346,28 +346,37 @@ def test_no_generation_a_worker_reports_is_started_again():
     assert started.state.generation == 6
 
 
-@pytest.mark.parametrize("crashed,count", [
-    (False, 0),  # adopted at step 120: the crash loop is over, as a first step ends it
-    (True, 1),   # h1 crashed while no controller ran, after the slice's step 120
+@pytest.mark.parametrize("crashed,failure_step,count", [
+    (False, -1, 0),   # adopted at step 120: the crash loop is over, as a first step ends it
+    (True, -1, 1),    # h1 crashed while no controller ran, after the slice's step 120
+    (False, 50, 0),   # the count's failure was at step 50: the slice got away from it
+    (False, 120, 2),  # ... at step 120, where the slice stands: not yet
+    (True, 121, 3),   # ... and h1 crashed there (within a step) again
+    (True, 50, 1),
 ])
-def test_an_adopted_slice_counts_the_crash_loop_as_its_journal_does(tmp_path, crashed, count):
-    """Two failures in a row without a step were journaled before the
-    controller restarted; the slice it finds made a step since. Live and
-    from the journal alike, the count starts again (an audit found both
-    cases off: live 2 and 3, the journal 0 and 3)."""
+def test_an_adopted_slice_counts_the_crash_loop_as_its_journal_does(tmp_path, crashed,
+                                                                    failure_step, count):
+    """Two failures in a row without progress were journaled before the
+    controller restarted (the first at `failure_step`, -1: none); the slice
+    it finds made a step since. Live and from the journal alike, the count
+    starts again unless the slice stands at the step of those failures (an
+    audit found the first two cases off: live 2 and 3, the journal 0 and 3;
+    and a crash at the same step after every restore was never counted)."""
     view, s = ClusterView(), spec()
     for host in HOSTS:
         come_back(view, host, **({"state": WorkerState.EXITED, "exit_code": 1}
                                  if crashed and host == "h1" else {}))
-    state = dataclasses.replace(adopting(), failures_without_progress=2)
+    state = dataclasses.replace(adopting(), failures_without_progress=2,
+                                failure_step=failure_step)
     decision = decide(state, view, T0 + 0.1, s)
     assert kinds(decision)[0] == ("slice_stopping" if crashed else "slice_adopted")
     assert decision.state.failures_without_progress == count
     fh.journal(tmp_path, [decision], [T0 + 0.1])
-    replayed = failure_history.FailureHistory(without_progress=2)
+    replayed = failure_history.FailureHistory(without_progress=2, failure_step=failure_step)
     for entry in read_journal(tmp_path):
         replayed = failure_history.after(replayed, entry)
-    assert replayed.without_progress == count
+    assert (replayed.without_progress, replayed.failure_step) == \
+        (count, decision.state.failure_step)
 
 
 def test_a_member_missing_at_adoption_must_still_acknowledge_the_stop():

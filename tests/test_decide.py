@@ -125,7 +125,7 @@ def test_a_stop_waits_out_the_grace_when_no_member_is_known_to_have_ended():
         register(view, h)
     state = running_slice(view, ["h0", "h1"])
     worker(view, "h0", T0 + 1.0, 1, WorkerState.RUNNING, step=5)
-    stopping = d._begin_stop(state, T0 + 1.0, spec(), [], "grow", "grow", ())
+    stopping = d._begin_stop(state, view, T0 + 1.0, spec(), [], "grow", "grow", ())
     for h in ("h0", "h1"):
         observe(view, Disconnected(h, f"inc-{h}"), T0 + 1.1)
     waiting = decide(stopping, view, T0 + 1.5, spec())

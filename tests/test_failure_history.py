@@ -18,8 +18,9 @@ from elastic.policy import failure_history
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.failure_history import FailureHistory
 from elastic.policy.view import ClusterView, WorkerState
-from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
-                                 stop_and_settle, three_hosts_leased, worker)
+from tests.policy_tables import (T0, heartbeat_all, kinds, register, restart_cycles,
+                                 running_slice, spec, stop_and_settle, three_hosts_leased,
+                                 worker)
 
 #: The journal's Unix time at the fake clock's T0, and the successor's
 #: monotonic clock at the same instant (another process: another origin).
@@ -61,11 +62,13 @@ def shifted(times):
     return tuple(round(t - T0 + SUCCESSOR_T0, 6) for t in times)
 
 
-def test_a_successor_counts_what_its_predecessor_counted(tmp_path):
+@pytest.mark.parametrize("step", [None, 1001])
+def test_a_successor_counts_what_its_predecessor_counted(tmp_path, step):
     """Three failures blamed on h3 (one quarantines it, which starts the
-    crash-loop count again) and one on h1: what a controller counts and
-    what its successor reads back from the journal are the same, on the
-    successor's clock."""
+    crash-loop count again) and one on h1, each before its generation's
+    first step or at the same step: what a controller counts and what its
+    successor reads back from the journal are the same, on the successor's
+    clock."""
     s = dataclasses.replace(spec(restart={"crash_loop_failures": 99}),
                             quarantine=QuarantineSpec(failures=3, window_s=100, cooldown_s=500))
     view = ClusterView()
@@ -77,8 +80,10 @@ def test_a_successor_counts_what_its_predecessor_counted(tmp_path):
         decisions.append(started), at.append(now)
         state = started.state
         for h in (a.host for a in started.actions if isinstance(a, d.StartWorker)):
-            worker(view, h, now + 0.5, state.generation, WorkerState.RUNNING)
-        worker(view, blamed, now + 1, state.generation, WorkerState.EXITED, exit_code=1)
+            worker(view, h, now + 0.5, state.generation, WorkerState.RUNNING,
+                   step=-1 if step is None else step)
+        worker(view, blamed, now + 1, state.generation, WorkerState.EXITED, exit_code=1,
+               step=-1 if step is None else step)
         stopping = decide(state, view, now + 1, s)
         decisions.append(stopping), at.append(now + 1)
         for h in stopping.state.members:
@@ -94,6 +99,7 @@ def test_a_successor_counts_what_its_predecessor_counted(tmp_path):
     successor = carried(tmp_path, now, s)
     assert successor.failure_restarts == shifted(state.failure_restarts)
     assert successor.failures_without_progress == state.failures_without_progress == 1
+    assert successor.failure_step == state.failure_step == (-1 if step is None else step)
     assert {h: tuple(round(t, 6) for t in times)
             for h, times in successor.host_failures.items()} == \
         {h: shifted(times) for h, times in state.host_failures.items() if times} == \
@@ -141,6 +147,43 @@ def test_a_crash_loop_goes_on_counting_across_a_controller_restart(tmp_path):
                           failures_without_progress=successor.failures_without_progress)
     worker(view, "h1", now + 1, 3, WorkerState.EXITED, exit_code=1)
     end = stop_and_settle(third, view, now + 1, s)
+    assert end.state.phase is Phase.FAILED and "crash loop: 3 failures" in end.reason
+
+
+@pytest.mark.parametrize("steps, kinds_of_stop, count, failure_step", [
+    ((1001, 1001), {}, 2, 1001),       # the same step again: counted on
+    ((1001, 1000), {}, 2, 1001),       # (within a step of it)
+    ((1001, 1003), {}, 1, 1003),       # another step: progress, counted from it
+    ((1001, None), {}, 2, 1001),       # no step: counted on, from the step before
+    ((None, None), {}, 2, -1),
+    ((None, 1001), {}, 1, 1001),       # a step after failures with none
+    ((1001, 1001, 5000), {2: "preemption"}, 0, -1),  # a stop that got away ends it
+    ((1001, 1001, 1001), {2: "preemption"}, 2, 1001),  # one that did not leaves it
+])
+def test_a_successor_counts_the_crash_loop_from_the_same_steps(tmp_path, steps, kinds_of_stop,
+                                                               count, failure_step):
+    """A crash loop at one step after every restore (the first step no
+    longer ends the count when a failure step is there to compare with):
+    the successor reads back from the journal the count and the step
+    decide had, and goes on from them. Before, the journal's reader reset
+    the count at every first_progress, as decide did."""
+    s = spec()
+    state, decisions = restart_cycles(steps, s, kinds_of_stop=kinds_of_stop)
+    assert (state.failures_without_progress, state.failure_step) == (count, failure_step)
+    journal(tmp_path, [dn for dn, _ in decisions], [t for _, t in decisions])
+    now = decisions[-1][1] + 1
+    successor = carried(tmp_path, now, s)
+    assert (successor.failures_without_progress, successor.failure_step) == (count, failure_step)
+    if count != 2 or failure_step != 1001:
+        return
+    # ... and its next failure at that step is the third in a row
+    view = ClusterView()
+    register(view, "h0", now)
+    nxt = running_slice(view, ["h0"], now=now, generation=len(steps) + 1,
+                        failures_without_progress=successor.failures_without_progress,
+                        failure_step=successor.failure_step)
+    worker(view, "h0", now + 1, nxt.generation, WorkerState.EXITED, exit_code=1, step=1001)
+    end = stop_and_settle(nxt, view, now + 1, s)
     assert end.state.phase is Phase.FAILED and "crash loop: 3 failures" in end.reason
 
 

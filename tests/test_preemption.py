@@ -177,7 +177,9 @@ def test_a_preempted_members_exit_is_a_preemption_not_a_failure(how):
     entry = next(a for a in stopping.actions if getattr(a, "kind", "") == "slice_stopping")
     assert (entry.fields["cause"], entry.fields["blamed"]) == ("preemption", []), entry
     assert entry.reason.startswith("preemption of h2 (SIGTERM to the agent): "), entry.reason
-    assert stopping.state.host_failures == {} and stopping.state.failures_without_progress == 1
+    # (not one more for the crash loop; a generation that made a step ends its count)
+    assert stopping.state.host_failures == {}
+    assert stopping.state.failures_without_progress == (1 if how == "sigterm_before_init" else 0)
     for h in ("h0", "h1"):
         worker(view, h, at + 0.1, 1, WorkerState.EXITED, sig=9)
     end = decide(stopping.state, view, at + 0.2, s)

@@ -13,8 +13,8 @@ from elastic.policy import decide as d
 from elastic.policy import quarantine
 from elastic.policy.decide import Phase, SliceState, decide
 from elastic.policy.view import ClusterView, Disconnected, HeartbeatReceived, WorkerState, observe
-from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
-                                 stop_and_settle, worker)
+from tests.policy_tables import (T0, heartbeat_all, kinds, register, restart_cycles,
+                                 running_slice, spec, stop_and_settle, worker)
 
 
 @pytest.mark.parametrize("prior_failures,progressed,crash_loop,fails", [
@@ -35,6 +35,45 @@ def test_crash_loop(prior_failures, progressed, crash_loop, fails):
     assert (end.state.phase is Phase.FAILED) is fails
     if fails:
         assert "crash loop" in end.reason and d.Finish(1) in end.actions
+
+
+@pytest.mark.parametrize("steps, fails_at", [
+    ((1001, 1001, 1001, 1001), 3),   # a deterministic crash just after the restore
+    ((1000, 1001, 1000), 3),         # ... reported a step earlier or later
+    ((1001, None, 1001), 3),         # (a failure before the first step counts too)
+    ((None, None, None), 3),         # no step at all, as before
+    ((1050, 950, 1020, 990, 1040), None),  # host faults after restores 100 steps back
+    ((1001, 1003, 1001, 1003), None),      # another step each time
+    ((1001, 1002, 1003, 1004), None),      # creeping on: counted from the first of them
+    ((1001, 1001, 5000, 1001, 1001), None),  # got away in between
+])
+def test_a_crash_at_the_same_step_after_every_restore_is_a_crash_loop(steps, fails_at):
+    """Every generation restores step 1000 and fails 5 s after its first
+    step, 200 s apart (a big model's restore and compile). Before, a
+    generation's first step started the crash-loop count again, so one that
+    failed at the same step every time (bad data, a NaN assert at step 1001)
+    counted 1 each time, and with the restart budget's 20 per 3600 s never
+    reached at one per 200 s, the job restarted forever. A failure at a
+    step within one of the step reached by the failure that began the count
+    now counts on; a generation that got anywhere else made progress (the
+    faults of a healthy cluster land on other steps)."""
+    state, _ = restart_cycles(steps, spec())
+    if fails_at is None:
+        assert state.phase is Phase.WAITING and state.generation == len(steps), state.reason
+    else:
+        assert state.phase is Phase.FAILED and state.generation == fails_at, state.reason
+        assert "crash loop: 3 failures in a row" in state.reason
+
+
+def test_a_preemption_of_a_generation_that_got_away_ends_the_count():
+    """Two failures at step 1001; the next generation gets to step 5000 and
+    is preempted: the count starts again (it is no longer started by the
+    first step when there is a failure step to compare with, so the stop
+    must end it). A preemption back at step 1001 does not."""
+    for middle, fails in ((5000, False), (1001, True)):
+        state, _ = restart_cycles((1001, 1001, middle, 1001), spec(),
+                                  kinds_of_stop={2: "preemption"})
+        assert (state.phase is Phase.FAILED) is fails, (middle, state.reason)
 
 
 @pytest.mark.parametrize("earlier,max_restarts,fails", [

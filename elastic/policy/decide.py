@@ -20,8 +20,8 @@ import dataclasses
 from collections.abc import Set
 
 from elastic.config import JobSpec
-from elastic.policy import (adopt, blame, closed, drain, failure_history, fencing, grow,
-                            quarantine, silence, strays)
+from elastic.policy import (adopt, blame, closed, crash_loop, drain, failure_history, fencing,
+                            grow, quarantine, silence, strays)
 # the state and the actions (re-exported: callers name them decide.X)
 from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
                                   StartWorker, StopWorker)
@@ -115,21 +115,22 @@ def _adopting(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
     steps = [view.hosts[h].worker.step for h in inherited.hosts if h in view.hosts]
     if what == "adopt":
         progressed = inherited.progressed or min(steps) >= 0
+        # (a slice that made a step, away from the failure's that began the
+        # crash-loop count, ends the count, as its first_progress or its stop
+        # would have; the journal's reader counts it so: failure_history)
+        passed = min(steps) >= 0 and crash_loop.got_away(state.failure_step, max(steps))
         actions.append(Journal("slice_adopted", g, why, None, {
-            "hosts": list(inherited.hosts), "step": min(steps),
+            "hosts": list(inherited.hosts), "step": min(steps), "progressed": passed,
             "after_start_s": round(now - state.phase_since, 3)}))
-        # (a slice that made a step ends the crash loop, as its first_progress
-        # would have, and as the journal's reader counts it: failure_history)
-        without_progress = 0 if min(steps) >= 0 else state.failures_without_progress
+        counted = {"failures_without_progress": 0, "failure_step": -1} if passed else {}
         state = _enter(state, Phase.RUNNING if progressed else Phase.STARTING, now,
                        f"generation {g} adopted on {len(inherited.hosts)} hosts",
-                       progressed=progressed, failures_without_progress=without_progress,
-                       **common)
+                       progressed=progressed, **counted, **common)
     else:  # (a crash counts as any failure: towards the crash loop, whose count
         # needs whether the generation made a step, and the host's quarantine)
         failed, progressed = what == "failure", inherited.progressed or max(steps, default=-1) >= 0
         state = _begin_stop(
-            dataclasses.replace(state, progressed=progressed, **common), now, spec, actions,
+            dataclasses.replace(state, progressed=progressed, **common), view, now, spec, actions,
             "failure" if failed else "adoption",
             f"generation {g} failed: {why}" if failed else f"cannot adopt generation {g}: {why}",
             blamed, view.hosts.keys() - state.lost)
@@ -411,7 +412,8 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                 "restart_cost_s": round(now - began, 3)}))
         state = _enter(state, Phase.RUNNING, now, f"generation {state.generation} running on "
                        f"{len(state.members)} hosts", progressed=True,
-                       failures_without_progress=0, restart_began=None,
+                       failures_without_progress=crash_loop.on_first_step(state),
+                       restart_began=None,
                        restart_costs_s=grow.remember_cost(state.restart_costs_s, now - began))
     if failures:
         # A member whose connection closed (its agent died: its worker did,
@@ -430,8 +432,8 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                                                                                 reason=found.why)
         if (why := drain.member_left(view, found.hosts, found.why)) is not None:
             # leaving anyway: no failure (budget, crash loop) and no quarantine
-            return _begin_stop(state, now, spec, actions, "preemption", why, ())
-        return _begin_stop(state, now, spec, actions, "failure", found.why, found.hosts,
+            return _begin_stop(state, view, now, spec, actions, "preemption", why, ())
+        return _begin_stop(state, view, now, spec, actions, "failure", found.why, found.hosts,
                            view.hosts.keys() - state.lost)
     carried = sum(h in state.carried for h in state.members) if state.carried else 0
     if done == len(state.members) or (carried and done and done + carried == len(state.members)):
@@ -462,15 +464,15 @@ def _running(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
                     and drain.emergency_committed(view, state.draining_since)):
         # (wait for the emergency checkpoint, then stop: elastic.policy.drain)
         state, why = drain.verdict(state, view, now, spec, leaving)
-        return state if why is None else _begin_stop(state, now, spec, actions, "preemption",
-                                                     why, ())
+        return state if why is None else _begin_stop(state, view, now, spec, actions,
+                                                     "preemption", why, ())
     if hang:
         actions.append(Journal("hang_detected", state.generation, hang.reason,
                                hang.suspects[0] if hang.suspects else None,
                                {"suspects": list(hang.suspects), "blamed": list(hang.blamed),
                                 "silent_s": round(hang.silent_s, 3),
                                 "timeout_s": round(hang.timeout_s, 3)}))
-        return _begin_stop(state, now, spec, actions, "failure", f"hang: {hang.reason}",
+        return _begin_stop(state, view, now, spec, actions, "failure", f"hang: {hang.reason}",
                            hang.blamed, view.hosts.keys() - state.lost, dump_stacks=True)
     return _consider_grow(state, view, now, spec, actions)
 
@@ -531,7 +533,7 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
               if plan.devices_per_host != state.devices_per_host else "")
            + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else "")
            + f" ({weighed})")
-    return _begin_stop(state, now, spec, actions, "grow", why, ())
+    return _begin_stop(state, view, now, spec, actions, "grow", why, ())
 
 
 def _no_grow(state: SliceState) -> SliceState:
@@ -540,9 +542,9 @@ def _no_grow(state: SliceState) -> SliceState:
         if state.grow_ready_since is not None else state
 
 
-def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Action],
-                kind: str, why: str, blamed: tuple[str, ...], usable: Set[str] = frozenset(),
-                dump_stacks: bool = False) -> SliceState:
+def _begin_stop(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
+                actions: list[Action], kind: str, why: str, blamed: tuple[str, ...],
+                usable: Set[str] = frozenset(), dump_stacks: bool = False) -> SliceState:
     """Stop every member. Failures (and preemptions, whose workers wait idle
     after their emergency save) stop with SIGKILL at once; grows get
     health.stop_grace_s, cut short once the emergency checkpoint the SIGTERM
@@ -550,18 +552,18 @@ def _begin_stop(state: SliceState, now: float, spec: JobSpec, actions: list[Acti
     (`usable`: the hosts the controller knows and has not lost, for quarantine).
     `dump_stacks` (a hang): every member's agent reports its worker's stacks first."""
     grace = spec.health.stop_grace_s if kind == "grow" else 0.0
-    fields = {"cause": kind, "grace_s": grace, "blamed": list(blamed)}
-    if kind == "failure":  # (the journal's reader counts the crash loop from it)
-        fields["progressed"] = state.progressed
+    step = crash_loop.reached(state, view)
+    progressed, changes = crash_loop.on_stop(state, kind, step)
+    # (the journal's reader counts the crash loop from `progressed` and `step`)
+    fields = {"cause": kind, "grace_s": grace, "blamed": list(blamed),
+              "progressed": progressed, "step": step}
     actions.append(Journal("slice_stopping", state.generation, why,
                            blamed[0] if blamed else None, fields))
     for member in state.members:
         actions.append(StopWorker(member, state.generation, grace, why, dump_stacks))
-    changes: dict = {"draining_since": None, "stop_hurried": False,
-                     "restart_began": now if state.restart_began is None else state.restart_began}
+    changes.update(draining_since=None, stop_hurried=False,
+                   restart_began=now if state.restart_began is None else state.restart_began)
     if kind == "failure":
-        changes["failures_without_progress"] = (1 if state.progressed
-                                                else state.failures_without_progress + 1)
         failures, quarantined, newly = quarantine.record_failures(
             state.host_failures, state.quarantined, blamed, now, spec, why, usable)
         changes.update(host_failures=failures, quarantined=quarantined)

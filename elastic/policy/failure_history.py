@@ -47,9 +47,12 @@ class FailureHistory:
     restarts_at: when each failure restart began (`slice_stopping` with
       cause "failure": the stop that began it is what the budget counts;
       one whose controller died before `slice_stopped` still restarted).
-    without_progress: failures in a row with no step between them (the
-      crash-loop count); 0 again after a step or a quarantine, as decide
-      counts it.
+    without_progress: failures in a row with no progress between them (the
+      crash-loop count, elastic.policy.crash_loop); 0 again after progress
+      or a quarantine, as decide counts it.
+    failure_step: the step reached by the failure that began that count
+      (-1: none, or not known: a journal from before it was recorded, whose
+      first steps end the count as they did then).
     host_failures: host -> when failures were attributed to it.
     quarantined: host -> (until, reason), set aside and not yet released.
     restart_costs_s: what the latest restarts cost (`first_progress`'s
@@ -70,6 +73,7 @@ class FailureHistory:
 
     restarts_at: tuple[float, ...] = ()
     without_progress: int = 0
+    failure_step: int = -1
     host_failures: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     quarantined: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
     restart_costs_s: tuple[float, ...] = ()
@@ -91,6 +95,12 @@ def _number(entry: Mapping, key: str) -> float | None:
     except OverflowError:
         return None
     return value if math.isfinite(value) else None
+
+
+def _step(entry: Mapping) -> int:
+    """entry["step"] as a step (an integer >= 0), else -1."""
+    value = entry.get("step")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
 
 
 def recent(restarts: tuple[float, ...], now: float, spec: JobSpec) -> tuple[float, ...]:
@@ -132,27 +142,39 @@ def _folded(history: FailureHistory, entry: Mapping) -> FailureHistory:
         return FailureHistory(quarantined=history.quarantined,
                               journaled_until=history.journaled_until)
     history = _stop_progress(history, entry)
-    adopted_step = _number(entry, "step") if kind == "slice_adopted" else None
-    if kind == "first_progress" or (adopted_step is not None and adopted_step >= 0):
-        # (a step starts the crash-loop count again, as decide's first_progress
-        # does, which also remembers the restart's cost)
-        cost = _number(entry, "restart_cost_s") if kind == "first_progress" else None
+    if kind == "first_progress":
+        # (a first step starts the crash-loop count again when the count has
+        # no failure step to compare with, as decide's first_progress does
+        # (elastic.policy.crash_loop), which also remembers the restart's cost)
+        cost = _number(entry, "restart_cost_s")
         costs = history.restart_costs_s if cost is None or cost < 0 else \
             grow.remember_cost(history.restart_costs_s, cost)
-        return dataclasses.replace(history, without_progress=0, restart_costs_s=costs)
+        without_progress = 0 if history.failure_step < 0 else history.without_progress
+        return dataclasses.replace(history, without_progress=without_progress,
+                                   restart_costs_s=costs)
+    if kind == "slice_adopted":
+        # (the adopted slice made progress: decide says so in `progressed`;
+        # journals from before it said so: it made a step)
+        passed = entry.get("progressed") is True if "progressed" in entry else \
+            _step(entry) >= 0
+        return dataclasses.replace(history, without_progress=0, failure_step=-1) \
+            if passed else history
     if kind == "slice_stopping" and entry.get("cause") == "failure":
         blamed = entry.get("blamed") if isinstance(entry.get("blamed"), list) else []
         failures = dict(history.host_failures)
         for h in blamed:
             if isinstance(h, str):
                 failures[h] = failures.get(h, ()) + (ts,)
-        # (0 after a step: see above; or the stop says its generation had made
-        # one, as an adopted slice found failing may have without first_progress)
-        without_progress = 1 if entry.get("progressed") is True else \
-            history.without_progress + 1
+        # (decide's verdict: its generation made progress, which starts the
+        # count at 1 from its own step; else one more: elastic.policy.crash_loop)
+        counted = {"without_progress": 1, "failure_step": _step(entry)} \
+            if entry.get("progressed") is True else \
+            {"without_progress": history.without_progress + 1}
         return dataclasses.replace(
-            history, restarts_at=history.restarts_at + (ts,), host_failures=failures,
-            without_progress=without_progress)
+            history, restarts_at=history.restarts_at + (ts,), host_failures=failures, **counted)
+    if kind == "slice_stopping" and entry.get("progressed") is True:
+        # (another stop of a generation that made progress ends the count)
+        return dataclasses.replace(history, without_progress=0, failure_step=-1)
     if kind == "host_quarantined" and isinstance(host, str):
         until_s = _number(entry, "until_s")
         if until_s is None:
@@ -252,6 +274,7 @@ def carried_into(state: SliceState, history: FailureHistory, monotonic_now: floa
         fenced_until, fence_host = whole_lease, history.process0
     return dataclasses.replace(state, failure_restarts=restarts,
                                failures_without_progress=history.without_progress,
+                               failure_step=history.failure_step,
                                host_failures=failures, quarantined=quarantined,
                                restart_costs_s=history.restart_costs_s,
                                fenced_until=fenced_until + offset if fenced_until else 0.0,

@@ -95,7 +95,11 @@ class SliceState:
     coordinator: "host:port" of the generation's JAX coordinator.
     stop_kind: "failure", "preemption" or "grow" while STOPPING.
     failure_restarts: times of failure restarts (for the restart budget).
-    failures_without_progress: failures in a row with no step in between.
+    failures_without_progress: failures in a row with no progress in between
+      (elastic.policy.crash_loop).
+    failure_step: the step the failure that began that count reached (-1:
+      none, or it made no step), which a generation must get away from to
+      count as progress (elastic.policy.crash_loop).
     lost: hosts currently considered lost (journaled once).
     carried: members silent past heartbeat_timeout_s whose worker the others'
       steps show still training (host -> its last heartbeat; see
@@ -142,6 +146,7 @@ class SliceState:
     failure_restarts: tuple[float, ...] = ()
     restarts: int = 0
     failures_without_progress: int = 0
+    failure_step: int = -1
     lost: frozenset[str] = frozenset()
     carried: Mapping[str, float] = dataclasses.field(default_factory=dict)
     stop_requested: Mapping[str, float] = dataclasses.field(default_factory=dict)
