@@ -32,8 +32,9 @@ also counts unproductive checkpoint save time as badput).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping
+
+from elastic.policy.failure_history import number
 
 CAUSES = ("waiting", "detection", "teardown", "startup", "restore", "lost_work",
           "checkpoint_save")
@@ -148,22 +149,9 @@ class _Generation:
     discovered: bool = False
 
 
-def _number(entry: Mapping, key: str) -> float | None:
-    """entry[key] as a finite float, else None: a journal holds what workers
-    sent (null, text) and what a damaged disk left (NaN, a huge integer)."""
-    value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
-
-
 def _seconds(entry: Mapping, key: str) -> float:
     """entry[key] as a duration in seconds: 0.0 unless a finite number > 0."""
-    value = _number(entry, key)
+    value = number(entry, key)
     return value if value is not None and value > 0 else 0.0
 
 
@@ -199,7 +187,7 @@ def _generations(entries: list[dict]) -> list[_Generation]:
             gen.phases = e
         elif kind == "checkpoint_restored":
             gen.restore_s, gen.restored_step = _seconds(e, "restore_s"), _step(e, None)
-            gen.restored_saved_at = _number(e, "saved_at")
+            gen.restored_saved_at = number(e, "saved_at")
         elif kind in ("slice_stopping", "job_succeeded", "job_failed") and gen.stop is None:
             gen.stop, gen.stop_entry = e["ts"], e
             if kind != "slice_stopping":
@@ -408,12 +396,12 @@ def startup_phases(stop: float, nxt: _Generation | None) -> dict:
         return {}
     e = nxt.phases
     out = {"stop": round(nxt.start - stop, 3)}
-    launched = _number(e, "launched_at")
+    launched = number(e, "launched_at")
     if launched:
         out["launch"] = round(launched - nxt.start, 3)
     for name in WORKER_PHASES:
-        if _number(e, f"{name}_s") is not None:
-            out[name] = _number(e, f"{name}_s")
+        if number(e, f"{name}_s") is not None:
+            out[name] = number(e, f"{name}_s")
     out["report"] = round(nxt.first - stop - sum(out.values()), 3)
     return out
 

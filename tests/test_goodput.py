@@ -37,7 +37,8 @@ def test_every_second_is_accounted():
     g = account(JOURNAL)
     assert g.wall_s == pytest.approx(40.0)
     expected = {"waiting": 1.0, "startup": 4.0 + 3.2, "restore": 0.5, "teardown": 0.2,
-                "detection": 0.1, "lost_work": 20 - 14.95, "checkpoint_save": 0.05 + 0.05 + 0.2 + 0.03}
+                "detection": 0.1, "lost_work": 20 - 14.95,
+                "checkpoint_save": 0.05 + 0.05 + 0.2 + 0.03}
     for cause in CAUSES:
         assert g.badput_s[cause] == pytest.approx(expected[cause], abs=1e-6), cause
     # generation 1: 15.1 s of training, 0.1 s detection, from the save of step
@@ -85,7 +86,8 @@ def test_a_restart_is_accounted_for_phase_by_phase():
                              "first_step", "report"]
     assert startup["stop"] == pytest.approx(0.2) and startup["launch"] == pytest.approx(0.04)
     assert startup["report"] == pytest.approx(3.9 - 0.2 - 0.04 - 3.56)
-    assert sum(startup.values()) == pytest.approx(incident.recovered_after_s - incident.detected_after_s)
+    assert sum(startup.values()) == pytest.approx(incident.recovered_after_s -
+                                                  incident.detected_after_s)
     assert "launch 0.04, process_start 0.30" in format_report(account(journal))
     assert account(JOURNAL).incidents[0].startup == {}  # (no phases journaled)
     # phases that overrun the whole by a few ms (clocks read in other

@@ -84,7 +84,7 @@ class FailureHistory:
     journaled_until: float = dataclasses.field(default=0.0, compare=False)
 
 
-def _number(entry: Mapping, key: str) -> float | None:
+def number(entry: Mapping, key: str) -> float | None:
     """entry[key] as a finite float, else None (a damaged journal's
     NaN, infinity, or an integer too large for a float included)."""
     value = entry.get(key)
@@ -128,14 +128,14 @@ def after(history: FailureHistory, entry: Mapping) -> FailureHistory:
     folded in. Entries of other kinds, or missing the fields a kind needs,
     leave it as it is, but for `journaled_until`."""
     folded = _folded(history, entry)
-    ts = _number(entry, "ts")
+    ts = number(entry, "ts")
     if ts is None or ts <= folded.journaled_until:
         return folded
     return dataclasses.replace(folded, journaled_until=ts)
 
 
 def _folded(history: FailureHistory, entry: Mapping) -> FailureHistory:
-    kind, ts, host = entry["kind"], _number(entry, "ts"), entry.get("host")
+    kind, ts, host = entry["kind"], number(entry, "ts"), entry.get("host")
     if ts is None:
         return history
     if kind in ("job_succeeded", "job_failed"):  # (see the module docstring)
@@ -146,7 +146,7 @@ def _folded(history: FailureHistory, entry: Mapping) -> FailureHistory:
         # (a first step starts the crash-loop count again when the count has
         # no failure step to compare with, as decide's first_progress does
         # (elastic.policy.crash_loop), which also remembers the restart's cost)
-        cost = _number(entry, "restart_cost_s")
+        cost = number(entry, "restart_cost_s")
         costs = history.restart_costs_s if cost is None or cost < 0 else \
             grow.remember_cost(history.restart_costs_s, cost)
         without_progress = 0 if history.failure_step < 0 else history.without_progress
@@ -176,7 +176,7 @@ def _folded(history: FailureHistory, entry: Mapping) -> FailureHistory:
         # (another stop of a generation that made progress ends the count)
         return dataclasses.replace(history, without_progress=0, failure_step=-1)
     if kind == "host_quarantined" and isinstance(host, str):
-        until_s = _number(entry, "until_s")
+        until_s = number(entry, "until_s")
         if until_s is None:
             return history
         failures = {h: t for h, t in history.host_failures.items() if h != host}
@@ -187,7 +187,7 @@ def _folded(history: FailureHistory, entry: Mapping) -> FailureHistory:
         return dataclasses.replace(history, quarantined={
             h: q for h, q in history.quarantined.items() if h != host})
     if kind == "waiting_for_fencing":
-        left_s = _number(entry, "lease_left_s")
+        left_s = number(entry, "lease_left_s")
         return history if left_s is None else dataclasses.replace(
             history, fenced_until=ts + left_s, fence_host=host if isinstance(host, str) else "")
     if kind in ("generation_started", "generation_discovered", "fence_lifted"):
@@ -216,14 +216,14 @@ def after_other_job(history: FailureHistory, entry: Mapping, job: str) -> Failur
     the same state directory folded in: only its quarantines and releases
     count (the reason names the job); its failures, steps and fences are
     that job's own."""
-    kind, ts, host = entry["kind"], _number(entry, "ts"), entry.get("host")
+    kind, ts, host = entry["kind"], number(entry, "ts"), entry.get("host")
     if ts is None or kind not in ("host_quarantined", "host_released") or \
             not isinstance(host, str):
         return history
     if kind == "host_released":
         return dataclasses.replace(history, quarantined={
             h: q for h, q in history.quarantined.items() if h != host})
-    until_s = _number(entry, "until_s")
+    until_s = number(entry, "until_s")
     if until_s is None:
         return history
     reason = f"in job {job!r}: {entry.get('reason', '')}"
