@@ -329,6 +329,34 @@ def test_a_stopped_worker_is_hung_after_the_suspended_timeout(reports, now, limi
         assert entry.fields["silent_s"] == pytest.approx(now)  # since the last step
 
 
+@pytest.mark.parametrize("reports,now,hung", [
+    ([(1.0, True), (2.0, True), (3.0, True)], 3.5, True),   # stopped 2.5 s: hung
+    ([(1.0, True), (2.0, True)], 2.5, False),               # stopped 1.5 s: not yet
+    ([(1.0, False), (2.0, False)], 250.0, False),           # starting: the startup allowance
+])
+def test_a_worker_stopped_before_its_first_step_is_hung_after_the_suspended_timeout(
+        reports, now, hung):
+    """Before, the startup branch returned before the suspended check: a
+    worker SIGSTOPped before its first step waited out hang.startup_timeout_s
+    (300 s) instead of hang.suspended_timeout_s (2 s)."""
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"], progressed=False)  # STARTING at T0
+    inc = view.hosts["h1"].incarnation
+    for at, suspended in reports:
+        observe(view, HeartbeatReceived("h1", inc, WorkerObs(
+            generation=1, state=WorkerState.RUNNING, pid=42, step=-1, suspended=suspended), 0),
+            T0 + at)
+    decision = decide(state, view, T0 + now, spec())
+    assert ("hang_detected" in kinds(decision)) is hung, decision.reason
+    if hung:
+        entry = next(a for a in decision.actions if isinstance(a, d.Journal)
+                     and a.kind == "hang_detected")
+        assert entry.fields["suspects"] == ["h1"] and entry.fields["blamed"] == ["h1"]
+        assert entry.fields["timeout_s"] == 2.0 and "stopped" in entry.reason
+
+
 def test_startup_allowance():
     view = ClusterView()
     register(view, "h0")

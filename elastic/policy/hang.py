@@ -2,7 +2,7 @@
 
 Pure: (members' observed records, now, spec) -> a Hang or None. A worker its
 agent reports stopped (SIGSTOP) for `hang.suspended_timeout_s` is hung at
-once. Otherwise the default timeout is learned from the step times the workers report:
+once, before its first step too. Otherwise the default timeout is learned from the step times the workers report:
 max(hang.min_timeout_s, hang.step_time_factor x median step time), with a
 separate allowance for startup (process start, distributed init, restore,
 first compile) and extra time while a checkpoint save is in flight.
@@ -74,9 +74,24 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
                progressed: bool, now: float, spec: JobSpec) -> Hang | None:
     """A Hang if the generation (members in rank order) has made no step for
     too long, else None. `started_at`: when the generation started (before
-    its first step) or when its first step came (after)."""
+    its first step) or when its first step came (after); `now`: seconds."""
     if not members:
         return None
+    # A stopped worker first, before the first step too: it cannot step, and
+    # the startup allowance (300 s) is no reason to wait for it.
+    stop_limit = spec.hang.suspended_timeout_s
+    stopped = [r for r in members if r.worker.running and r.worker.suspended and r.suspended_at
+               and now - r.suspended_at >= stop_limit] if stop_limit > 0 else []
+    active = [r for r in members if r.worker.running]
+    # (a member with no step yet counts from when the generation's first step came)
+    progress_at = min(max(r.step_at, started_at) for r in active) if progressed and active \
+        else started_at
+    if stopped:
+        longest = now - min(r.suspended_at for r in stopped)
+        return Hang(f"worker stopped (SIGSTOP) for {longest:.1f} s (hang.suspended_timeout_s = "
+                    f"{stop_limit:g}); suspects: {', '.join(r.host_id for r in stopped)} "
+                    f"(suspended)", tuple(r.host_id for r in stopped), now - progress_at,
+                    stop_limit, tuple(r.host_id for r in stopped))
     if not progressed:
         limit = spec.hang.startup_timeout_s
         silent = now - started_at
@@ -90,20 +105,8 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     # The member that advanced least recently sets the clock: in SPMD training
     # every process waits for the slowest, and a member that stopped alone is
     # as stuck as a slice that stopped together. Finished workers are done.
-    active = [r for r in members if r.worker.running]
     if not active:
         return None
-    # (a member with no step yet counts from when the generation's first step came)
-    progress_at = min(max(r.step_at, started_at) for r in active)
-    stop_limit = spec.hang.suspended_timeout_s
-    stopped = [r for r in active if r.worker.suspended and r.suspended_at
-               and now - r.suspended_at >= stop_limit] if stop_limit > 0 else []
-    if stopped:
-        longest = now - min(r.suspended_at for r in stopped)
-        return Hang(f"worker stopped (SIGSTOP) for {longest:.1f} s (hang.suspended_timeout_s = "
-                    f"{stop_limit:g}); suspects: {', '.join(r.host_id for r in stopped)} "
-                    f"(suspended)", tuple(r.host_id for r in stopped), now - progress_at,
-                    stop_limit, tuple(r.host_id for r in stopped))
     step_time = members[0].worker.metrics.get("step_time_s")
     limit = hang_timeout(spec, step_time)
     saving = view.save_started_at > view.committed_at
