@@ -232,7 +232,8 @@ def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = Fal
     if suspended:
         view.hosts[suspended].worker.suspended = True
     if saving:
-        view.save_started_at = T0 + 1
+        observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "save of step 6",
+                                     {"step": 6}), T0 + 1)
     if finishing:  # process 0 said it took its last step (generation 1), then exited
         observe(view, WorkerReported("h0", "inc-h0", 1, "worker_finishing", "done", {}), T0 + 1)
         worker(view, "h0", T0 + 2, 1, WorkerState.EXITED, step=6)
@@ -266,6 +267,29 @@ def test_hang_detection(silent_s, suspended, saving, hung, first_suspect, finish
         stops = [a for a in decision.actions if isinstance(a, d.StopWorker)]
         # SIGKILL at once, after each agent has dumped its worker's stacks
         assert {(a.grace_s, a.dump_stacks) for a in stops} == {(0.0, True)}
+
+
+@pytest.mark.parametrize("saved_by,hung", [
+    (1, True),    # generation 1's save, cut short by its end: nothing is in flight
+    (2, False),   # generation 2's own save: + hang.checkpoint_allowance_s
+])
+def test_only_a_save_of_the_running_generation_extends_the_hang_timeout(saved_by, hung):
+    """Before, a save the previous generation started and never committed
+    (its slice stopped) counted as in flight in the next generation: every
+    hang timeout there was 60 s longer until that generation's first save."""
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h, now=T0 - 100)
+    worker(view, "h0", T0 - 60, 1, WorkerState.RUNNING, step=3)
+    observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "save of step 3",
+                                 {"step": 3}), T0 - 50)
+    state = running_slice(view, ["h0", "h1"], generation=2)  # step 5 at T0
+    if saved_by == 2:
+        observe(view, WorkerReported("h0", "inc-h0", 2, "checkpoint_saved", "save of step 5",
+                                     {"step": 5}), T0 + 1)
+    heartbeat_all(view, T0 + 30)
+    decision = decide(state, view, T0 + 30, spec())
+    assert ("hang_detected" in kinds(decision)) is hung, decision.reason
 
 
 @pytest.mark.parametrize("stepped,progressed,blamed", [

@@ -109,7 +109,7 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
         return None
     step_time = members[0].worker.metrics.get("step_time_s")
     limit = hang_timeout(spec, step_time)
-    saving = view.save_started_at > view.committed_at
+    saving = view.save_in_flight(max(r.worker.generation for r in members))
     # (process 0 says so, and may well have exited before the others)
     finishing = any(r.finishing_generation and r.finishing_generation == r.worker.generation
                     for r in members)
@@ -126,7 +126,7 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
              f"learned from a median step of {step_time:.3f} s" if step_time else
              "hang.min_timeout_s")
     return Hang(f"no step progress for {silent:.1f} s (timeout {limit:.1f} s, {basis}"
-                + (", a checkpoint save in flight" if saving else "")
+                + (f", {saving}" if saving else "")
                 + (", the workers finishing" if finishing else "")
                 + f"); suspects: {', '.join(found)} ({how})", found, silent, limit,
                 singled_out(active))

@@ -258,9 +258,10 @@ class ClusterView:
         self.committed_step = -1
         self.committed_at = float("-inf")
         # When the latest save started (a save is in flight while this is
-        # newer than committed_at), and the step of the latest emergency
-        # (preemption) save.
+        # newer than committed_at) and the generation of the worker that
+        # said so; the step of the latest emergency (preemption) save.
         self.save_started_at = float("-inf")
+        self.save_generation = 0
         self.emergency_save_step = -1
         self.emergency_save_at = float("-inf")
         # When the latest emergency save was reported failed, and why.
@@ -297,6 +298,16 @@ class ClusterView:
         if lost:  # (a lost host's clock stayed: others may have moved past it)
             for host in sorted(self.hosts, key=lambda h: self.hosts[h].last_heartbeat_at):
                 self.hosts.move_to_end(host)
+
+    def save_in_flight(self, generation: int) -> str:
+        """What `generation`'s workers are saving ("" if nothing): a save
+        they started that has neither committed nor failed. A save of an
+        older generation is not: its workers are gone, and it never commits
+        (it added hang.checkpoint_allowance_s to every hang timeout of the
+        next generation until that one's first save)."""
+        if self.save_generation == generation and self.save_started_at > self.committed_at:
+            return "a checkpoint save in flight"
+        return ""
 
     def get(self, host_id: str) -> HostRecord | None:
         """The record of `host_id`, None if it never registered."""
@@ -505,7 +516,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         if event.kind not in WORKER_EVENT_KINDS or event.generation != record.worker.generation:
             return False, []
         if event.kind == "checkpoint_saved":
-            view.save_started_at = now
+            view.save_started_at, view.save_generation = now, event.generation
             if event.fields.get("preemption"):
                 view.emergency_save_step = int(event.fields.get("step", -1))
                 view.emergency_save_at = now
