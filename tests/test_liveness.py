@@ -292,6 +292,34 @@ def test_only_a_save_of_the_running_generation_extends_the_hang_timeout(saved_by
     assert ("hang_detected" in kinds(decision)) is hung, decision.reason
 
 
+@pytest.mark.parametrize("commits,hung", [
+    (5, True),       # the save of step 5 committed: nothing in flight, the 10 s floor
+    (None, False),   # still in flight: + hang.checkpoint_allowance_s
+    (4, False),      # an older save's commit, reported late, does not end step 5's save
+])
+def test_a_commit_below_the_newest_step_ever_committed_ends_the_save_in_flight(commits, hung):
+    """Generation 1 committed step 100, which would not read; generation 2
+    restored an older step and saves step 5. Before, a commit at or below
+    the newest step ever committed went unnoticed (unless an emergency
+    save's): the save stayed in flight, 60 s more on every hang timeout,
+    until training passed step 100."""
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h, now=T0 - 600)
+    worker(view, "h0", T0 - 510, 1, WorkerState.RUNNING, step=100)
+    observe(view, ProgressReported("h0", "inc-h0", 1, 100, 100), T0 - 500)
+    state = running_slice(view, ["h0", "h1"], generation=2)  # step 5 at T0
+    observe(view, WorkerReported("h0", "inc-h0", 2, "checkpoint_saved", "save of step 5",
+                                 {"step": 5}), T0 + 1)
+    if commits is not None:
+        facts = observe(view, ProgressReported("h0", "inc-h0", 2, 5, commits), T0 + 5)[1]
+        assert [f.kind for f in facts] == (["checkpoint_committed"] if commits == 5 else [])
+    heartbeat_all(view, T0 + 30)
+    decision = decide(state, view, T0 + 30, spec())
+    assert ("hang_detected" in kinds(decision)) is hung, decision.reason
+    assert view.committed_step == 100  # (the newest stays the newest)
+
+
 @pytest.mark.parametrize("stepped,progressed,blamed", [
     # every member stopped at step 5 (lockstep: all wait in one collective):
     # none singled out, so none blamed, and none quarantined

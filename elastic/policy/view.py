@@ -258,9 +258,11 @@ class ClusterView:
         self.committed_step = -1
         self.committed_at = float("-inf")
         # When the latest save started (a save is in flight while this is
-        # newer than committed_at) and the generation of the worker that
-        # said so; the step of the latest emergency (preemption) save.
+        # newer than committed_at), its step and the generation of the
+        # worker that said so; the step of the latest emergency (preemption)
+        # save.
         self.save_started_at = float("-inf")
+        self.save_step = -1
         self.save_generation = 0
         self.emergency_save_step = -1
         self.emergency_save_at = float("-inf")
@@ -374,22 +376,31 @@ def _note_jump(record: HostRecord, old_step: int, step: int) -> None:
 
 def _note_commit(view: ClusterView, record: HostRecord, generation: int,
                  committed_step: int, now: float) -> list[Fact]:
-    """Record a committed checkpoint step newer than any seen; its journal fact.
+    """Record a committed checkpoint step newer than any seen, or the commit
+    of the save in flight; its journal fact.
 
     Steps are global (one checkpoint directory per job), so the first host to
     report a step is the one journaled."""
+    new = committed_step > record.worker.committed_step  # (for this worker)
     record.worker.committed_step = max(record.worker.committed_step, committed_step)
     if committed_step <= view.committed_step:
-        # (an emergency save of a step below the newest ever committed: after
-        # a restore fell back past a step that would not read. It commits
-        # now, which the drain waits for; the newest step stays the newest)
-        if committed_step != view.emergency_save_step or \
-                view.committed_at >= view.emergency_save_at:
+        # A step below the newest ever committed: after a restore fell back
+        # past a step that would not read. The save in flight (or the
+        # emergency save a drain waits for) committed now; the newest step
+        # stays the newest. (Before, such a commit went unnoticed, and the
+        # save stayed in flight, 60 s more on every hang timeout, until
+        # training passed the old newest step.)
+        emergency = committed_step == view.emergency_save_step and \
+            view.committed_at < view.emergency_save_at
+        in_flight = new and committed_step >= view.save_step and \
+            view.committed_at < view.save_started_at
+        if not (emergency or in_flight):
             return []
         view.committed_at = now
         return [Fact("checkpoint_committed", record.host_id, generation,
-                     f"checkpoint step {committed_step} committed (emergency; step "
-                     f"{view.committed_step} is newer)", {"step": committed_step})]
+                     f"checkpoint step {committed_step} committed ("
+                     + ("emergency; " if emergency else "")
+                     + f"step {view.committed_step} is newer)", {"step": committed_step})]
     view.committed_step, view.committed_at = committed_step, now
     return [Fact("checkpoint_committed", record.host_id, generation,
                  f"checkpoint step {committed_step} committed", {"step": committed_step})]
@@ -517,6 +528,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             return False, []
         if event.kind == "checkpoint_saved":
             view.save_started_at, view.save_generation = now, event.generation
+            view.save_step = int(event.fields.get("step", -1))
             if event.fields.get("preemption"):
                 view.emergency_save_step = int(event.fields.get("step", -1))
                 view.emergency_save_at = now
