@@ -266,6 +266,10 @@ class ClusterView:
         self.save_generation = 0
         self.emergency_save_step = -1
         self.emergency_save_at = float("-inf")
+        # When an emergency save said it waits for the save before it
+        # (checkpoint_save_delayed), and the generation of its worker.
+        self.emergency_delayed_at = float("-inf")
+        self.emergency_delayed_generation = 0
         # When the latest emergency save was reported failed, and why.
         self.emergency_failed_at = float("-inf")
         self.emergency_failure = ""
@@ -303,12 +307,20 @@ class ClusterView:
 
     def save_in_flight(self, generation: int) -> str:
         """What `generation`'s workers are saving ("" if nothing): a save
-        they started that has neither committed nor failed. A save of an
-        older generation is not: its workers are gone, and it never commits
-        (it added hang.checkpoint_allowance_s to every hang timeout of the
-        next generation until that one's first save)."""
+        they started that has neither committed nor failed, or an emergency
+        (preemption) save that waits for the save before it and has neither
+        started nor failed yet. The latter counts from the moment the save
+        before it commits: the emergency save starts only then, and the
+        workers, stopped at the preemption sync point, take no step
+        meanwhile (without it, a commit more than the hang timeout after
+        the last step read as a hang, which killed the emergency save). A
+        save of an older generation does not count: its workers are gone,
+        and it never commits."""
         if self.save_generation == generation and self.save_started_at > self.committed_at:
             return "a checkpoint save in flight"
+        if self.emergency_delayed_generation == generation and \
+                self.emergency_delayed_at > max(self.emergency_save_at, self.emergency_failed_at):
+            return "an emergency save waiting for the save before it"
         return ""
 
     def get(self, host_id: str) -> HostRecord | None:
@@ -532,6 +544,9 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             if event.fields.get("preemption"):
                 view.emergency_save_step = int(event.fields.get("step", -1))
                 view.emergency_save_at = now
+        if event.kind == "checkpoint_save_delayed" and event.fields.get("preemption"):
+            view.emergency_delayed_at = now
+            view.emergency_delayed_generation = event.generation
         if event.kind == "worker_finishing":
             record.finishing_generation = event.generation
         if event.kind == "checkpoint_save_failed":
