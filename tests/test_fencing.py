@@ -81,7 +81,7 @@ def test_a_controller_paused_during_a_stop_does_not_wait_out_a_fence(forgiven):
     assert state.phase is Phase.STOPPING
     view.forgive_pause(12.0, T0 + 13.05, state.lost)
     if forgiven:
-        state = forgive_pause(state, 12.0)
+        state = forgive_pause(state, 12.0, T0 + 13.05)
     after = decide(state, view, T0 + 13.05, s)
     assert ("host_dropped" in kinds(after)) is not forgiven, kinds(after)
     state, journaled = after.state, kinds(after)

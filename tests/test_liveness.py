@@ -11,6 +11,7 @@ from elastic.config import HangSpec, QuarantineSpec
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, decide
 from elastic.policy.hang import hang_timeout
+from elastic.policy.state import forgive_pause
 from elastic.policy.view import (ClusterView, HeartbeatReceived, ProgressReported, Registered,
                                  WorkerObs, WorkerReported, WorkerState, observe)
 from tests.policy_tables import (T0, heartbeat_all, kinds, register, running_slice, spec,
@@ -419,3 +420,35 @@ def test_startup_allowance():
     heartbeat_all(view, T0 + 61)
     late = decide(state, view, T0 + 61, s)
     assert "hang_detected" in kinds(late) and "no first step" in late.reason
+
+
+@pytest.mark.parametrize("progressed,pause_s,now,hung", [
+    (False, 120.0, 320.0, False),  # 200 s of startup before the pause, 0 after: 200 s
+    (False, 120.0, 425.0, True),   # ... and 105 s after it: 305 s of startup
+    (False, 0.0, 320.0, True),     # no pause: 320 s of startup
+    # a member with no step yet counts from the first step (T0), 9 s, then a 30 s pause
+    (True, 30.0, 39.0 + 0.5, False),
+    (True, 30.0, 39.0 + 1.5, True),
+])
+def test_a_controller_pause_does_not_count_against_the_hang_clock(progressed, pause_s, now,
+                                                                   hung):
+    """The controller did not run for `pause_s` seconds (stopped, starved,
+    its VM suspended) from 200 s into the startup, or from 9 s after the
+    first step, which one member has not made yet. Before, forgive_pause moved the view's step and heartbeat clocks but not
+    phase_since, which the startup allowance counts from: a 120 s pause 200 s
+    into a 300 s startup declared a hang."""
+    s = dataclasses.replace(spec(), hang=HangSpec(startup_timeout_s=300))
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h)
+    state = running_slice(view, ["h0", "h1"], progressed=False)  # STARTING at T0
+    if progressed:  # h0's first step at T0; h1's worker has made none yet
+        worker(view, "h0", T0, 1, WorkerState.RUNNING, step=5)
+        state = dataclasses.replace(state, phase=Phase.RUNNING, progressed=True)
+    paused_at = 9.0 if progressed else 200.0
+    resumed = T0 + paused_at + pause_s
+    view.forgive_pause(pause_s, resumed)
+    state = forgive_pause(state, pause_s, resumed)
+    heartbeat_all(view, T0 + now)
+    decision = decide(state, view, T0 + now, s)
+    assert ("hang_detected" in kinds(decision)) is hung, decision.reason

@@ -243,7 +243,7 @@ class Controller:
         """This controller did not run for `pause_s` seconds up to `now`:
         what it could not hear meanwhile is not silence (elastic.controller.lag)."""
         self.view.forgive_pause(pause_s, now, self.state.lost)
-        self.state = forgive_pause(self.state, pause_s)
+        self.state = forgive_pause(self.state, pause_s, now)
         self.receipts.resumed(self.clock.time())
         self.executor.record("controller_paused", self.state.generation,
                              f"the controller did not run for {pause_s:.1f} s (stopped, "

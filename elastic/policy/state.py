@@ -177,13 +177,19 @@ class Decision:
     reason: str
 
 
-def forgive_pause(state: SliceState, pause_s: float) -> SliceState:
-    """`state` with its deadline for stop acknowledgements moved `pause_s`
-    seconds later, after the controller itself did not run that long (the
-    view's clocks move too: ClusterView.forgive_pause): the first pass after
-    a pause would otherwise find it passed before it read the
-    acknowledgements queued meanwhile. (A drain's start stays: the emergency
-    save it waits for is matched against it.)"""
-    if state.phase is not Phase.STOPPING:
-        return state
-    return dataclasses.replace(state, stop_deadline=state.stop_deadline + pause_s)
+def forgive_pause(state: SliceState, pause_s: float, now: float) -> SliceState:
+    """`state` after the controller itself did not run for `pause_s`
+    seconds up to `now` (controller-monotonic seconds; the view's clocks
+    move too: ClusterView.forgive_pause): the first pass after a pause would
+    otherwise judge what it has not read yet. While STOPPING, the deadline
+    for stop acknowledgements moves `pause_s` later; while STARTING or
+    RUNNING, `phase_since` does (to `now` at most), which the hang check
+    counts from before the first step (hang.startup_timeout_s) and for
+    members with no step yet: before, a 120 s pause 200 s into a 300 s
+    startup declared a hang. (A drain's start stays: the emergency save it
+    waits for is matched against it.)"""
+    if state.phase is Phase.STOPPING:
+        return dataclasses.replace(state, stop_deadline=state.stop_deadline + pause_s)
+    if state.phase in (Phase.STARTING, Phase.RUNNING):
+        return dataclasses.replace(state, phase_since=min(state.phase_since + pause_s, now))
+    return state
