@@ -610,48 +610,6 @@ def test_a_drain_whose_emergency_checkpoint_committed_is_a_preemption_not_a_hang
     assert "emergency checkpoint step 9 committed" in stopping.reason
 
 
-@pytest.mark.parametrize("delayed,hung", [
-    (True, False),   # the emergency save said it waits: a save in flight, not a hang
-    (False, True),   # no word of one: nothing is being saved, the slice stopped stepping
-])
-def test_an_emergency_save_waiting_for_a_long_regular_save_is_no_hang(delayed, hung):
-    """Members made step 5 at T0; the regular save of step 4 (started at
-    T0 - 1) is still being written when h2 is preempted (T0 + 1). The
-    workers stop at the sync point and their emergency save waits for step
-    4's save (checkpoint_save_delayed). Step 4 commits at T0 + 12, 12 s
-    after the last step, and only then can the emergency save start. Before,
-    the pass that saw that commit found no save in flight and declared a
-    hang: SIGKILL mid emergency save, the steps since step 4 redone, a
-    failure counted."""
-    from elastic.policy.view import WorkerReported
-    s = spec()
-    state, view = preempted_slice()
-    observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "save of step 4",
-                                 {"step": 4, "preemption": False}), T0 - 1)
-    draining = decide(state, view, T0 + 1, s)
-    assert "draining" in draining.reason
-    if delayed:
-        observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_save_delayed",
-                                     "emergency save of step 5 waits for step 4",
-                                     {"step": 5, "waiting_for": 4, "preemption": True}), T0 + 1.5)
-    heartbeat_all(view, T0 + 11.9)
-    waiting = decide(draining.state, view, T0 + 11.9, s)
-    assert waiting.state.phase is Phase.RUNNING, waiting.reason  # (step 4's save in flight)
-    observe(view, ProgressReported("h0", "inc-h0", 1, 5, 4), T0 + 12)  # step 4 commits
-    heartbeat_all(view, T0 + 12)
-    after = decide(waiting.state, view, T0 + 12, s)
-    assert ("hang_detected" in kinds(after)) is hung, after.reason
-    if not hung:
-        assert after.state.phase is Phase.RUNNING and "draining" in after.reason, after.reason
-        # the emergency save starts and commits: a preemption, nothing lost
-        observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "emergency save",
-                                     {"step": 5, "preemption": True}), T0 + 13)
-        observe(view, ProgressReported("h0", "inc-h0", 1, 5, 5), T0 + 14)
-        heartbeat_all(view, T0 + 14)
-        done = decide(after.state, view, T0 + 14, s)
-        assert done.state.phase is Phase.STOPPING and done.state.stop_kind == "preemption"
-
-
 def test_preemption_drain_is_bounded():
     state, view = preempted_slice()
     draining = decide(state, view, T0 + 1, spec())

@@ -4,7 +4,7 @@ common step, the slice restarts without the host and resumes at the saved
 step + 1: no step is computed twice. (SIGTERM to an agent, the other way a
 host hears of its preemption, is tested in test_gcs.py, with the emergency
 checkpoint in a bucket.) The drain's decisions by table, with a fake clock,
-at the end (more in test_decide.py)."""
+at the end (more in test_decide.py), and how the drain and the hang check meet."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ import pytest
 
 from elastic.policy import decide as d
 from elastic.policy.decide import Phase, decide
-from elastic.policy.view import HeartbeatReceived, ProgressReported, WorkerState, observe
+from elastic.policy.view import (HeartbeatReceived, ProgressReported, WorkerReported,
+                                 WorkerState, observe)
 from tests.conftest import lm_spec, wait_until
-from tests.policy_tables import T0, heartbeat_all, running_slice, worker
+from tests.policy_tables import T0, heartbeat_all, kinds, running_slice, worker
 from tests.policy_tables import spec as table_spec
 from tests.test_decide import preempted_slice
+
 
 def spec(tmp_path):
     return lm_spec(tmp_path / "job.toml", "preempt-test",
@@ -200,3 +202,46 @@ def test_a_crash_of_a_member_not_leaving_is_still_a_failure():
     worker(view, "h1", T0 + 2, 1, WorkerState.EXITED, exit_code=3)
     stopping = decide(state, view, T0 + 2, s)
     assert stopping.state.stop_kind == "failure" and "h1" in stopping.state.host_failures
+
+
+# --- the drain and the hang check (table tests, fake clock) ---------------------------------
+
+@pytest.mark.parametrize("delayed,hung", [
+    (True, False),   # the emergency save said it waits: a save in flight, not a hang
+    (False, True),   # no word of one: nothing is being saved, the slice stopped stepping
+])
+def test_an_emergency_save_waiting_for_a_long_regular_save_is_no_hang(delayed, hung):
+    """Members made step 5 at T0; the regular save of step 4 (started at
+    T0 - 1) is still being written when h2 is preempted (T0 + 1). The
+    workers stop at the sync point and their emergency save waits for step
+    4's save (checkpoint_save_delayed). Step 4 commits at T0 + 12, 12 s
+    after the last step, and only then can the emergency save start. Before,
+    the pass that saw that commit found no save in flight and declared a
+    hang: SIGKILL mid emergency save, the steps since step 4 redone, a
+    failure counted."""
+    s = table_spec()
+    state, view = preempted_slice()
+    observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "save of step 4",
+                                 {"step": 4, "preemption": False}), T0 - 1)
+    draining = decide(state, view, T0 + 1, s)
+    assert "draining" in draining.reason
+    if delayed:
+        observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_save_delayed",
+                                     "emergency save of step 5 waits for step 4",
+                                     {"step": 5, "waiting_for": 4, "preemption": True}), T0 + 1.5)
+    heartbeat_all(view, T0 + 11.9)
+    waiting = decide(draining.state, view, T0 + 11.9, s)
+    assert waiting.state.phase is Phase.RUNNING, waiting.reason  # (step 4's save in flight)
+    observe(view, ProgressReported("h0", "inc-h0", 1, 5, 4), T0 + 12)  # step 4 commits
+    heartbeat_all(view, T0 + 12)
+    after = decide(waiting.state, view, T0 + 12, s)
+    assert ("hang_detected" in kinds(after)) is hung, after.reason
+    if not hung:
+        assert after.state.phase is Phase.RUNNING and "draining" in after.reason, after.reason
+        # the emergency save starts and commits: a preemption, nothing lost
+        observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "emergency save",
+                                     {"step": 5, "preemption": True}), T0 + 13)
+        observe(view, ProgressReported("h0", "inc-h0", 1, 5, 5), T0 + 14)
+        heartbeat_all(view, T0 + 14)
+        done = decide(after.state, view, T0 + 14, s)
+        assert done.state.phase is Phase.STOPPING and done.state.stop_kind == "preemption"
