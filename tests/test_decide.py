@@ -472,6 +472,7 @@ def preempted_slice():
     for h in ("h0", "h1", "h2"):
         register(view, h)
     state = running_slice(view, ["h0", "h1", "h2"])
+    view.step_time_s = 0.5  # (steps of 0.5 s learned: the hang timeout is the 10 s floor)
     relevant, facts = observe(view, HeartbeatReceived("h2", "inc-h2", view.hosts["h2"].worker,
                                                       0, "SIGTERM to the agent"), T0 + 1)
     assert relevant and [f.kind for f in facts] == ["preemption_notice"]

@@ -221,6 +221,41 @@ def test_hang_timeout_table(fixed, step_time, expected):
     assert hang_timeout(s, step_time) == expected
 
 
+@pytest.mark.parametrize("learned,second_step_at,own,now,hung", [
+    # generation 1 learned 15 s steps: 150 s, also before generation 2's second step
+    (15.0, None, None, 12.0, False),
+    (15.0, None, None, 151.0, True),
+    (15.0, None, 2.0, 21.5, True),      # generation 2's own median (2 s) counts once reported
+    # none ever reported: the startup allowance (300 s) up to the second step ...
+    (None, None, None, 250.0, False),
+    (None, None, None, 301.0, True),
+    (None, 5.0, None, 15.5, True),      # ... then the 10 s floor
+])
+def test_a_generation_uses_the_last_step_time_learned_until_it_reports_its_own(
+        learned, second_step_at, own, now, hung):
+    """Generation 2 made its first step at T0. Before, its rank 0's metrics
+    were empty until its worker reported step_time_s (after its 11th step),
+    and the limit meanwhile was the 10 s floor: a job of 15 s steps read as
+    hung at every generation's second step, and each generation's first step
+    kept the crash loop from ever ending it."""
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h, now=T0 - 300)
+        observe(view, HeartbeatReceived(h, f"inc-{h}", WorkerObs(
+            generation=1, state=WorkerState.RUNNING, pid=42, step=100,
+            metrics={"step_time_s": learned} if learned else {}), 0), T0 - 200)
+    state = running_slice(view, ["h0", "h1"], generation=2)  # a new worker: no metrics
+    if second_step_at is not None:
+        for h in ("h0", "h1"):
+            worker(view, h, T0 + second_step_at, 2, WorkerState.RUNNING, step=6)
+    if own is not None:
+        observe(view, ProgressReported("h0", "inc-h0", 2, 6, -1, {"step_time_s": own}), T0 + 1)
+        observe(view, ProgressReported("h1", "inc-h1", 2, 6, -1, {"step_time_s": own}), T0 + 1)
+    heartbeat_all(view, T0 + now)
+    decision = decide(state, view, T0 + now, spec())
+    assert ("hang_detected" in kinds(decision)) is hung, decision.reason
+
+
 def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = False,
                finishing: bool = False):
     view = ClusterView()
@@ -285,6 +320,7 @@ def test_only_a_save_of_the_running_generation_extends_the_hang_timeout(saved_by
     observe(view, WorkerReported("h0", "inc-h0", 1, "checkpoint_saved", "save of step 3",
                                  {"step": 3}), T0 - 50)
     state = running_slice(view, ["h0", "h1"], generation=2)  # step 5 at T0
+    view.step_time_s = 0.5  # (learned: the 10 s floor)
     if saved_by == 2:
         observe(view, WorkerReported("h0", "inc-h0", 2, "checkpoint_saved", "save of step 5",
                                      {"step": 5}), T0 + 1)
@@ -310,6 +346,7 @@ def test_a_commit_below_the_newest_step_ever_committed_ends_the_save_in_flight(c
     worker(view, "h0", T0 - 510, 1, WorkerState.RUNNING, step=100)
     observe(view, ProgressReported("h0", "inc-h0", 1, 100, 100), T0 - 500)
     state = running_slice(view, ["h0", "h1"], generation=2)  # step 5 at T0
+    view.step_time_s = 0.5  # (learned: the 10 s floor)
     observe(view, WorkerReported("h0", "inc-h0", 2, "checkpoint_saved", "save of step 5",
                                  {"step": 5}), T0 + 1)
     if commits is not None:
@@ -445,6 +482,7 @@ def test_a_controller_pause_does_not_count_against_the_hang_clock(progressed, pa
     if progressed:  # h0's first step at T0; h1's worker has made none yet
         worker(view, "h0", T0, 1, WorkerState.RUNNING, step=5)
         state = dataclasses.replace(state, phase=Phase.RUNNING, progressed=True)
+        view.step_time_s = 0.5  # (learned: the 10 s floor)
     paused_at = 9.0 if progressed else 200.0
     resumed = T0 + paused_at + pause_s
     view.forgive_pause(pause_s, resumed)

@@ -202,3 +202,37 @@ def test_a_commit_that_finds_the_socket_full_is_sent_later_without_blocking():
         assert Report(3, committed_step=500) in received
     finally:
         receiver.close()
+
+
+class _Steps:
+    """Records the step reports a WorkerContext makes (a ProgressReporter's
+    `step` and `event`, without a socket)."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[int, dict]] = []
+
+    def step(self, step: int, **metrics: float) -> None:
+        self.reports.append((step, metrics))
+
+    def event(self, kind: str, reason: str, **fields) -> None:
+        pass
+
+
+def test_the_step_time_is_reported_from_the_second_step_on():
+    """Before, step_time_s came with every 10th measured step only, the first
+    with the 11th step of each generation; until then the controller knew no
+    step time for the generation and a job of steps over 10 s read as hung
+    at its second step. Now each step report from the second on carries it
+    (no extra message: a field of the report sent anyway)."""
+    import logging
+
+    from elastic.worker.runtime import WorkerContext
+    steps = _Steps()
+    ctx = WorkerContext(env=None, mesh=None, process_index=1, process_count=2, generation=3,
+                        progress=steps, log=logging.getLogger("test"), timings={})
+    for step in range(3):
+        ctx.step_done(step, loss=2.0)
+    assert [s for s, _ in steps.reports] == [0, 1, 2]
+    assert "step_time_s" not in steps.reports[0][1]  # (no step measured yet)
+    for _, metrics in steps.reports[1:]:
+        assert metrics["step_time_s"] > 0 and metrics["loss"] == 2.0

@@ -2,10 +2,13 @@
 
 Pure: (members' observed records, now, spec) -> a Hang or None. A worker its
 agent reports stopped (SIGSTOP) for `hang.suspended_timeout_s` is hung at
-once, before its first step too. Otherwise the default timeout is learned from the step times the workers report:
-max(hang.min_timeout_s, hang.step_time_factor x median step time), with a
+once, before its first step too. Otherwise the default timeout is learned
+from the step times the workers report: max(hang.min_timeout_s,
+hang.step_time_factor x median step time), the last one reported (an
+earlier generation's) until the running one reports its own; with a
 separate allowance for startup (process start, distributed init, restore,
-first compile) and extra time while a checkpoint save is in flight.
+first compile; also up to the second step while no step time was ever
+reported) and extra time while a checkpoint save is in flight.
 """
 
 from __future__ import annotations
@@ -107,8 +110,7 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     # as stuck as a slice that stopped together. Finished workers are done.
     if not active:
         return None
-    step_time = members[0].worker.metrics.get("step_time_s")
-    limit = hang_timeout(spec, step_time)
+    limit, basis = _step_limit(members, active, view, spec)
     saving = view.save_in_flight(max(r.worker.generation for r in members))
     # (process 0 says so, and may well have exited before the others)
     finishing = any(r.finishing_generation and r.finishing_generation == r.worker.generation
@@ -122,11 +124,32 @@ def check_hang(members: Sequence[HostRecord], view: ClusterView, started_at: flo
     found = suspects(active)
     how = "suspended" if any(r.worker.suspended for r in active) else \
         f"no step since step {min(r.worker.step for r in active)}"
-    basis = ("fixed hang.timeout_s" if spec.hang.timeout_s else
-             f"learned from a median step of {step_time:.3f} s" if step_time else
-             "hang.min_timeout_s")
     return Hang(f"no step progress for {silent:.1f} s (timeout {limit:.1f} s, {basis}"
                 + (f", {saving}" if saving else "")
                 + (", the workers finishing" if finishing else "")
                 + f"); suspects: {', '.join(found)} ({how})", found, silent, limit,
                 singled_out(active))
+
+
+def _step_limit(members: Sequence[HostRecord], active: Sequence[HostRecord], view: ClusterView,
+                spec: JobSpec) -> tuple[float, str]:
+    """(seconds without a step before a generation past its first step is
+    hung, allowances aside; what that limit is based on). The step time is
+    rank 0's median in this generation or, until it reports one (it
+    measures one at its second step), the latest the job's workers reported
+    (ClusterView.step_time). With none ever reported, hang.startup_timeout_s
+    holds until some member's second step: the first steps after a start
+    may be slow, and nothing says how slow yet."""
+    if spec.hang.timeout_s > 0:
+        return spec.hang.timeout_s, "fixed hang.timeout_s"
+    step_time = view.step_time(members[0].worker)
+    if step_time:
+        own = step_time == members[0].worker.metrics.get("step_time_s")
+        whose = "a median step" if own else "the last median step reported"
+        return hang_timeout(spec, step_time), f"learned from {whose} of {step_time:.3f} s"
+    # (a member's step_jump turns positive at its first report above its
+    # first step of the generation: its second step)
+    if not any(r.step_jump > 0 for r in active):
+        return (spec.hang.startup_timeout_s,
+                "hang.startup_timeout_s until the second step: no step time known yet")
+    return spec.hang.min_timeout_s, "hang.min_timeout_s"

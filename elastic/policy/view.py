@@ -273,6 +273,10 @@ class ClusterView:
         # When the latest emergency save was reported failed, and why.
         self.emergency_failed_at = float("-inf")
         self.emergency_failure = ""
+        # The latest median step time (seconds) any worker reported (metric
+        # step_time_s), kept across generations: a worker measures its
+        # generation's first at its second step (see step_time).
+        self.step_time_s: float | None = None
         # Hosts whose stream ended and that have not registered since: when.
         self.disconnected: dict[str, float] = {}
         # Seconds the controller itself is behind (its loop's lag lately, see
@@ -322,6 +326,22 @@ class ClusterView:
                 self.emergency_delayed_at > max(self.emergency_save_at, self.emergency_failed_at):
             return "an emergency save waiting for the save before it"
         return ""
+
+    def step_time(self, worker: WorkerObs) -> float | None:
+        """`worker`'s median step time (seconds) if it reported one in its
+        generation, else the latest any worker of the job reported (None:
+        none ever did). A generation's workers start with no metrics, and
+        until their second step they have measured no step: without the
+        last generation's, a job of 15 s steps read as hung (the 10 s floor)
+        between the first and second steps of every generation."""
+        own = worker.metrics.get("step_time_s")
+        return own if own and own > 0 else self.step_time_s
+
+    def _learn(self, metrics: dict[str, float]) -> None:
+        """Keep the step time `metrics` carry (step_time_s, seconds), if any."""
+        value = metrics.get("step_time_s")
+        if value and value > 0:
+            self.step_time_s = value
 
     def get(self, host_id: str) -> HostRecord | None:
         """The record of `host_id`, None if it never registered."""
@@ -451,6 +471,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             unstreamed_since=old.unstreamed_since if old is not None and not old.streamed
             else now)
         view.hosts[event.host_id] = record
+        view._learn(event.worker.metrics)
         if record.unstreamed_since == now:  # (not one registering again without a stream)
             view.last_registration_at = now
         view.disconnected.pop(event.host_id, None)
@@ -486,6 +507,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
         facts = _note_commit(view, record, event.worker.generation,
                              event.worker.committed_step, now)
         changed = _merge_worker(record, event.worker, now)
+        view._learn(event.worker.metrics)
         if event.devices and (event.devices, event.device_kind) != (record.devices,
                                                                      record.device_kind):
             old = record.devices, record.device_kind
@@ -526,6 +548,7 @@ def observe(view: ClusterView, event: Event, now: float) -> tuple[bool, list[Fac
             _note_jump(record, w.step, event.step)
             if event.metrics:
                 w.metrics = dict(event.metrics)
+                view._learn(w.metrics)
         w.step = max(w.step, event.step)
         return opened or first or bool(facts), facts
     if isinstance(event, StacksReported):

@@ -262,9 +262,11 @@ class WorkerContext:
                                                 self.process_count, report)
 
     def step_done(self, step: int, **metrics: float) -> None:
-        """Call after every training step (`step` counts from 0). Reports it,
-        checks for committed saves, and after the first step journals the
-        startup phase timings. Costs microseconds; never blocks on the agent."""
+        """Call after every training step (`step` counts from 0). Reports it
+        (with `metrics`, and from the second step on the metric step_time_s:
+        the median of the last 50 step times, seconds), checks for committed
+        saves, and after the first step journals the startup phase timings.
+        Costs microseconds; never blocks on the agent."""
         now = time.perf_counter()
         if self._first_step_done:
             self._step_times.append(now - self._last_step_at)
@@ -279,7 +281,12 @@ class WorkerContext:
                     f"{k} {v:.2f} s" for k, v in self.timings.items()) + f" (total {total:.2f} s)",
                     step=step, total_s=total, launched_at=round(self.launched_at, 3),
                     traced=",".join(self.traced), **{f"{k}_s": v for k, v in self.timings.items()})
-        if self._step_times and len(self._step_times) % 10 == 0:
+        if self._step_times:
+            # from the first step time measured (the second step) on, with
+            # every report: it adds a field to the datagram sent anyway, not
+            # a message. (Every 10th, the first came with the 11th step, and
+            # a generation of steps over 10 s read as hung at its second:
+            # the controller's hang timeout is 10 s while it knows none.)
             metrics["step_time_s"] = statistics.median(self._step_times)
         self.progress.step(step, **metrics)
         if self._checkpoints is not None:
