@@ -1,5 +1,7 @@
 """Table tests of when a member is lost, carried or hung: silent agents
-(elastic.policy.silence) and hangs (elastic.policy.hang), with a fake clock."""
+(elastic.policy.silence) and hangs (elastic.policy.hang), with a fake clock;
+and the step time a generation inherits, for its hang timeout and for the
+grow decision (elastic.policy.grow)."""
 
 from __future__ import annotations
 
@@ -254,6 +256,33 @@ def test_a_generation_uses_the_last_step_time_learned_until_it_reports_its_own(
     heartbeat_all(view, T0 + now)
     decision = decide(state, view, T0 + now, spec())
     assert ("hang_detected" in kinds(decision)) is hung, decision.reason
+
+
+@pytest.mark.parametrize("learned,grows", [
+    (0.1, False),    # the last generation's 0.1 s steps: 990 steps save 33 s < 1.5 x 25 s
+    (None, True),    # no step time ever reported: nothing to weigh, grow
+])
+def test_a_grow_is_weighed_with_the_last_step_time_before_the_generation_reports_its_own(
+        learned, grows):
+    """Generation 2's worker has made its first step (step 9) and reported no
+    step time yet (it measures one at its second step). Before, grow_pays
+    read rank 0's metrics only, found "a step time is not known" in every
+    generation's first steps and grew, whatever the restart cost."""
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h, now=T0 - 100)
+        observe(view, HeartbeatReceived(h, f"inc-{h}", WorkerObs(
+            generation=1, state=WorkerState.RUNNING, pid=42, step=3,
+            metrics={"step_time_s": learned} if learned else {}), 0), T0 - 50)
+    state = running_slice(view, ["h0", "h1"], generation=2, restart_costs_s=(25.0,))
+    register(view, "h2", now=T0 + 1)
+    # generation 2's rank 0 reports the job's length with its steps, no step time yet
+    observe(view, ProgressReported("h0", "inc-h0", 2, 9, -1, {"steps_total": 1_000.0}), T0 + 1)
+    s = spec(restart={"grow": "immediately"})
+    first = decide(state, view, T0 + 1, s)
+    assert (first.state.phase is Phase.STOPPING) is grows, first.reason
+    if not grows:
+        assert kinds(first) == ["grow_declined"] and "at 0.100 s" in first.actions[0].reason
 
 
 def hang_setup(silent_s: float, suspended: str | None = None, saving: bool = False,

@@ -520,7 +520,7 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     devices_now = len(state.members) * state.devices_per_host
     pays, weighed = grow.grow_pays(devices_now, plan.devices, rank0.step,
                                    rank0.metrics.get("steps_total"),
-                                   rank0.metrics.get("step_time_s"), state.restart_costs_s)
+                                   view.step_time(rank0), state.restart_costs_s)
     if not pays:
         if state.grow_declined != plan.devices:
             actions.append(Journal("grow_declined", state.generation,

@@ -18,7 +18,10 @@ restart, the first generation's start -> first step, a lower bound).
 A job that does not say how many steps it runs (the worker reports the
 metric `steps_total` with its steps, see elastic.worker) always grows:
 without its length there is nothing to weigh. The same holds while no step
-time or cost was measured yet.
+time or cost was measured yet. The step time is rank 0's median, or until
+the running generation reports its own (at its second step), the last one
+the job's workers reported (ClusterView.step_time): before, every grow in
+a generation's first steps went ahead, "a step time is not known".
 """
 
 from __future__ import annotations
