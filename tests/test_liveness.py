@@ -500,9 +500,10 @@ def test_a_controller_pause_does_not_count_against_the_hang_clock(progressed, pa
                                                                    hung):
     """The controller did not run for `pause_s` seconds (stopped, starved,
     its VM suspended) from 200 s into the startup, or from 9 s after the
-    first step, which one member has not made yet. Before, forgive_pause moved the view's step and heartbeat clocks but not
-    phase_since, which the startup allowance counts from: a 120 s pause 200 s
-    into a 300 s startup declared a hang."""
+    first step, which one member has not made yet. Before, forgive_pause
+    moved the view's step and heartbeat clocks but not phase_since, which
+    the startup allowance (and a member with no step yet) counts from: a
+    120 s pause 200 s into a 300 s startup declared a hang."""
     s = dataclasses.replace(spec(), hang=HangSpec(startup_timeout_s=300))
     view = ClusterView()
     for h in ("h0", "h1"):
