@@ -140,6 +140,20 @@ def test_a_drain_waits_two_steps_before_taking_the_committed_step_for_the_last(
         assert after.state.phase is Phase.RUNNING and "draining" in after.reason, after.reason
 
 
+def test_a_drain_weighs_the_step_time_reported_last_before_rank_0_reports_its_own():
+    """As above with 5 s steps, but the generation's rank 0 has reported no
+    step time yet (it measures one at its second step): the job's last one
+    counts (ClusterView.step_time), not two heartbeat intervals alone."""
+    s = table_spec()
+    state, view = preempted_slice()
+    view.step_time_s = 5.0  # (an earlier generation's)
+    draining = decide(state, view, T0 + 1, s)
+    observe(view, ProgressReported("h0", "inc-h0", 1, 5, 5), T0 + 1.5)
+    heartbeat_all(view, T0 + 3.6)
+    after = decide(draining.state, view, T0 + 3.6, s)
+    assert after.state.phase is Phase.RUNNING and "draining" in after.reason, after.reason
+
+
 @pytest.mark.parametrize("how", ["sigterm_before_init", "grace_over", "host_lost"])
 def test_a_preempted_members_exit_is_a_preemption_not_a_failure(how):
     """h2's host is being taken away and its worker ends before the drain

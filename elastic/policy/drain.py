@@ -20,18 +20,18 @@ def emergency_committed(view: ClusterView, since: float) -> bool:
             and view.committed_at >= view.emergency_save_at)
 
 
-def quiet_s(rank0: HostRecord, spec: JobSpec) -> float:
+def quiet_s(rank0: HostRecord, view: ClusterView, spec: JobSpec) -> float:
     """How long (seconds) rank 0's step must have stood still before the
     drain takes it for the step the slice stopped at: two heartbeat
     intervals (a step is reported with the next heartbeat, a commit at
     once) and two of its steps (`step_time_s`, the median its worker
-    reports, known from its 10th step of a generation). JAX's sync point is
+    reports from its second step of a generation; before, the one the job
+    reported last: ClusterView.step_time). JAX's sync point is
     the step after the highest one reached when the notice came: with steps
     longer than the heartbeat intervals, it is still being computed when two
     intervals have passed, and ending the drain then killed it and its
     emergency save (an audit found it: 5 s steps, a step computed twice)."""
-    step_s = rank0.worker.metrics.get("step_time_s", 0.0)
-    return 2 * max(spec.health.heartbeat_interval_s, step_s)
+    return 2 * max(spec.health.heartbeat_interval_s, view.step_time(rank0.worker) or 0.0)
 
 
 def verdict(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
@@ -50,7 +50,7 @@ def verdict(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
         why = (f"preemption of {hosts}: emergency checkpoint step "
                f"{view.emergency_save_step} committed")
     elif rank0 is not None and 0 <= rank0.worker.step <= rank0.worker.committed_step and \
-            now - max(rank0.step_at, rank0.registered_at) >= quiet_s(rank0, spec):
+            now - max(rank0.step_at, rank0.registered_at) >= quiet_s(rank0, view, spec):
         # the step the slice stands at is committed: an emergency save this
         # controller did not see start (it was saved while no controller
         # ran, before an adoption), or a periodic one; nothing is lost. (Not
