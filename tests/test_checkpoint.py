@@ -94,6 +94,31 @@ def test_restore_on_other_topology(saved_by_four, tmp_path, proc_env, processes)
                                  "step": "P()"}
 
 
+@pytest.mark.parametrize("source", ["checkpoint", "snapshot"])
+def test_a_typed_prng_key_and_an_empty_array_come_back_as_they_were(tmp_path, proc_env, source):
+    """A state with a typed PRNG key (jax.random.key) and a zero-size array,
+    saved by 2 processes and restored by 2 fresh ones, from the committed
+    checkpoint or from the local snapshots. Before (an audit of realistic
+    training states found it): Orbax refused to save the empty array, so no
+    checkpoint was ever committed; it restored the key as raw uint32[2];
+    and the snapshots raised on the key at every restore, so a job holding
+    one never started."""
+    env = dict(proc_env, CKPT_ODD_LEAVES="1")
+    ckpt, snaps = tmp_path / "ckpt", tmp_path / "snaps" if source == "snapshot" else None
+    run_processes(2, ["save", str(ckpt), "7", str(tmp_path / "saved.json")], env, ckpt,
+                  snapshots=snaps)
+    saved = json.loads((tmp_path / "saved.json").read_text())
+    assert saved["committed"] == [7]
+    out = tmp_path / "restored.json"
+    run_processes(2, ["restore", str(ckpt), str(out)], env, ckpt, snapshots=snaps)
+    restored = json.loads(out.read_text())
+    assert restored["step"] == 7 and restored["checksums"] == saved["checksums"]
+    assert (restored["types"]["rng"], restored["types"]["pad"]) == ("key<fry>[]", "float32[0, 4]")
+    came_from = [e.get("source", "checkpoint") for e in restored["events"]
+                 if e["kind"] == "checkpoint_restored"]
+    assert came_from == [source], restored["events"]
+
+
 def test_killed_mid_save_is_ignored(tmp_path, proc_env):
     ckpt = tmp_path / "ckpt"
     run_processes(2, ["save", str(ckpt), "1", str(tmp_path / "a.json")], proc_env, ckpt)

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from elastic.checkpoint import storage
+from elastic.checkpoint import storable, storage
 from elastic.checkpoint.snapshot import LocalSnapshots, to_state
 from elastic.worker.coordination import abortable_barrier, all_gather, barrier, mark
 
@@ -415,6 +415,7 @@ class Checkpoints:
         for workers/lm on this project's machine in isolation); a forced
         or emergency save first waits for the one in flight."""
         self.poll()
+        state = storable.unwrap_keys(state)  # (typed PRNG keys as their key data)
         if self.snapshots is not None:
             self.snapshots.save(step, state, meta)
         if step == self._last_started:
@@ -460,7 +461,8 @@ class Checkpoints:
             return False
         self._writing = step
         started = self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {})),
+            state=ocp.args.StandardSave(storable.without_empty(state)),
+            meta=ocp.args.JsonSave(meta or {})),
             force=True)  # (decided above, together)
         if started:
             self._operation = _current_operation()
@@ -512,12 +514,13 @@ class Checkpoints:
         listed = all_gather(f"restore-{self._restores}-steps", self.committed_steps(),
                             RESTORE_AGREEMENT_S)
         steps = sorted(set(listed[0]).intersection(*listed[1:]))
+        stored = storable.unwrap_abstract(abstract_state)  # (keys as their key data)
         if self.snapshots is not None:
             t0 = time.perf_counter()
             newest = steps[-1] if steps else None
-            snap = self.snapshots.restore(abstract_state, newest)
+            snap = self.snapshots.restore(stored, newest)
             if snap is not None:
-                state = to_state(snap, abstract_state)
+                state = storable.wrap_keys(to_state(snap, stored), abstract_state)
                 seconds = time.perf_counter() - t0
                 sent = list(snap.sent_by)
                 fields = {"step": snap.step, "restore_s": round(seconds, 3),
@@ -540,7 +543,8 @@ class Checkpoints:
             try:  # (the step's directory: CheckpointManager's default name for it)
                 restored = self._reader.restore(self.manager.directory / str(step),
                                                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                    state=ocp.args.StandardRestore(storable.without_empty(stored)),
+                    meta=ocp.args.JsonRestore()))
             except Exception as e:  # any failure to read this step: try the previous one
                 error = f"{type(e).__name__}: {e}"[:500]
             if all(all_gather(f"restore-{self._restores}-{step}", not error,
@@ -548,7 +552,9 @@ class Checkpoints:
                 seconds = time.perf_counter() - t0
                 self.on_event("checkpoint_restored", f"restored checkpoint step {step} in "
                               f"{seconds:.2f} s", {"step": step, "restore_s": round(seconds, 3)})
-                return Restored(step, restored.state, dict(restored.meta or {}))
+                state = storable.wrap_keys(storable.with_empty(restored.state, stored),
+                                           abstract_state)
+                return Restored(step, state, dict(restored.meta or {}))
             reason = (f"checkpoint step {step} failed to restore"
                       + (f": {error}" if error else " on another process")
                       + "; trying the previous one")

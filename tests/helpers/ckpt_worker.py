@@ -37,6 +37,10 @@ if os.environ.get("CKPT_REPLICATED"):  # data parallelism: every host holds the 
     SPECS["w"] = P(None, "model")
 SHAPES = {"w": ((120, 8), jnp.float32), "b": ((8,), jnp.float32), "r": ((3, 5), jnp.float32),
           "step": ((), jnp.int32)}
+ODD = bool(os.environ.get("CKPT_ODD_LEAVES"))  # a typed PRNG key and a zero-size array too
+if ODD:
+    SPECS.update(rng=P(), pad=P())
+    SHAPES.update(pad=((0, 4), jnp.float32))  # (and rng's, once JAX is up: main)
 
 
 def make_state(step: int, big: bool) -> dict:
@@ -45,12 +49,16 @@ def make_state(step: int, big: bool) -> dict:
              "r": jnp.full((3, 5), float(step)), "step": jnp.int32(step)}
     if big:  # enough bytes that an async save is still running when the process dies
         state["big"] = jax.random.normal(key, (4096, 2048))
+    if ODD:
+        state["rng"], state["pad"] = jax.random.key(step), jnp.zeros((0, 4))
     return state
 
 
 def checksums(state: dict) -> dict:
     out = {}
     for name, value in sorted(state.items()):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value = jax.random.key_data(value)
         full = np.asarray(multihost_utils.process_allgather(value, tiled=True))
         out[name] = hashlib.sha256(full.tobytes()).hexdigest()
     return out
@@ -83,6 +91,8 @@ def main() -> int:
             return await remove(path, *args, **kwargs)
         async_path.rmtree = rmtree
     ctx = elastic.worker.init()
+    if ODD:
+        SHAPES["rng"] = ((), jax.random.key(0).dtype)
     mesh = ctx.mesh
     events = []
     interval = int(sys.argv[4]) if mode == "train" else 1
@@ -140,6 +150,7 @@ def main() -> int:
         result = {"step": restored.step, "meta": restored.meta,
                   "checksums": checksums(restored.state),
                   "specs": {k: str(v.sharding.spec) for k, v in restored.state.items()},
+                  "types": {k: f"{v.dtype}{list(v.shape)}" for k, v in restored.state.items()},
                   "mesh": dict(mesh.shape), "events": events}
     if ctx.process_index == 0:
         with open(out, "w") as f:
