@@ -163,3 +163,42 @@ def test_reports_still_queued_when_a_stream_ends_go_to_the_next_session(tmp_path
     again = fake.events[1]
     assert again == [f"e{i}" for i in range(POSTED - len(again), POSTED)], again[:3]
     assert 100 < len(again) <= UNDELIVERED_MAX, len(again)  # (past it the oldest are dropped)
+
+
+class DyingController(pb_grpc.ControllerServicer):
+    """Registers every agent, then breaks its stream at once (UNAVAILABLE),
+    as a controller killed again just after it started would; `registered`
+    is set at the `times`-th registration."""
+
+    def __init__(self, times: int) -> None:
+        self.times, self.count, self.registered = times, 0, asyncio.Event()
+
+    async def Register(self, request, context):
+        self.count += 1
+        if self.count >= self.times:
+            self.registered.set()
+        return pb.RegisterResponse(job_id="test", protocol=PROTOCOL, heartbeat_interval_s=0.1,
+                                   heartbeat_timeout_s=1.0, controller_lease_s=30.0)
+
+    async def Connect(self, request_iterator, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "controller going away")
+
+
+def test_a_registration_starts_the_reconnect_backoff_again(tmp_path, pki):
+    """A controller that registers the agent and then breaks its stream, 20
+    times in a row: the agent registers again at once each time. Before, a
+    stream broken after a registration counted as a round no controller
+    answered, and the jittered backoff went on growing (0.1 s doubling to
+    2 s: about 16 s over 20 rounds); a host came back to a restarted
+    controller 2.8 s late that way, and missed its 4 s adoption window (the
+    suite found it)."""
+    fake = DyingController(20)
+
+    async def main():
+        async with agent_of(fake, tmp_path, pki):
+            t0 = time.monotonic()
+            await asyncio.wait_for(fake.registered.wait(), 60)
+            return time.monotonic() - t0
+
+    took_s = run(main())
+    assert took_s < 10.0, f"20 registrations took {took_s:.1f} s: the backoff was not reset"
