@@ -57,3 +57,5 @@ def test_a_host_with_more_devices_puts_only_the_plans_count_in_the_mesh(tmp_path
     assert "1 host uses 1 of its devices (host-0)" in started["reason"]
     done = job.outcome()
     assert done["kind"] == "job_succeeded" and done["metrics"]["loss"] < 1e-3, done
+    # (the example commits its final state: before, its last save was of step 160)
+    assert max(e["step"] for e in job.journal() if e["kind"] == "checkpoint_committed") == 199

@@ -63,5 +63,6 @@ for step in range(start, STEPS):
     ctx.step_done(step, loss=float(loss), steps_total=STEPS)  # progress to the controller
     ckpt.save(step, state, {"next_step": step + 1})
 
+ckpt.save(STEPS - 1, state, {"next_step": STEPS}, force=True)  # the final state, committed
 ctx.log.info("done: loss %.6f", float(loss))
 ctx.finish()                                              # wait for the last save, leave together
