@@ -23,8 +23,8 @@ from elastic.config import JobSpec
 from elastic.policy import (adopt, blame, closed, crash_loop, drain, failure_history, fencing,
                             grow, quarantine, silence, strays)
 # the state and the actions (re-exported: callers name them decide.X)
-from elastic.policy.state import (Action, Decision, Finish, Journal, Phase, SliceState,  # noqa: F401
-                                  StartWorker, StopWorker)
+from elastic.policy.state import (  # noqa: F401
+    Action, Decision, Finish, Journal, Phase, SliceState, StartWorker, StopWorker)
 from elastic.policy.hang import check_hang
 from elastic.policy.mesh import MeshPlan, plan_mesh
 from elastic.policy.slice_plan import (buddy_map, next_slices, plan_keeping_replicas,
@@ -346,8 +346,8 @@ def _try_start(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             f"{view.hosts[to].address}:{view.hosts[to].service_port}" if to else "", ahead,
             tuple(senders.get(host, ()))))
     return _enter(state, Phase.STARTING, now, reason,
-                  coordinator=address, members=plan.hosts, incarnations=tuple(view.hosts[h].incarnation
-                                                         for h in plan.hosts),
+                  coordinator=address, members=plan.hosts,
+                  incarnations=tuple(view.hosts[h].incarnation for h in plan.hosts),
                   progressed=False, grow_ready_since=None,
                   devices_per_host=plan.devices_per_host, device_kind=plan.kind,
                   waiting_journaled_at=float("-inf"))
@@ -531,7 +531,8 @@ def _consider_grow(state: SliceState, view: ClusterView, now: float, spec: JobSp
     why = (f"grow from {len(state.members)} to {len(plan.hosts)} hosts"
            + (f" ({plan.devices_per_host} devices each)"
               if plan.devices_per_host != state.devices_per_host else "")
-           + (f" after checkpoint step {view.committed_step}" if policy == "after_checkpoint" else "")
+           + (f" after checkpoint step {view.committed_step}"
+              if policy == "after_checkpoint" else "")
            + f" ({weighed})")
     return _begin_stop(state, view, now, spec, actions, "grow", why, ())
 
