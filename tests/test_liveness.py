@@ -223,6 +223,19 @@ def test_hang_timeout_table(fixed, step_time, expected):
     assert hang_timeout(s, step_time) == expected
 
 
+def after_generation_1(learned: float | None, step: int, heard_at: float) -> ClusterView:
+    """h0 and h1 heard at `heard_at` (registered 100 s before) running
+    generation 1 at `step`, reporting a median step of `learned` seconds
+    (None: no step time)."""
+    view = ClusterView()
+    for h in ("h0", "h1"):
+        register(view, h, now=heard_at - 100)
+        observe(view, HeartbeatReceived(h, f"inc-{h}", WorkerObs(
+            generation=1, state=WorkerState.RUNNING, pid=42, step=step,
+            metrics={"step_time_s": learned} if learned else {}), 0), heard_at)
+    return view
+
+
 @pytest.mark.parametrize("learned,second_step_at,own,now,hung", [
     # generation 1 learned 15 s steps: 150 s, also before generation 2's second step
     (15.0, None, None, 12.0, False),
@@ -240,12 +253,7 @@ def test_a_generation_uses_the_last_step_time_learned_until_it_reports_its_own(
     and the limit meanwhile was the 10 s floor: a job of 15 s steps read as
     hung at every generation's second step, and each generation's first step
     kept the crash loop from ever ending it."""
-    view = ClusterView()
-    for h in ("h0", "h1"):
-        register(view, h, now=T0 - 300)
-        observe(view, HeartbeatReceived(h, f"inc-{h}", WorkerObs(
-            generation=1, state=WorkerState.RUNNING, pid=42, step=100,
-            metrics={"step_time_s": learned} if learned else {}), 0), T0 - 200)
+    view = after_generation_1(learned, step=100, heard_at=T0 - 200)
     state = running_slice(view, ["h0", "h1"], generation=2)  # a new worker: no metrics
     if second_step_at is not None:
         for h in ("h0", "h1"):
@@ -268,12 +276,7 @@ def test_a_grow_is_weighed_with_the_last_step_time_before_the_generation_reports
     step time yet (it measures one at its second step). Before, grow_pays
     read rank 0's metrics only, found "a step time is not known" in every
     generation's first steps and grew, whatever the restart cost."""
-    view = ClusterView()
-    for h in ("h0", "h1"):
-        register(view, h, now=T0 - 100)
-        observe(view, HeartbeatReceived(h, f"inc-{h}", WorkerObs(
-            generation=1, state=WorkerState.RUNNING, pid=42, step=3,
-            metrics={"step_time_s": learned} if learned else {}), 0), T0 - 50)
+    view = after_generation_1(learned, step=3, heard_at=T0 - 50)
     state = running_slice(view, ["h0", "h1"], generation=2, restart_costs_s=(25.0,))
     register(view, "h2", now=T0 + 1)
     # generation 2's rank 0 reports the job's length with its steps, no step time yet

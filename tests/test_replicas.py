@@ -4,6 +4,7 @@ the agents' PutReplica over real mutual TLS on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import random
 
@@ -66,20 +67,34 @@ def snapshot_file(directory: pathlib.Path, step: int, size: int = 3_000_000) -> 
     return data
 
 
-def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp_path, pki):
+@contextlib.asynccontextmanager
+async def h0_sending_to_h1(tmp_path, pki, generation, senders):
+    """h1's agent service over mutual TLS on loopback, keeping replicas in
+    tmp_path/h1 for controller run "run-1" (`generation()` and `senders()`:
+    what its worker's start said), and h0's sender of tmp_path/h0's
+    snapshots: yields (mine, theirs, store, port, sender); both stopped on
+    exit."""
     mine, theirs = tmp_path / "h0", tmp_path / "h1"
     mine.mkdir(mode=0o700)
     theirs.mkdir(mode=0o700)
+    store = ReplicaStore(theirs, lambda: "run-1", generation, senders)
+    service = AgentService("127.0.0.1:0", pki.host("h1"), str(tmp_path / "state"),
+                           replicas=lambda: store)
+    port = await service.start()
+    sender = ReplicaSender(mine, pki.host("h0"))
+    try:
+        yield mine, theirs, store, port, sender
+    finally:
+        await sender.close()
+        await service.stop()
 
+
+def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp_path, pki):
     async def main():
         now = {"generation": 2, "senders": frozenset({"h0"})}  # what h1's start said
-        store = ReplicaStore(theirs, lambda: "run-1", lambda: now["generation"],
-                             lambda: now["senders"])
-        service = AgentService("127.0.0.1:0", pki.host("h1"), str(tmp_path / "state"),
-                               replicas=lambda: store)
-        port = await service.start()
-        sender = ReplicaSender(mine, pki.host("h0"))
-        try:
+        async with h0_sending_to_h1(tmp_path, pki, lambda: now["generation"],
+                                    lambda: now["senders"]) as (mine, theirs, store, port,
+                                                                sender):
             sender.target("h1", f"127.0.0.1:{port}", "run-1", 2)
             sent = {step: snapshot_file(mine, step) for step in (10, 20, 30)}
             sender.offer(10, 2)
@@ -184,9 +199,6 @@ def test_a_host_keeps_its_buddys_snapshots_under_the_buddys_certificate_name(tmp
             assert (theirs / replica_name("h2", 50)).read_bytes() == b"abcdef"
             assert not (theirs / replica_name("h2", 60)).exists()
             assert not list(theirs.glob(".*.tmp")) and not store.receiving
-        finally:
-            await sender.close()
-            await service.stop()
 
     asyncio.run(main())
 
@@ -199,17 +211,9 @@ def test_a_late_report_of_the_generation_before_is_not_sent_as_the_new_ones(tmp_
     accepted, so a step of a line of training the new generation may have
     given up was offered at its next restore. offer() now carries the
     report's generation and drops a step of another one."""
-    mine, theirs = tmp_path / "h0", tmp_path / "h1"
-    mine.mkdir(mode=0o700)
-    theirs.mkdir(mode=0o700)
-
     async def main():
-        store = ReplicaStore(theirs, lambda: "run-1", lambda: 3, lambda: frozenset({"h0"}))
-        service = AgentService("127.0.0.1:0", pki.host("h1"), str(tmp_path / "state"),
-                               replicas=lambda: store)
-        port = await service.start()
-        sender = ReplicaSender(mine, pki.host("h0"))
-        try:
+        async with h0_sending_to_h1(tmp_path, pki, lambda: 3, lambda: frozenset({"h0"})) as (
+                mine, theirs, _, port, sender):
             sender.target("h1", f"127.0.0.1:{port}", "run-1", 3)
             snapshot_file(mine, 40)  # written by the worker of generation 2
             snapshot_file(mine, 50)
@@ -219,9 +223,6 @@ def test_a_late_report_of_the_generation_before_is_not_sent_as_the_new_ones(tmp_
             await until(lambda: sender.last_sent_step == 50)
             assert sender.sent == 1 and sender.failures_total == 0
             assert sorted(p.name for p in theirs.iterdir()) == [replica_name("h0", 50)]
-        finally:
-            await sender.close()
-            await service.stop()
 
     asyncio.run(main())
 
