@@ -37,8 +37,8 @@ def quiet_s(rank0: HostRecord, view: ClusterView, spec: JobSpec) -> float:
 def verdict(state: SliceState, view: ClusterView, now: float, spec: JobSpec,
             leaving: list[HostRecord]) -> tuple[SliceState, str | None]:
     """(state, why): why the drain for the `leaving` members is over (the
-    slice is to stop now), or None while it waits; the state notes when
-    the drain began."""
+    slice is to stop now), or None while it waits, at `now`
+    (controller-monotonic seconds); the state notes when the drain began."""
     hosts = ", ".join(f"{r.host_id} ({r.preemption})" for r in leaving)
     since = state.draining_since if state.draining_since is not None else now
     if state.draining_since is None:
