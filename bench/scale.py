@@ -30,8 +30,11 @@ mutual TLS costs. For each size:
   (every agent registered and its stream open; how many streams had sent
   their first message by then), registrations deferred by admission control,
   and hosts declared lost that were never silent (the silenced one aside:
-  should be 0; elastic.controller.lag); datagrams the kernel dropped for
-  full buffers, on the machine and on the controller's socket.
+  should be 0; elastic.controller.lag), split by whether their simulated
+  agent had in fact sent nothing for the heartbeat timeout (its client
+  process behind: the benchmark's doing, not the controller's); datagrams
+  the kernel dropped for full buffers, on the machine and on the
+  controller's socket.
 
     .venv/bin/python bench/scale.py --agents 1000 5000 10000 [--insecure]
 """
@@ -61,6 +64,10 @@ CLIENT_PROCESSES = 4
 #: agents one was not answered within 30 s (2026-11-26); the time it takes
 #: is a figure of its own.
 STATUS_TIMEOUT_S = 180.0
+#: A simulated agent's heartbeats handed over further apart than this
+#: (seconds; they are due every second) are recorded as a gap of its own
+#: sending, when its client process was behind.
+SEND_GAP_S = 2.0
 #: ioctl: the receive timestamp of the last packet a socket read (Linux, asm-generic/sockios.h)
 SIOCGSTAMP = 0x8906
 
@@ -79,7 +86,8 @@ class ArrivalStamps:
             pass  # (ENOENT: nothing read yet)
 
     def put_nowait(self, message) -> None:
-        kind = message.WhichOneof("body")
+        # (not every item is a message: elastic.agent.datagrams.WENT_TO_STREAM)
+        kind = message.WhichOneof("body") if hasattr(message, "WhichOneof") else None
         try:
             if kind in ("start", "stop"):  # (called right after the datagram was read)
                 sec, usec = struct.unpack("@ll", fcntl.ioctl(self.fd, SIOCGSTAMP, bytes(16)))
@@ -142,6 +150,17 @@ async def simulated_agent(stub, pb, address: str, host_id: str, job_id: str, rec
         await asyncio.sleep(random.uniform(0.1, 1.0))  # (real agents back off too)
 
 
+def task_failed(received: dict, host_id: str, task: asyncio.Task) -> None:
+    """A simulated agent's heartbeat or inbox task failed: counted in
+    received["tasks_failed"], the first one printed (it would leave the
+    agent silent, a host lost by the benchmark's own fault)."""
+    failed = received.setdefault("tasks_failed", {})
+    if not failed:
+        print(f"simulated agent {host_id}: {task.get_coro().__name__} failed: "
+              f"{task.exception()!r}", file=sys.stderr, flush=True)
+    failed[host_id] = failed.get(host_id, 0) + 1
+
+
 async def session(stub, pb, address: str, reply, header, status, host_id: str, received: dict,
                   silence: asyncio.Event | None) -> None:
     from elastic.agent.datagrams import open_datagrams
@@ -165,6 +184,9 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
     async def beat():
         await asyncio.sleep(random.random())  # spread the heartbeats over the second
         seq = 0
+        # when this host's last heartbeat was handed to the kernel or gRPC
+        # (across its sessions: re-registering is silence too)
+        handed_at = received.setdefault("last_handed", {})
         while silence is None or not silence.is_set():
             seq += 1
             if status.state == pb.WORKER_RUNNING:
@@ -173,12 +195,21 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
                 seq=seq, worker=status, free_port=30000 + seq % 1000, sent_at=time.time()))
             if not streamed or not datagrams.send(message):  # (as the agent does)
                 await write(message)
+                if streamed and datagrams.probe_due():  # (agent._heartbeat)
+                    datagrams.probe(pb.AgentMessage(header=header(), heartbeat=message.heartbeat))
+            now, handed = time.time(), handed_at.get(host_id)
+            if handed is not None and now - handed > SEND_GAP_S:  # this client was behind
+                received.setdefault("send_gaps", {}).setdefault(host_id, []).append(
+                    (round(handed, 3), round(now, 3)))
+            handed_at[host_id] = now
             await asyncio.sleep(1.0)
 
     async def command(message) -> None:
         """A command from the stream or a datagram (a start or a stop may
         come both ways: its first receipt counts, and is acted on, as the
         agent does)."""
+        if not hasattr(message, "WhichOneof"):
+            return  # elastic.agent.datagrams.WENT_TO_STREAM: heartbeats go on the stream now
         kind = message.WhichOneof("body")
         if kind == "start" and message.start.generation <= status.generation:
             return  # its other copy
@@ -197,6 +228,9 @@ async def session(stub, pb, address: str, reply, header, status, host_id: str, r
             await command(await acks.get())
 
     task, drainer = asyncio.create_task(beat()), asyncio.create_task(drain())
+    for t in (task, drainer):  # (a simulated agent that silently stopped beating looked,
+        t.add_done_callback(lambda t: t.cancelled() or t.exception() is None or  # to the
+                            task_failed(received, host_id, t))  # benchmark, like a lost host)
     # like the real agent, no first answer on the stream this long: register again
     first_answer_s = first_answer_wait_s(reply.heartbeat_timeout_s, reply.stream_wait_s, None)
     answered = False
@@ -293,6 +327,11 @@ async def client_main(address: str, job_id: str, first: int, count: int, out: st
     await asyncio.wait(tasks, timeout=10)  # (their sessions record how they ended)
     lag.cancel()
     received["client_max_lag_s"] = {str(first): worst[0]}
+    now = time.time()  # (a gap still open at the end: sim-00000's silence among them)
+    for host, handed in received.pop("last_handed", {}).items():
+        if now - handed > SEND_GAP_S:
+            received.setdefault("send_gaps", {}).setdefault(host, []).append(
+                (round(handed, 3), round(now, 3)))
     received["session_ended"] = {f"{k}#{first}": v for k, v in received.get("session_ended", {}).items()}
     pathlib.Path(out).write_text(json.dumps(received))
     os._exit(0)  # skip channel teardown of thousands of streams
@@ -419,6 +458,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def split_losses(losses: list[dict], send_gaps: dict, timeout_s: float
+                 ) -> tuple[list[dict], list[tuple[dict, float]]]:
+    """Split `losses` (host_lost journal entries of hosts never silenced)
+    by their senders: (those whose simulated agent had handed over no
+    heartbeat for at least `timeout_s` seconds up to the entry's time, by
+    `send_gaps` ({host: [(last handed, next handed)]}, wall-clock seconds,
+    gaps over SEND_GAP_S); [(each other entry, the seconds its agent had
+    sent nothing by then: under SEND_GAP_S when no gap spans it)])."""
+    unsent, unread = [], []
+    for e in losses:
+        quiet_s = max((e["ts"] - a for a, b in send_gaps.get(e["host"], ())
+                       if a <= e["ts"] <= b), default=0.0)
+        if quiet_s >= timeout_s:
+            unsent.append(e)
+        else:
+            unread.append((e, round(quiet_s, 3)))
+    return unsent, unread
+
+
 def run_size(n: int, steady_s: float, insecure: bool, stream_heartbeats: bool = False,
              keep: bool = False) -> dict:
     from elastic.controller.journal import read_journal
@@ -541,6 +599,7 @@ startup_timeout_s = 600.0
         for e in falsely_lost:
             k = str(int(e["host"].removeprefix("sim-")) // per)
             by_client[k] = by_client.get(k, 0) + 1
+        unsent, unread = split_losses(falsely_lost, received.get("send_gaps", {}), 5.0)
         return {
             "agents": n,
             "tls": not insecure,
@@ -583,6 +642,22 @@ startup_timeout_s = 600.0
             "false_host_lost": len(falsely_lost),
             # ... by the client process that simulated them (is one client stalled?)
             "false_host_lost_by_client": by_client,
+            # ... of which the simulated agent had sent nothing for the
+            # heartbeat timeout (its client process was behind: no fault of
+            # the controller's), and the others: each host's silence as the
+            # controller judged it and as its sender did (seconds; at most 20)
+            "false_host_lost_unsent": len(unsent),
+            # simulated agents whose heartbeat or inbox task failed (must be 0)
+            "agent_tasks_failed": sum(received.get("tasks_failed", {}).values()),
+            "false_host_lost_unread": [[e["host"], round(e["ts"] - first_ts, 1), e["silent_s"],
+                                        unsent_s, e.get("controller_lag_s")]
+                                       for e, unsent_s in unread[:20]],
+            "false_host_lost_unread_count": len(unread),
+            # gaps in the simulated agents' sending (the silenced one aside)
+            "send_gaps": sum(len(g) for h, g in received.get("send_gaps", {}).items()
+                             if h != "sim-00000"),
+            "longest_send_gap_s": max((b - a for h, g in received.get("send_gaps", {}).items()
+                                       if h != "sim-00000" for a, b in g), default=0.0),
             # a new call once a second from a third process (is gRPC's intake stalled?)
             "intake_probe": probe.summary(first_ts),
             "max_controller_lag_s": max((e.get("controller_lag_s", 0.0) for e in journal
