@@ -4,7 +4,8 @@ the same seeded faults.
 Two arms, one after the other, each for `--duration` seconds on `--hosts`
 processes x 2 CPU devices, with the same fault schedule
 (elastic.chaos.schedule: the same seed gives the same gaps, kinds and host
-picks; each fault waits, as elastic.chaos does, until the job steps):
+picks; each fault comes at its time on one timeline from the arm's start,
+as elastic.chaos times them, once the job steps):
   elastic     -- workers/lm under `elasticd local` (bench/soak.py's setup);
   restart-all -- bench/plain_lm.py (jax.distributed with its 10 s heartbeat
                  timeout, Orbax async checkpoints and its preemption save,
@@ -58,7 +59,7 @@ import time
 
 from common import add_keep_flag, lm_job, machine, work_dir, write_result
 
-from elastic.chaos import Chaos, ChaosSpec, schedule
+from elastic.chaos import Chaos, ChaosSpec, faults_scheduled, schedule
 from elastic.checkpoint.emulator import free_port
 from elastic.config import load_spec
 from elastic.controller.journal import read_journal
@@ -200,7 +201,7 @@ def run_restart_all(args, spec: ChaosSpec, host_down_s: float) -> dict:
         t0 = time.monotonic()
         deadline = t0 + args.duration
         gap, kind, pick = next(faults)
-        due = t0 + gap
+        due = t0 + gap  # (each fault at its own time from the start, as elastic.chaos)
         injected = 0
         try:
             while time.monotonic() < deadline:
@@ -209,13 +210,14 @@ def run_restart_all(args, spec: ChaosSpec, host_down_s: float) -> dict:
                     sup.inject(kind, int(pick * args.hosts))
                     injected += 1
                     gap, kind, pick = next(faults)
-                    due = time.monotonic() + gap
+                    due += gap
                 time.sleep(0.05)
             last = last_progress(sup.progress_log)
         finally:
             if sup.running:
                 sup.stop_all("the end")
         return {"steps": last["step"] + 1 if last else 0, "faults_injected": injected,
+                "faults_scheduled": faults_scheduled(spec, args.duration),
                 "starts": sum(what == "start" for _, what in sup.events),
                 "step_s": undisturbed_step_s(sup.progress_log), "work": str(work),
                 "events": [what for _, what in sup.events]}
@@ -261,6 +263,9 @@ def run_elastic(args, spec: ChaosSpec, spec_path: pathlib.Path) -> dict:
         finally:
             chaos.stop()
             stop_slice(local)
+    if chaos.error is not None:
+        raise RuntimeError(f"the fault injector failed after {chaos.injected} faults "
+                           f"({chaos.error!r}): the run is void, {state}")
     journal = list(read_journal(state))
     end = t0 + args.duration
     started = [e for e in journal if e["kind"] == "generation_started"]
@@ -274,6 +279,7 @@ def run_elastic(args, spec: ChaosSpec, spec_path: pathlib.Path) -> dict:
     return {"steps": samples[-1]["step"] + 1 if samples else 0,
             "full_size_steps": round(full_size_steps(samples, hosts_of, args.hosts), 1),
             "faults_injected": chaos.injected,
+            "faults_scheduled": faults_scheduled(spec, args.duration),
             "starts": len(started), "report_ettr": account(journal).ettr,
             "seconds_at_hosts": {n: round(s, 1) for n, s in sizes.items()},
             "state": str(state)}
@@ -334,7 +340,8 @@ def main() -> int:
                                  sorted(r["seconds_at_hosts"].items(), reverse=True))
                      if arm == "elastic" else "")
             print(f"{arm:12}: {r['steps']} steps, ETTR {100 * r['ettr']:.1f} %, "
-                  f"{r['faults_injected']} faults, {r['starts']} starts{extra}")
+                  f"{r['faults_injected']} faults of {r['faults_scheduled']} scheduled, "
+                  f"{r['starts']} starts{extra}")
         if len(results) == 2:
             plain = max(results["restart-all"]["ettr"], 1e-9)
             ratio = results["elastic"]["ettr"] / plain

@@ -35,8 +35,9 @@ elastic.local.network); elsewhere they are skipped with a journaled message
 - kill-controller: SIGKILL the controller; it starts again at the same
   address after CONTROLLER_RESTART_S, as systemd restarts it, and adopts the
   running slice (with a standby, `elasticd local --standby`, the standby
-  takes over at once and the killed one comes back as the standby) (the HOST is not used; needs the launcher that owns the
-  controller: `elasticd local`, not `elasticd chaos`);
+  takes over at once and the killed one comes back as the standby) (the
+  HOST is not used; needs the launcher that owns the controller: `elasticd
+  local`, not `elasticd chaos`);
 - stop-controller: SIGSTOP the controller for away_s (heartbeat timeout
   + 2 s), then SIGCONT: a controller starved or suspended that long must
   not take its own pause for the hosts' silence (journaled as
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import pathlib
 import random
@@ -67,11 +69,14 @@ from collections.abc import Callable
 import grpc
 
 from elastic import simdevices
+from elastic.clock import Clock, SystemClock
 from elastic.controller.journal import JournalTail, JournalWriter
 from elastic.controller.status import fetch_status, slice_step
 from elastic.faults import Fault
 from elastic.procs import alive, signal_group, signal_pid
 from elastic.security.tls import TLSFiles
+
+log = logging.getLogger("elastic.chaos")
 
 #: Seconds until a device taken by `lose-device` comes back: long enough that
 #: the slice has restarted without it, as a repair would take far longer.
@@ -161,10 +166,24 @@ def schedule(spec: ChaosSpec, n: int) -> list[tuple[float, str, float]]:
             for _ in range(n)]
 
 
+def faults_scheduled(spec: ChaosSpec, duration_s: float) -> int:
+    """How many of `spec`'s faults (at most `spec.count`) are due within
+    `duration_s` seconds of the start, on the one timeline Chaos keeps: what
+    a run of that length should deliver. Pure."""
+    due, n = 0.0, 0
+    for gap, _, _ in schedule(spec, spec.count if spec.count is not None else 100_000):
+        due += gap
+        if due >= duration_s:
+            break
+        n += 1
+    return n
+
+
 class Chaos(threading.Thread):
     """Injects faults into the slice whose controller is at `address`
-    (status read with the operator bundle `tls`), journaling into `state_dir`: at random from `spec`, and the `planned`
-    ones when their triggers come.
+    (status read with the operator bundle `tls`), journaling into
+    `state_dir`: at random from `spec`, and the `planned` ones when their
+    triggers come.
 
     restart_agent(host_id): start that host's agent again (the caller owns
     the process); returning False means not yet (the old process is still
@@ -178,7 +197,15 @@ class Chaos(threading.Thread):
     network: the isolated hosts' network (elastic.local.network.NetworkPlan)
     for the network kinds. controller: (kill, restart) of the controller
     for kill-controller (kill returns the pid it killed and what happens
-    next, for the journal).
+    next, for the journal). clock: for the random faults' timeline.
+
+    The random faults come at their own times on one timeline from the
+    start (a fault comes whether or not the slice has recovered from the
+    last one), each once the slice runs; an injection that takes long (a
+    kill-during-save waits for a save) does not push the later ones back.
+    `injected` counts the faults made; `error` is the exception that ended
+    the injector early, or None (logged too: an injector that died
+    silently would leave the rest of a benchmark's run without faults).
     """
 
     def __init__(self, spec: ChaosSpec | None, address: str, tls: TLSFiles | None,
@@ -186,9 +213,11 @@ class Chaos(threading.Thread):
                  Callable[[str], None], agent_pid: Callable[[str], int],
                  heartbeat_timeout_s: float, planned: list[Fault] | None = None,
                  keep_running: bool = False, storage=None, network=None,
-                 controller: tuple[Callable[[], tuple[int, str]], Callable[[], None]] | None = None
-                 ) -> None:
+                 controller: tuple[Callable[[], tuple[int, str]], Callable[[], None]] | None = None,
+                 clock: Clock | None = None) -> None:
         super().__init__(daemon=True)
+        self.clock = clock or SystemClock()
+        self.error: Exception | None = None
         self.storage, self.network, self.controller = storage, network, controller
         self.keep_running = keep_running
         self.spec, self.address, self.tls, self.state_dir = spec, address, tls, state_dir
@@ -228,10 +257,10 @@ class Chaos(threading.Thread):
 
     def _later(self, delay_s: float, action: Callable[[], None]) -> None:
         with self._lock:
-            self._pending.append((time.monotonic() + delay_s, action))
+            self._pending.append((self.clock.monotonic() + delay_s, action))
 
     def _run_due(self) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self._lock:
             due = [p for p in self._pending if p[0] <= now]
             self._pending = [p for p in self._pending if p[0] > now]
@@ -239,13 +268,14 @@ class Chaos(threading.Thread):
             action()
 
     def _wait(self, seconds: float) -> bool:
-        """Sleep `seconds` while running due actions; False when stopped."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        """Sleep `seconds` (none if not positive) while running due
+        actions; False when stopped."""
+        deadline = self.clock.monotonic() + seconds
+        while self.clock.monotonic() < deadline:
             self._run_due()
-            if self._halt.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if self._halt.wait(min(0.1, max(0.0, deadline - self.clock.monotonic()))):
                 return False
-        return True
+        return not self._halt.is_set()
 
     def _running_status(self):
         """The status once the slice runs (and has stepped); None when stopped."""
@@ -261,17 +291,22 @@ class Chaos(threading.Thread):
         return None
 
     def run(self) -> None:
-        if self.planned:
-            self._run_planned()
-        if self.spec is not None:
-            self._run_random()
+        try:
+            if self.planned:
+                self._run_planned()
+            if self.spec is not None:
+                self._run_random()
+        except Exception as e:  # noqa: BLE001 - kept and said: no more faults come
+            self.error = e
+            log.exception("the fault injector failed after %d faults; no more are injected",
+                          self.injected)
         # bring back what is due back (and, with keep_running, serve faults
         # injected from outside through inject())
         while (self._pending or self.keep_running) and not self._halt.is_set():
             self._wait(0.2)
 
     def _run_planned(self) -> None:
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         order = list(self.planned)  # an after= trigger is armed once those before it fired
         tail = JournalTail(self.state_dir, from_end=True)
         journaled: set[str] = set()  # kinds written since the last planned injection
@@ -285,7 +320,8 @@ class Chaos(threading.Thread):
             for fault in list(self.planned):
                 armed = fault.after is None or all(f not in self.planned
                                                    for f in order[:order.index(fault)])
-                if not armed or not fault.due(step, time.monotonic() - t0, frozenset(journaled)):
+                elapsed_s = self.clock.monotonic() - t0
+                if not armed or not fault.due(step, elapsed_s, frozenset(journaled)):
                     continue
                 host = next((h for h in status.hosts if h.host_id == fault.host
                              or (fault.kind in JOB_KINDS and h.state == "member")
@@ -299,8 +335,10 @@ class Chaos(threading.Thread):
 
     def _run_random(self) -> None:
         n = self.spec.count if self.spec.count is not None else 100_000
+        t0, due = self.clock.monotonic(), 0.0
         for gap, kind, pick in schedule(self.spec, n):
-            if not self._wait(gap):
+            due += gap  # (seconds from the start: see the class's docstring)
+            if not self._wait(t0 + due - self.clock.monotonic()):
                 return
             status = self._running_status()
             if status is None:
@@ -311,8 +349,11 @@ class Chaos(threading.Thread):
             self.inject(kind, host, status)
             self.injected += 1
 
-    def _record(self, kind: str, host, status, pids: list[int], note: str = "") -> None:
-        self.journal.write(time.time(), "fault_injected", status.generation,
+    def _record(self, kind: str, host, status, pids: list[int], note: str = "",
+                at: float | None = None) -> None:
+        """Journal a fault made at `at` (wall-clock seconds; default now, for
+        a fault journaled before it is made)."""
+        self.journal.write(time.time() if at is None else at, "fault_injected", status.generation,
                            f"chaos: {kind} {host.host_id} (slice at step {slice_step(status)})"
                            + (f"; {note}" if note else ""), host.host_id,
                            {"fault": kind, "step": slice_step(status), "pids": pids})
@@ -335,7 +376,10 @@ class Chaos(threading.Thread):
         if kind == "kill-during-save":
             since = time.time()
             saved = self._wait_for_save(since, timeout_s=120)
-            status = self._status()
+            try:
+                status = self._status()
+            except grpc.RpcError:
+                pass  # (the status of before the wait: the worker's pid is the same)
             host = next((x for x in status.hosts if x.host_id == h), host)
             worker = host.worker_pid
             note = f"save of step {saved['step']} in flight" if saved else "no save came; killed"
@@ -384,8 +428,9 @@ class Chaos(threading.Thread):
                                {"fault": "kill-controller"})
             return
         kill, restart = self.controller
+        at = time.time()  # (kill() returns once the process is reaped)
         pid, then = kill()
-        self.journal.write(time.time(), "fault_injected", status.generation,
+        self.journal.write(at, "fault_injected", status.generation,
                            f"chaos: kill-controller (slice at step {step}); {then}", None,
                            {"fault": "kill-controller", "step": step, "pids": [pid]})
         self._later(CONTROLLER_RESTART_S, restart)
@@ -402,9 +447,9 @@ class Chaos(threading.Thread):
                                f"stop-controller: no controller pid in {LOCAL_FILE} ({e})",
                                None, {"fault": "stop-controller"})
             return
-        step = slice_step(status)
+        step, at = slice_step(status), time.time()
         signal_pid(pid, signal.SIGSTOP)
-        self.journal.write(time.time(), "fault_injected", status.generation,
+        self.journal.write(at, "fault_injected", status.generation,
                            f"chaos: stop-controller (slice at step {step}); SIGCONT in "
                            f"{self.away_s:g} s", None,
                            {"fault": "stop-controller", "step": step, "pids": [pid]})
@@ -466,8 +511,9 @@ class Chaos(threading.Thread):
                           f"link throttled to {SLOW_LINK_KBIT} kbit/s", SLOW_LINK_S),
         }
         apply, what, duration = faults[kind]
+        at = time.time()  # (the namespace commands take a while)
         apply(True)
-        self._record(kind, host, status, [], f"{what} for {duration:g} s")
+        self._record(kind, host, status, [], f"{what} for {duration:g} s", at)
 
         def healed() -> None:
             apply(False)
@@ -492,8 +538,8 @@ class Chaos(threading.Thread):
 
     def _wait_for_save(self, since: float, timeout_s: float) -> dict | None:
         tail = JournalTail(self.state_dir)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self._halt.is_set():
+        deadline = self.clock.monotonic() + timeout_s
+        while self.clock.monotonic() < deadline and not self._halt.is_set():
             for e in tail.read():
                 if e["kind"] == "checkpoint_saved" and e["ts"] >= since:
                     return e

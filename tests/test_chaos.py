@@ -208,3 +208,77 @@ def test_a_host_comes_back_even_when_its_old_agent_is_slow_to_be_reaped(tmp_path
             agent.kill()
             agent.wait()
     assert calls == ["host-1"] * 3
+
+
+def _one_member_status():
+    from types import SimpleNamespace
+    return SimpleNamespace(generation=1, hosts=[SimpleNamespace(host_id="host-1",
+                                                                state="member")])
+
+
+def test_random_faults_keep_to_their_timeline_however_long_an_injection_takes(tmp_path):
+    """Each fault comes at its own time from the start (on a fake clock);
+    an injection that takes long (a kill-during-save waits for a save) does
+    not push the later ones back. Before, each gap began when the last
+    injection returned: the soak at one fault per 15 s delivered 34 of the
+    37 faults its 600 s scheduled."""
+    import itertools
+
+    from elastic.chaos import Chaos
+    from elastic.clock import FakeClock
+
+    spec = parse_chaos("mtbf=10,seed=3,kinds=kill-worker,count=8")
+    clock = FakeClock()
+    chaos = Chaos(spec, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 5.0,
+                  clock=clock)
+    t0, made = clock.monotonic(), []
+
+    def wait(seconds: float) -> bool:
+        clock.advance(max(0.0, seconds))
+        return True
+
+    def inject(kind, host, status) -> None:
+        made.append(clock.monotonic() - t0)
+        clock.advance(6.0)  # this injection's own time
+
+    chaos._wait, chaos.inject, chaos._running_status = wait, inject, _one_member_status
+    chaos._run_random()
+    chaos.stop()
+    due = list(itertools.accumulate(gap for gap, _, _ in schedule(spec, 8)))
+    expected = []
+    for at in due:  # at its time, or as soon as the one before is done
+        expected.append(max(at, expected[-1] + 6.0) if expected else at)
+    assert made == pytest.approx(expected)
+    assert chaos.injected == 8
+
+
+def test_an_injector_that_fails_keeps_its_error(tmp_path):
+    """A fault that raises ends the injector: the error is kept for the
+    benchmark to fail on, not lost with the thread (a soak whose injector
+    died read as a run with fewer faults)."""
+    from elastic.chaos import Chaos
+
+    chaos = Chaos(parse_chaos("mtbf=0.01,seed=1,kinds=kill-worker,count=3"), "127.0.0.1:1",
+                  None, tmp_path, lambda h: None, lambda h: 0, 5.0)
+
+    def inject(kind, host, status) -> None:
+        raise RuntimeError("the status call failed")
+
+    chaos.inject, chaos._running_status = inject, _one_member_status
+    chaos.start()
+    chaos.join(30)
+    chaos.stop()
+    assert not chaos.is_alive()
+    assert isinstance(chaos.error, RuntimeError) and chaos.injected == 0
+
+
+def test_faults_scheduled_counts_those_due_within_the_duration():
+    import itertools
+
+    from elastic.chaos import faults_scheduled
+
+    spec = parse_chaos("mtbf=60,seed=1")
+    due = list(itertools.accumulate(gap for gap, _, _ in schedule(spec, 200)))
+    assert faults_scheduled(spec, 600) == sum(at < 600 for at in due) > 0
+    assert faults_scheduled(parse_chaos("mtbf=60,seed=1,count=3"), 10_000) == 3
+    assert faults_scheduled(spec, 0) == 0
