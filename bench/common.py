@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pathlib
 import platform
@@ -79,8 +80,23 @@ def summarize(values: list[float]) -> dict:
     """Median, p95, min, max (seconds) and count."""
     ordered = sorted(values)
     return {"median_s": round(statistics.median(ordered), 3),
-            "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
+            # (nearest rank: the smallest value with 95 % of them at or below it)
+            "p95_s": round(ordered[math.ceil(0.95 * len(ordered)) - 1], 3),
             "min_s": round(ordered[0], 3), "max_s": round(ordered[-1], 3), "n": len(ordered)}
+
+
+def step_window(times_path: pathlib.Path, first: int) -> tuple[float, float]:
+    """(mean, median) step time in seconds over steps [first, end) of a
+    workers/lm --step-times file written by a run that started at step 0.
+    The mean counts every step's share of the time, the slow ones too (a
+    snapshot's, a save's); the median leaves those out. Raises RuntimeError
+    when the run restarted."""
+    recorded = json.loads(times_path.read_text())
+    if recorded["first_step"] != 0:
+        raise RuntimeError(f"{times_path}: the run restarted (first step {recorded['first_step']})")
+    ends = recorded["ends"][first - 1:]
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    return (ends[-1] - ends[0]) / len(gaps), statistics.median(gaps)
 
 
 def machine() -> str:

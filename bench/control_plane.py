@@ -89,9 +89,11 @@ def main() -> int:
                 victim = reported_host(local, f"host-{trial % args.hosts}")
                 t0 = time.time()
                 signal_pid(victim.worker_pid, signal.SIGKILL)
-                stopping = wait_entry(state, "slice_stopping", generation=generation)
-                started = wait_entry(state, "generation_started", generation=generation + 1)
-                first = wait_entry(state, "first_progress", generation=generation + 1)
+                stopping = wait_entry(state, "slice_stopping", generation=generation, after_ts=t0)
+                started = wait_entry(state, "generation_started", generation=generation + 1,
+                                     after_ts=t0)
+                first = wait_entry(state, "first_progress", generation=generation + 1,
+                                   after_ts=t0)
                 rows["worker_kill_to_detection"].append(stopping["ts"] - t0)
                 rows["worker_kill_to_generation_started"].append(started["ts"] - t0)
                 rows["worker_kill_to_first_progress"].append(first["ts"] - t0)

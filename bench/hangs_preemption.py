@@ -1,9 +1,11 @@
 """Benchmark: hang and preemption handling on the reference workload
 (workers/lm, 4 local hosts x 2 CPU devices, default hang settings).
 
-- SIGSTOP a worker -> `hang_detected` (the controller's hang timeout is
-  learned: max(10 s, 10 x median step)), then -> first step of the next
-  generation;
+- SIGSTOP a worker -> `hang_detected`, then -> first step of the next
+  generation. The agent sees the stopped process and reports it, and the
+  controller ends it after `hang.suspended_timeout_s` (2 s): a SIGSTOP is
+  not a hang of the code, which only the learned step timeout (max(10 s,
+  10 x the median step)) or a stuck collective finds, later;
 - SIGTERM an agent (preemption) -> emergency checkpoint committed, and -> first
   step of the next generation (without that host); the agent is then started
   again and the slice grows back to 4 hosts before the next trial.

@@ -18,7 +18,6 @@ over the rounds (this machine is shared: one run is not a figure).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -26,24 +25,14 @@ import subprocess
 import sys
 import time
 
-from common import add_keep_flag, lm_job, machine, run_in_one_generation, work_dir, write_result
+from common import (add_keep_flag, lm_job, machine, run_in_one_generation, step_window,
+                    work_dir, write_result)
 
 from elastic.checkpoint.emulator import free_port
 from elastic.config import load_spec
 from elastic.local import start_slice
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def window(times_path: pathlib.Path, first: int) -> tuple[float, float]:
-    """(mean, median) step time in seconds over steps [first, end) of a
-    --step-times file written by a run that started at step 0."""
-    recorded = json.loads(times_path.read_text())
-    if recorded["first_step"] != 0:
-        raise RuntimeError(f"{times_path}: the run restarted (first step {recorded['first_step']})")
-    ends = recorded["ends"][first - 1:]
-    gaps = [b - a for a, b in zip(ends, ends[1:])]
-    return (ends[-1] - ends[0]) / len(gaps), statistics.median(gaps)
 
 
 def run_plain(work: pathlib.Path, hosts: int, steps: int, timeout_s: float) -> pathlib.Path:
@@ -100,8 +89,8 @@ def main() -> int:
     for r in range(args.rounds):
         for kind, run in (("plain", run_plain), ("elastic", run_elastic)):
             with work_dir(f"elastic-steady-{kind}-", args.keep) as work:
-                mean, median = window(run(work, args.hosts, args.steps, args.timeout_s),
-                                      args.first)
+                mean, median = step_window(run(work, args.hosts, args.steps, args.timeout_s),
+                                           args.first)
             runs[kind].append((mean, median))
             print(f"round {r + 1}: {kind:7}: mean step {mean:.4f} s, median {median:.4f} s "
                   f"(steps {args.first}-{args.steps - 1})", flush=True)
