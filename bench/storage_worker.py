@@ -1,7 +1,9 @@
 """Helper of bench/checkpoint_storage.py: one JAX process (2 CPU devices)
 saves a state of a given size to a checkpoint directory `--trials` times
 through elastic.checkpoint.Checkpoints (Orbax, async), and restores it;
-prints one JSON line with the seconds of each phase.
+prints one JSON line with the seconds of each phase. A save and a restore
+before the trials warm up (tracing, Orbax's and the storage client's first
+use) and are not counted.
 
     storage_worker.py DIR BYTES TRIALS
 """
@@ -35,22 +37,25 @@ def main() -> int:
     sharding = NamedSharding(ctx.mesh, P("data"))
     ckpt = ctx.checkpoints(interval_steps=1, max_to_keep=2, snapshot_every=0)
     saves, commits, restores = [], [], []
-    for step in range(trials):
+    for step in range(trials + 1):  # (step 0: the warm-up)
         # random values: a constant array would compress to nothing
         state = {"w": jax.jit(lambda: jax.random.normal(jax.random.key(step), (rows, 1024)),
                               out_shardings=sharding)()}
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         assert ckpt.save(step, state, {"step": step}, force=True)
-        saves.append(time.perf_counter() - t0)
+        blocked_s = time.perf_counter() - t0
         ckpt.wait()
-        commits.append(time.perf_counter() - t0)
+        if step:
+            saves.append(blocked_s)
+            commits.append(time.perf_counter() - t0)
     abstract = {"w": jax.ShapeDtypeStruct((rows, 1024), jnp.float32, sharding=sharding)}
-    for _ in range(trials):
+    for trial in range(trials + 1):  # (the first: the warm-up)
         t0 = time.perf_counter()
         restored = ckpt.restore_latest(abstract)
         jax.block_until_ready(restored.state)
-        restores.append(time.perf_counter() - t0)
+        if trial:
+            restores.append(time.perf_counter() - t0)
     print(json.dumps({"bytes": rows * 1024 * 4, "save_blocking_s": saves, "commit_s": commits,
                       "restore_s": restores}), flush=True)
     ctx.finish()
