@@ -201,8 +201,10 @@ class Chaos(threading.Thread):
 
     The random faults come at their own times on one timeline from the
     start (a fault comes whether or not the slice has recovered from the
-    last one), each once the slice runs; an injection that takes long (a
-    kill-during-save waits for a save) does not push the later ones back.
+    last one), each once the slice runs. A kill-during-save waits for the
+    next save in a thread of its own, and the faults due meanwhile come at
+    their times (it then kills the worker its host runs by then); before,
+    they all came at once when it was done, and one restart took them all.
     `injected` counts the faults made; `error` is the exception that ended
     the injector early, or None (logged too: an injector that died
     silently would leave the rest of a benchmark's run without faults).
@@ -346,8 +348,24 @@ class Chaos(threading.Thread):
             members = sorted((h for h in status.hosts if h.state == "member"),
                              key=lambda h: h.host_id)
             host = members[int(pick * len(members))]
-            self.inject(kind, host, status)
+            if kind == "kill-during-save":  # (it waits for a save: the timeline goes on)
+                self._in_background(kind, lambda host=host, status=status:
+                                    self.inject("kill-during-save", host, status))
+            else:
+                self.inject(kind, host, status)
             self.injected += 1
+
+    def _in_background(self, name: str, action: Callable[[], None]) -> None:
+        """Run `action` in a daemon thread of its own; an exception it
+        raises is kept in `error`, as the injector's own would be."""
+        def run() -> None:
+            try:
+                action()
+            except Exception as e:  # noqa: BLE001 - kept and said
+                self.error = self.error or e
+                log.exception("the fault injector's %s failed", name)
+
+        threading.Thread(target=run, name=f"chaos-{name}", daemon=True).start()
 
     def _record(self, kind: str, host, status, pids: list[int], note: str = "",
                 at: float | None = None) -> None:
@@ -376,6 +394,8 @@ class Chaos(threading.Thread):
         if kind == "kill-during-save":
             since = time.time()
             saved = self._wait_for_save(since, timeout_s=120)
+            if self._halt.is_set():
+                return  # (stopped while it waited: nothing is killed)
             try:
                 status = self._status()
             except grpc.RpcError:

@@ -282,3 +282,48 @@ def test_faults_scheduled_counts_those_due_within_the_duration():
     assert faults_scheduled(spec, 600) == sum(at < 600 for at in due) > 0
     assert faults_scheduled(parse_chaos("mtbf=60,seed=1,count=3"), 10_000) == 3
     assert faults_scheduled(spec, 0) == 0
+
+
+def test_a_kill_during_save_waits_for_its_save_off_the_timeline(tmp_path):
+    """A kill-during-save waits for the next save in a thread of its own:
+    the faults due meanwhile come at their times (on a fake clock), not all
+    at once when its save comes, where one restart took them all."""
+    import itertools
+    import threading
+
+    from elastic.chaos import Chaos
+    from elastic.clock import FakeClock
+
+    spec = parse_chaos("mtbf=10,seed=1,kinds=kill-during-save+kill-worker,count=6")
+    planned = schedule(spec, 6)
+    kinds = [kind for _, kind, _ in planned]
+    assert kinds[0] == "kill-during-save" and kinds.count("kill-worker") == 2
+    clock = FakeClock()
+    chaos = Chaos(spec, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 5.0,
+                  clock=clock)
+    t0, made, save = clock.monotonic(), [], threading.Event()
+
+    def wait(seconds: float) -> bool:
+        clock.advance(max(0.0, seconds))
+        return True
+
+    def inject(kind, host, status) -> None:
+        if kind == "kill-during-save":
+            assert save.wait(30)  # (the save comes once the timeline is done)
+        made.append((kind, clock.monotonic() - t0))
+
+    chaos._wait, chaos.inject, chaos._running_status = wait, inject, _one_member_status
+    try:
+        chaos._run_random()
+        due = list(itertools.accumulate(gap for gap, _, _ in planned))
+        # the worker kills came at their times while every kill-during-save waited
+        assert made == [("kill-worker", pytest.approx(at))
+                        for kind, at in zip(kinds, due) if kind == "kill-worker"]
+    finally:
+        save.set()
+        for thread in threading.enumerate():
+            if thread.name == "chaos-kill-during-save":
+                thread.join(30)
+    chaos.stop()
+    assert [kind for kind, _ in made].count("kill-during-save") == 4
+    assert chaos.injected == 6 and chaos.error is None
