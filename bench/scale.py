@@ -64,6 +64,8 @@ CLIENT_PROCESSES = 4
 #: agents one was not answered within 30 s (2026-11-26); the time it takes
 #: is a figure of its own.
 STATUS_TIMEOUT_S = 180.0
+#: The job's heartbeat timeout (seconds).
+HEARTBEAT_TIMEOUT_S = 5.0
 #: A simulated agent's heartbeats handed over further apart than this
 #: (seconds; they are due every second) are recorded as a gap of its own
 #: sending, when its client process was behind.
@@ -504,7 +506,7 @@ max_hosts = {n}
 
 [health]
 heartbeat_interval_s = 1.0
-heartbeat_timeout_s = 5.0
+heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}
 stop_timeout_s = 30.0
 # the silent agent stands for a lost host: its simulated peers keep
 # stepping, which would otherwise carry it as a frozen agent
@@ -599,7 +601,8 @@ startup_timeout_s = 600.0
         for e in falsely_lost:
             k = str(int(e["host"].removeprefix("sim-")) // per)
             by_client[k] = by_client.get(k, 0) + 1
-        unsent, unread = split_losses(falsely_lost, received.get("send_gaps", {}), 5.0)
+        unsent, unread = split_losses(falsely_lost, received.get("send_gaps", {}),
+                                      HEARTBEAT_TIMEOUT_S)
         return {
             "agents": n,
             "tls": not insecure,
