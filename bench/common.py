@@ -133,7 +133,35 @@ def add_keep_flag(parser: argparse.ArgumentParser) -> None:
                              "checkpoints, instead of removing it")
 
 
+def stolen_cpu_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this machine since boot,
+    all cores together (the steal column of /proc/stat: time the guest
+    wanted to run and did not); None where it does not say."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+#: (monotonic seconds, stolen CPU seconds) when the benchmark started
+_STARTED = (time.monotonic(), stolen_cpu_s())
+
+
 def write_result(path: str, result: dict) -> None:
+    """Write `result` as JSON to `path`, with the CPU time the hypervisor
+    took from this machine since the benchmark started (`cpu_stolen_s`,
+    and its share of the cores' time): on these shared machines a run that
+    lost a few percent of its CPU reads slower for it (2026-12-07: 3.2 %
+    in one snapshot benchmark, +35 % on two of its rounds)."""
+    stolen = stolen_cpu_s()
+    if stolen is not None and _STARTED[1] is not None:
+        wall_s = time.monotonic() - _STARTED[0]
+        share = (stolen - _STARTED[1]) / (wall_s * (os.cpu_count() or 1))
+        result = {**result, "cpu_stolen_s": round(stolen - _STARTED[1], 1),
+                  "cpu_stolen_share": round(share, 4)}
+        print(f"\nthe hypervisor took {stolen - _STARTED[1]:.1f} s of CPU time in this run's "
+              f"{wall_s:.0f} s (steal: {100 * share:.1f} % of the {os.cpu_count()} cores)")
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
