@@ -205,6 +205,7 @@ class Chaos(threading.Thread):
     next save in a thread of its own, and the faults due meanwhile come at
     their times (it then kills the worker its host runs by then); before,
     they all came at once when it was done, and one restart took them all.
+    Two kill-during-saves due within one save interval take one save each.
     `injected` counts the faults made; `error` is the exception that ended
     the injector early, or None (logged too: an injector that died
     silently would leave the rest of a benchmark's run without faults).
@@ -233,6 +234,8 @@ class Chaos(threading.Thread):
         self.injected = 0
         self._halt = threading.Event()
         self._lock = threading.Lock()  # inject() may be called from another thread
+        # one kill-during-save waits at a time: each takes a save of its own
+        self._save_kill = threading.Lock()
         self._pending: list[tuple[float, Callable[[], None]]] = []
 
     def _status(self):
@@ -392,19 +395,21 @@ class Chaos(threading.Thread):
             self._stop_controller(status)
             return
         if kind == "kill-during-save":
-            since = time.time()
-            saved = self._wait_for_save(since, timeout_s=120)
-            if self._halt.is_set():
-                return  # (stopped while it waited: nothing is killed)
-            try:
-                status = self._status()
-            except grpc.RpcError:
-                pass  # (the status of before the wait: the worker's pid is the same)
-            host = next((x for x in status.hosts if x.host_id == h), host)
-            worker = host.worker_pid
-            note = f"save of step {saved['step']} in flight" if saved else "no save came; killed"
-            self._record(kind, host, status, [worker], note)
-            signal_group(worker, signal.SIGKILL)
+            with self._save_kill:  # (two due within one save interval: one save each)
+                since = time.time()
+                saved = self._wait_for_save(since, timeout_s=120)
+                if self._halt.is_set():
+                    return  # (stopped while it waited: nothing is killed)
+                try:
+                    status = self._status()
+                except grpc.RpcError:
+                    pass  # (the status of before the wait: the worker's pid is the same)
+                host = next((x for x in status.hosts if x.host_id == h), host)
+                worker = host.worker_pid
+                note = (f"save of step {saved['step']} in flight" if saved
+                        else "no save came; killed")
+                self._record(kind, host, status, [worker], note)
+                signal_group(worker, signal.SIGKILL)
             return
         # (each fault is journaled before it is made: what it sets off, a
         # preemption_notice say, comes after it in the journal)

@@ -327,3 +327,47 @@ def test_a_kill_during_save_waits_for_its_save_off_the_timeline(tmp_path):
     chaos.stop()
     assert [kind for kind, _ in made].count("kill-during-save") == 4
     assert chaos.injected == 6 and chaos.error is None
+
+
+def test_two_kills_during_saves_take_a_save_each(tmp_path):
+    """Two kill-during-saves waiting at once (two due within one save
+    interval) kill in two saves, not both in the first: one restart would
+    take both faults."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from elastic.chaos import Chaos
+    from elastic.controller.journal import JournalTail, JournalWriter, read_journal
+
+    host = SimpleNamespace(host_id="host-1", state="member", step=99, worker_pid=0, agent_pid=0)
+    status = SimpleNamespace(generation=1, hosts=[host])  # (pid 0: kills nobody)
+    chaos = Chaos(None, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 5.0)
+    chaos._status = lambda: status
+    for _ in range(2):
+        chaos._in_background("kill-during-save",
+                             lambda: chaos.inject("kill-during-save", host, status))
+    saves, tail = JournalWriter(tmp_path), JournalTail(tmp_path)
+
+    def next_fault() -> dict:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for e in tail.new():
+                if e["kind"] == "fault_injected":
+                    return e
+            threading.Event().wait(0.02)
+        raise TimeoutError("no fault_injected")
+
+    saves.write(time.time(), "checkpoint_saved", 1, "save", None, {"step": 100})
+    first = next_fault()
+    # (stamped ahead: the second waits for a save after the first kill)
+    saves.write(time.time() + 5.0, "checkpoint_saved", 1, "save", None, {"step": 200})
+    second = next_fault()
+    for thread in threading.enumerate():
+        if thread.name == "chaos-kill-during-save":
+            thread.join(30)
+    chaos.stop()
+    saves.close()
+    notes = [e["reason"].rpartition("; ")[2] for e in (first, second)]
+    assert notes == ["save of step 100 in flight", "save of step 200 in flight"]
+    assert sum(e["kind"] == "fault_injected" for e in read_journal(tmp_path)) == 2
