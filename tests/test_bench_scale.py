@@ -8,10 +8,11 @@ runs read thousands of "false" host losses."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import importlib
 import pathlib
 import socket
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,14 +24,14 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.fixture(scope="module")
 def scale():
-    sys.path.insert(0, str(BENCH))  # (it imports bench/common.py)
+    """bench/scale.py and its simulated agents (bench/scale_agents.py), as
+    one namespace."""
+    sys.path.insert(0, str(BENCH))  # (they import bench/common.py and each other)
     try:
-        spec = importlib.util.spec_from_file_location("bench_scale", BENCH / "scale.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        driver, agents = (importlib.import_module(name) for name in ("scale", "scale_agents"))
     finally:
         sys.path.remove(str(BENCH))
-    return module
+    return SimpleNamespace(ArrivalStamps=agents.ArrivalStamps, split_losses=driver.split_losses)
 
 
 def test_a_simulated_agent_that_gives_its_datagrams_up_goes_on_heartbeating(scale):
