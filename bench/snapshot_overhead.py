@@ -79,21 +79,21 @@ def main() -> int:
                          every, True))
     if not 1 <= args.first < args.steps - 1:
         parser.error("--from must lie within the run, two steps before its end")
-    times: dict[str, list[float]] = {label: [] for label, _, _ in settings}  # (the means)
+    means: dict[str, list[float]] = {label: [] for label, _, _ in settings}
     medians: dict[str, list[float]] = {label: [] for label, _, _ in settings}
     blocking: dict[str, list[float]] = {label: [] for label, _, _ in settings}
     for r in range(args.rounds):
         for label, every, replicas in settings:
             mean, median, snaps = run(every, args.hosts, args.steps, args.first, replicas,
                                       args.mesh, args.keep)
-            times[label].append(mean)
+            means[label].append(mean)
             medians[label].append(median)
             blocking[label] += snaps
             print(f"round {r + 1}: snapshot {label}: mean step {mean:.4f} s, median "
                   f"{median:.4f} s (steps {args.first}-{args.steps - 1})"
                   + (f", a snapshot blocks {1000 * statistics.median(snaps):.1f} ms"
                      if snaps else ""), flush=True)
-    base = statistics.median(times["none"])
+    base = statistics.median(means["none"])
     base_median = statistics.median(medians["none"])
     print(f"\n{args.hosts} hosts x 2 CPU devices, mesh {args.mesh}, {args.rounds} rounds, "
           f"{machine()}")
@@ -101,12 +101,12 @@ def main() -> int:
           f"(medians of the rounds)")
     rows = {}
     for label, every, replicas in settings[1:]:
-        mean, med = statistics.median(times[label]), statistics.median(medians[label])
+        mean, med = statistics.median(means[label]), statistics.median(medians[label])
         block = statistics.median(blocking[label]) if blocking[label] else None
         rows[label] = {"every": every, "replicas": replicas, "mean_step_s": mean,
                        "ratio": mean / base, "median_step_s": med,
                        "median_ratio": med / base_median, "snapshot_blocking_s": block,
-                       "rounds_mean_step_s": times[label]}
+                       "rounds_mean_step_s": means[label]}
         print(f"a snapshot {label:>22}: mean step {mean:.4f} s -> x{mean / base:.3f} "
               f"({100 * (mean / base - 1):+.1f} %; median step {100 * (med / base_median - 1):+.1f}"
               f" %); a snapshot blocks {1000 * (block or 0):.1f} ms "
@@ -115,7 +115,7 @@ def main() -> int:
                             "hosts": args.hosts, "rounds": args.rounds, "mesh": args.mesh,
                             "steps": [args.first, args.steps],
                             "mean_step_s_without": base, "median_step_s_without": base_median,
-                            "rounds_mean_step_s_without": times["none"], "settings": rows})
+                            "rounds_mean_step_s_without": means["none"], "settings": rows})
     return 0
 
 

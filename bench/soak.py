@@ -92,9 +92,7 @@ def main() -> int:
             finally:
                 chaos.stop()
                 stop_slice(local)
-            if chaos.error is not None:  # (the work directory is kept)
-                raise RuntimeError(f"the fault injector failed after {chaos.injected} faults "
-                                   f"({chaos.error!r}): the run is void")
+            chaos.check()  # (raised: the work directory is kept)
         goodput = account(read_journal(state))
     scheduled = faults_scheduled(chaos_spec, args.duration)
     print(format_report(goodput))

@@ -263,9 +263,7 @@ def run_elastic(args, spec: ChaosSpec, spec_path: pathlib.Path) -> dict:
         finally:
             chaos.stop()
             stop_slice(local)
-    if chaos.error is not None:
-        raise RuntimeError(f"the fault injector failed after {chaos.injected} faults "
-                           f"({chaos.error!r}): the run is void, {state}")
+    chaos.check()
     journal = list(read_journal(state))
     end = t0 + args.duration
     started = [e for e in journal if e["kind"] == "generation_started"]

@@ -250,6 +250,14 @@ class Chaos(threading.Thread):
                 if i == len(addresses) - 1:
                     raise
 
+    def check(self) -> None:
+        """Raise RuntimeError, naming `error` and the faults made before it,
+        when the injector failed (its run had fewer faults than scheduled:
+        a benchmark's figure from it is void); else nothing."""
+        if self.error is not None:
+            raise RuntimeError(f"the fault injector failed after {self.injected} faults "
+                               f"({self.error!r}): the run is void, {self.state_dir}")
+
     def stop(self) -> None:
         """Stop injecting; resume stopped agents and bring back hosts due back."""
         self._halt.set()

@@ -270,6 +270,8 @@ def test_an_injector_that_fails_keeps_its_error(tmp_path):
     chaos.stop()
     assert not chaos.is_alive()
     assert isinstance(chaos.error, RuntimeError) and chaos.injected == 0
+    with pytest.raises(RuntimeError, match="failed after 0 faults .*the status call failed"):
+        chaos.check()
 
 
 def test_faults_scheduled_counts_those_due_within_the_duration():
@@ -333,30 +335,27 @@ def test_two_kills_during_saves_take_a_save_each(tmp_path):
     """Two kill-during-saves waiting at once (two due within one save
     interval) kill in two saves, not both in the first: one restart would
     take both faults."""
+    import queue
     import threading
     import time
     from types import SimpleNamespace
 
     from elastic.chaos import Chaos
-    from elastic.controller.journal import JournalTail, JournalWriter, read_journal
+    from elastic.controller.journal import JournalWriter, read_journal
 
     host = SimpleNamespace(host_id="host-1", state="member", step=99, worker_pid=0, agent_pid=0)
     status = SimpleNamespace(generation=1, hosts=[host])  # (pid 0: kills nobody)
     chaos = Chaos(None, "127.0.0.1:1", None, tmp_path, lambda h: None, lambda h: 0, 5.0)
     chaos._status = lambda: status
+    faults: queue.Queue = queue.Queue()  # what the injector journals, as it journals it
+    chaos.journal.listeners.append(faults.put)
     for _ in range(2):
         chaos._in_background("kill-during-save",
                              lambda: chaos.inject("kill-during-save", host, status))
-    saves, tail = JournalWriter(tmp_path), JournalTail(tmp_path)
+    saves = JournalWriter(tmp_path)
 
     def next_fault() -> dict:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for e in tail.new():
-                if e["kind"] == "fault_injected":
-                    return e
-            threading.Event().wait(0.02)
-        raise TimeoutError("no fault_injected")
+        return faults.get(timeout=30)  # (raises queue.Empty if none comes)
 
     saves.write(time.time(), "checkpoint_saved", 1, "save", None, {"step": 100})
     first = next_fault()
