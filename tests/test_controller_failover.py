@@ -429,15 +429,22 @@ def test_a_restarted_controller_counts_on_the_crash_loop(tmp_path, local_job):
 
 def test_a_worker_crash_while_no_controller_runs_counts_as_a_failure(tmp_path, local_job):
     """The controller is killed at the first step; host-1's worker crashes
-    (5 steps of 0.1 s in) before the next one starts (2 s later). The
-    successor finds it exited: a failure of host-1, not a mere restart of a
-    slice it could not adopt, so with restart.max_restarts = 1 the crash of
-    generation 2 exhausts the budget (2 failures), where uncounted it would
-    take a third generation."""
+    once the kill is journaled (the test's cue: a file), before the next
+    controller starts (2 s later). The successor finds it exited: a failure
+    of host-1, not a mere restart of a slice it could not adopt, so with
+    restart.max_restarts = 1 the crash of generation 2 exhausts the budget
+    (2 failures), where uncounted it would take a third generation. (The
+    crash once came 5 steps in, which raced the kill: on a slow CI machine
+    the controller was killed more than 0.5 s after the first step and saw
+    the crash itself.)"""
+    cue = tmp_path / "crash-now"
     spec = tiny_spec(tmp_path, "--steps 2000 --step-time-s 0.1 --crash-on-host host-1 "
-                     "--crash-after-steps 5", min_hosts=2, max_hosts=2,
+                     f"--crash-when-file {cue}", min_hosts=2, max_hosts=2,
                      extra="[restart]\nmax_restarts = 1")
     job = local_job(spec, hosts=2, faults=("kill-controller:all@after=first_progress",))
+    wait_until(lambda: any(e["kind"] == "fault_injected" for e in job.journal()), 60,
+               "the controller's kill in the journal")
+    cue.touch()
     assert job.wait(90) == 1, job.output()
     journal = job.journal()
     stops = [e for e in journal if e["kind"] == "slice_stopping"]

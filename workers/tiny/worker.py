@@ -52,6 +52,9 @@ def main() -> int:
     parser.add_argument("--crash-on-host", default="",
                         help="on this host only, exit 3 after --crash-after-steps steps")
     parser.add_argument("--crash-after-steps", type=int, default=5)
+    parser.add_argument("--crash-when-file", default="",
+                        help="with --crash-on-host: exit 3 at the first step once this file "
+                             "exists (a test's cue), instead of after --crash-after-steps")
     parser.add_argument("--raise-on-host", default="",
                         help="on this host, in generation 1 only, raise an exception (a "
                              "traceback on stderr) after --crash-after-steps steps")
@@ -91,12 +94,15 @@ def main() -> int:
         tmp.replace(ckpt)
         progress.committed(step)
 
-    crash_at = start + args.crash_after_steps if env.host_id == args.crash_on_host else None
+    crash_at = start + args.crash_after_steps if env.host_id == args.crash_on_host and \
+        not args.crash_when_file else None
+    cue = pathlib.Path(args.crash_when_file) if env.host_id == args.crash_on_host and \
+        args.crash_when_file else None
     for step in range(start, args.steps):
         if env.host_id == args.raise_on_host and env.generation == 1 and \
                 step == start + args.crash_after_steps:
             raise RuntimeError(f"tiny worker: raised on purpose at step {step}")
-        if step == crash_at:
+        if step == crash_at or (cue is not None and cue.exists()):
             print(f"tiny worker: crashing on purpose on {env.host_id}", file=sys.stderr, flush=True)
             return 3
         time.sleep(args.step_time_s)
