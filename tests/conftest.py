@@ -323,6 +323,23 @@ class LocalJob:
     def host(self, host_id: str) -> dict:
         return next(h for h in self.status()["hosts"] if h["hostId"] == host_id)
 
+    def running_host(self, host_id: str, timeout_s: float = 30.0) -> dict:
+        """`host(host_id)` once its agent has reported its worker's pid (the
+        tiny workers step each on their own: `first_progress` may come
+        before another host's agent has; a pid of 0 would have the test
+        signal its own process group, or find "no such process" at once)."""
+        return wait_until(lambda: (h := self.host(host_id)).get("workerPid") and h, timeout_s,
+                          f"{host_id}'s worker pid")
+
+    def worker_pids(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Every member's worker pid (host id -> pid), once each is known
+        (see `running_host`)."""
+        def known():
+            hosts = [h for h in self.status()["hosts"] if h["state"] == "member"]
+            return hosts and all(h.get("workerPid") for h in hosts) and \
+                {h["hostId"]: h["workerPid"] for h in hosts}
+        return wait_until(known, timeout_s, "every member's worker pid")
+
     def wait(self, timeout_s: float = 60.0) -> int:
         try:
             return self.proc.wait(timeout_s)

@@ -35,7 +35,7 @@ def test_restarted_agent_kills_leftovers_of_previous_incarnation(tmp_path, proc_
 def test_worker_dies_with_its_agent(tmp_path, local_job):
     job: LocalJob = local_job(tiny_spec(tmp_path, max_hosts=2), hosts=2)
     job.wait_for("first_progress", generation=1)
-    host = job.host("host-1")
+    host = job.running_host("host-1")
     # a process group of its own (the agent signals it whole), in the agent's
     # session: a session each puts lockstep workers in separate autogroups
     assert os.getpgid(host["workerPid"]) == host["workerPid"]

@@ -14,20 +14,26 @@ import sys
 
 import pytest
 
+from elastic.chaos import CONTROLLER_RESTART_S
 from tests.conftest import tiny_spec, wait_until
 
 
 def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
-    # (no periodic save near the adoption, ~step 100: a preemption that finds
-    # the step the slice stands at committed stops it at once, before the
-    # second kill can land in the drain this test is about)
-    spec = tiny_spec(tmp_path, "--steps 240 --step-time-s 0.04 --checkpoint-every 200 "
-                     "--save-time-s 1.5",
+    # (no periodic save: a preemption that finds the step the slice stands at
+    # committed stops it at once, before the second kill can land in the
+    # drain this test is about; and the job runs until generation 2 steps
+    # (a cue file): with a fixed 240 steps, a slow machine's restarts and
+    # adoptions could outlast the run, or bring the adoption to a save)
+    finish = tmp_path / "finish"
+    spec = tiny_spec(tmp_path, "--steps 100000 --step-time-s 0.04 --checkpoint-every 100000 "
+                     f"--save-time-s 1.5 --finish-when-file {finish}",
                      min_hosts=2, max_hosts=3)
     job = local_job(spec, hosts=3, faults=(
         "kill-controller:all@step=20",
         "preempt:host-0@after=slice_adopted",
         "kill-controller:all@after=preemption_notice"))
+    job.wait_for("first_progress", generation=2, timeout_s=120)
+    finish.touch()
     assert job.wait(120) == 0, job.output()
     journal = job.journal()
     kinds = [e["kind"] for e in journal]
@@ -68,7 +74,6 @@ def test_a_restarted_controller_adopts_the_running_slice(tmp_path, local_job):
     stopped = [e for e in journal if e["kind"] == "slice_stopped"]
     assert stopped[0]["generation"] == 1 and stopped[0]["ts"] <= started[1]["ts"]
     assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
-    assert journal[-2]["step"] == 239
     # every exit of a controller but the kills journaled controller_stopped
     assert kinds.count("controller_stopped") == 1
 
@@ -89,7 +94,11 @@ def test_a_standby_takes_over_at_once_and_a_deposed_term_is_not_obeyed(tmp_path,
     kill = journal[kinds.index("fault_injected")]
     adopted = journal[kinds.index("slice_adopted")]
     assert "standby takes over" in kill["reason"]
-    assert adopted["ts"] - kill["ts"] < 3.0, (kill, adopted)  # no restart delay to wait out
+    # no restart delay to wait out: the standby led before the killed one
+    # could even be started again (an order, not a bound on the adoption,
+    # which takes the agents' reconnects: 1.0 s median, 1.7 s p95 when idle)
+    assert starts[1]["ts"] - kill["ts"] < CONTROLLER_RESTART_S, (kill, starts[1])
+    assert starts[1]["ts"] < adopted["ts"], (starts[1], adopted)
     assert kinds.count("generation_started") == 1 and "slice_stopping" not in kinds
     assert kinds[-2:] == ["job_succeeded", "controller_stopped"]
     log = (tmp_path / "state" / "controller.log").read_text()

@@ -89,7 +89,7 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path, local_job):
     job = local_job(tiny_spec(tmp_path, "--steps 100000 --step-time-s 0.02 --ignore-sigterm "
                                         "--spawn-child", max_hosts=2), hosts=2)
     job.wait_for("first_progress", generation=1)
-    workers = [h["workerPid"] for h in job.status()["hosts"]]
+    workers = job.worker_pids().values()
     t0 = time.monotonic()
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait(30) == 128 + signal.SIGTERM

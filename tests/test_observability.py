@@ -57,10 +57,15 @@ def elasticd(*args: str, env: dict) -> str:
 
 def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_job,
                                                                   proc_env):
-    """A worker raises on host-1 at step 40 (a real traceback on stderr)."""
+    """A worker raises on host-1 at step 40 (a real traceback on stderr).
+    Generation 2 trains until the test has looked at it (a cue file): with
+    a fixed 250 steps it had ~6.5 s, which a loaded machine can spend on
+    the status subprocess and the scrapes alone."""
     port = free_port()
-    spec = tiny_spec(tmp_path, "--steps 250 --step-time-s 0.03 --checkpoint-every 20 "
-                     "--raise-on-host host-1 --crash-after-steps 40", min_hosts=2, max_hosts=2)
+    finish = tmp_path / "finish"
+    spec = tiny_spec(tmp_path, "--steps 100000 --step-time-s 0.03 --checkpoint-every 20 "
+                     f"--raise-on-host host-1 --crash-after-steps 40 --finish-when-file {finish}",
+                     min_hosts=2, max_hosts=2)
     job = local_job(spec, hosts=2, extra_args=("--metrics-port", str(port)))
     job.wait_for("first_progress", generation=2, timeout_s=60)
     operator = TLSFiles.in_dir(job.state_dir / LOCAL_OPERATOR_BUNDLE)
@@ -150,6 +155,7 @@ def test_metrics_health_reflection_and_last_words_of_a_live_job(tmp_path, local_
     assert a[("elastic_agent_heartbeats_total", ())] > 0
     assert a[("elastic_agent_replica_failures_total", ())] == 0.0  # (this worker keeps none)
     assert a[("elastic_agent_replicas_sent_total", ())] == 0.0
+    finish.touch()
     assert job.wait(60) == 0, job.output()
     # ... and in the report (the final summary of elasticd local is the same)
     report = elasticd("report", "--state-dir", str(job.state_dir), env=proc_env)

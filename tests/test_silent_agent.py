@@ -53,7 +53,9 @@ def test_a_silent_agent_is_carried_and_a_frozen_host_is_lost(tmp_path, local_job
         signal_process(pid, signal.SIGSTOP)
     try:
         lost = job.wait_for("host_lost", host="host-2")
-        assert HEARTBEAT_TIMEOUT_S <= lost["silent_s"] < HEARTBEAT_TIMEOUT_S + 1.0, lost
+        # (judged against the controller's lag too: elastic.controller.lag)
+        assert HEARTBEAT_TIMEOUT_S <= lost["silent_s"] < \
+            HEARTBEAT_TIMEOUT_S + lost["controller_lag_s"] + 1.0, lost
         started = job.wait_for("generation_started", generation=2, timeout_s=60)
         assert sorted(started["hosts"]) == ["host-0", "host-1"]
         job.wait_for("first_progress", generation=2, timeout_s=120)

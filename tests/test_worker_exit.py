@@ -59,12 +59,13 @@ def test_a_raising_worker_is_a_crash_at_once_and_an_early_exit_within_the_wait(t
                  for g, e in exits.items()}
     # generation 1 raised right after every process started saving step 10:
     # its traceback, the save committed with its peer's before it exited (the
-    # next generation restores it), and the stop within a second
+    # next generation restores it), and the stop well before its 5 s wait for peers
     assert "ValueError: failing on purpose" in exits[1]["stderr_tail"]
     assert "letting the save of checkpoint step 10 in flight end" in exits[1]["stderr_tail"]
     restored = next(e for e in events if e["kind"] == "checkpoint_restored")
     assert restored["generation"] == 2 and restored["step"] == 10, restored
-    assert stops[0]["ts"] - failed_at[1] < 1.0, (stops[0]["ts"], failed_at[1])
+    # (not the 5 s wait for peers below: a bound between the two, for a loaded machine)
+    assert stops[0]["ts"] - failed_at[1] < 4.5, (stops[0]["ts"], failed_at[1])
     # generation 2 left by sys.exit(3) before finish(): it waited its 5 s for
     # peers that did not leave with it, then exited with code 1, saying so
     assert "leaving without finish()" in exits[2]["stderr_tail"]

@@ -55,6 +55,10 @@ def main() -> int:
     parser.add_argument("--crash-when-file", default="",
                         help="with --crash-on-host: exit 3 at the first step once this file "
                              "exists (a test's cue), instead of after --crash-after-steps")
+    parser.add_argument("--finish-when-file", default="",
+                        help="end as after the last step (exit 0) at the first step once this "
+                             "file exists (a test's cue: with a large --steps, a job that "
+                             "runs until the test is done with it)")
     parser.add_argument("--raise-on-host", default="",
                         help="on this host, in generation 1 only, raise an exception (a "
                              "traceback on stderr) after --crash-after-steps steps")
@@ -98,7 +102,12 @@ def main() -> int:
         not args.crash_when_file else None
     cue = pathlib.Path(args.crash_when_file) if env.host_id == args.crash_on_host and \
         args.crash_when_file else None
+    finish = pathlib.Path(args.finish_when_file) if args.finish_when_file else None
+    last = args.steps - 1
     for step in range(start, args.steps):
+        if finish is not None and finish.exists():
+            last = step - 1
+            break
         if env.host_id == args.raise_on_host and env.generation == 1 and \
                 step == start + args.crash_after_steps:
             raise RuntimeError(f"tiny worker: raised on purpose at step {step}")
@@ -115,7 +124,7 @@ def main() -> int:
                 time.sleep(1)
         if env.process_id == 0 and (step + 1) % args.checkpoint_every == 0:
             save(step, emergency=False)
-    print(f"tiny worker: done at step {args.steps - 1}", flush=True)
+    print(f"tiny worker: done at step {last}", flush=True)
     progress.close()  # (the last step again, should the agent have been too slow for it)
     return 0
 
