@@ -451,8 +451,7 @@ def test_a_worker_crash_while_no_controller_runs_counts_as_a_failure(tmp_path, l
                      f"--crash-when-file {cue}", min_hosts=2, max_hosts=2,
                      extra="[restart]\nmax_restarts = 1")
     job = local_job(spec, hosts=2, faults=("kill-controller:all@after=first_progress",))
-    wait_until(lambda: any(e["kind"] == "fault_injected" for e in job.journal()), 60,
-               "the controller's kill in the journal")
+    job.wait_for("fault_injected", timeout_s=60)  # (the controller's kill)
     cue.touch()
     assert job.wait(90) == 1, job.output()
     journal = job.journal()

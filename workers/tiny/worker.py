@@ -98,10 +98,9 @@ def main() -> int:
         tmp.replace(ckpt)
         progress.committed(step)
 
-    crash_at = start + args.crash_after_steps if env.host_id == args.crash_on_host and \
-        not args.crash_when_file else None
-    cue = pathlib.Path(args.crash_when_file) if env.host_id == args.crash_on_host and \
-        args.crash_when_file else None
+    crashes_here = env.host_id == args.crash_on_host
+    cue = pathlib.Path(args.crash_when_file) if crashes_here and args.crash_when_file else None
+    crash_at = start + args.crash_after_steps if crashes_here and cue is None else None
     finish = pathlib.Path(args.finish_when_file) if args.finish_when_file else None
     last = args.steps - 1
     for step in range(start, args.steps):
